@@ -1,0 +1,152 @@
+// `shardit inspect <path>`: the config and tensor table of a .safetensors file, a component folder
+// or a diffusers pipeline folder.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "shardit/core/error.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+
+namespace shardit::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct InspectOptions {
+  std::string path;
+  bool plan = false;
+  int tp = 1;
+};
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+std::string human_bytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(units)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  return unit == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", value, units[unit]);
+}
+
+/// name | dtype | shape | bytes, then the totals.
+void print_tensor_table(const io::Checkpoint& checkpoint) {
+  const auto names = checkpoint.names();
+  size_t name_width = 4;
+  size_t shape_width = 5;
+  for (const auto& name : names) {
+    name_width = std::max(name_width, name.size());
+    shape_width = std::max(shape_width, shape_string(checkpoint.info(name).shape).size());
+  }
+  fmt::print("{:<{}}  {:<7}  {:<{}}  {:>12}\n", "name", name_width, "dtype", "shape", shape_width, "bytes");
+  uint64_t total_bytes = 0;
+  int64_t total_elements = 0;
+  for (const auto& name : names) {
+    const io::TensorInfo& info = checkpoint.info(name);
+    fmt::print("{:<{}}  {:<7}  {:<{}}  {:>12}\n", name, name_width, io::st_dtype_name(info.dtype),
+               shape_string(info.shape), shape_width, info.nbytes());
+    total_bytes += info.nbytes();
+    total_elements += info.numel();
+  }
+  fmt::print("total: {} tensors, {} elements, {} bytes ({}) in {} file(s)\n", names.size(),
+             total_elements, total_bytes, human_bytes(total_bytes), checkpoint.files().size());
+}
+
+/// The resolved tensor-parallel plan. The model registry (models layer) is not wired into the CLI
+/// yet; once it is, this looks the component's class up and prints the plan resolved for `tp`.
+void print_plan(const std::optional<io::ComponentFolder>& component, int tp) {
+  fmt::print("plan: not available for this model\n");
+}
+
+void print_component(const io::ComponentFolder& component, const InspectOptions& options,
+                     bool tolerate_missing_weights) {
+  const std::string class_name = component.class_name();
+  fmt::print("== component '{}'{} at {}\n", component.name,
+             class_name.empty() ? "" : " (" + class_name + ")", component.dir);
+  fmt::print("config:\n{}\n", component.config.dump(2));
+  if (tolerate_missing_weights) {
+    try {
+      const io::Checkpoint weights = component.weights();
+      print_tensor_table(weights);
+    } catch (const std::exception& e) {
+      fmt::print("weights: none ({})\n", error_message(e));
+    }
+  } else {
+    print_tensor_table(component.weights());
+  }
+  if (options.plan) print_plan(component, options.tp);
+}
+
+int run_inspect(const InspectOptions& options) {
+  TORCH_CHECK(!options.path.empty(),
+              "inspect: give a path (a .safetensors file, a component folder or a pipeline folder); "
+              "inspecting a built-in model without a path is not available in this build");
+  TORCH_CHECK(fs::exists(options.path), options.path, ": no such file or directory");
+
+  if (!fs::is_directory(options.path)) {
+    const io::Checkpoint checkpoint = io::Checkpoint::open(options.path);
+    fmt::print("== {}\n", options.path);
+    for (const auto& file : checkpoint.files()) {
+      if (file->metadata().empty()) continue;
+      fmt::print("metadata of {}:\n", file->path());
+      for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", key, value);
+    }
+    print_tensor_table(checkpoint);
+    if (options.plan) print_plan(std::nullopt, options.tp);
+    return 0;
+  }
+
+  const io::ModelFolder folder = io::ModelFolder::open(options.path);
+  if (!folder.is_pipeline()) {
+    print_component(folder.component(""), options, /*tolerate_missing_weights=*/false);
+    return 0;
+  }
+  fmt::print("== pipeline at {}\nmodel_index.json:\n{}\n", folder.root(), folder.model_index().dump(2));
+  int status = 0;
+  for (const auto& name : folder.components()) {
+    // Schedulers and tokenizers have no weights; a missing component folder is reported and
+    // makes the command fail, after the other components were shown.
+    try {
+      print_component(folder.component(name), options, /*tolerate_missing_weights=*/true);
+    } catch (const std::exception& e) {
+      fmt::print("== component '{}': {}\n", name, error_message(e));
+      status = 1;
+    }
+  }
+  return status;
+}
+
+}  // namespace
+
+void register_inspect(CLI::App& app, CommandBody& body) {
+  auto options = std::make_shared<InspectOptions>();
+  CLI::App* command = app.add_subcommand(
+      "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
+  command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder");
+  command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
+  command->add_option("--tp", options->tp, "tensor-parallel degree for --plan")->check(CLI::PositiveNumber);
+  command->callback([&body, options] {
+    body = [options] {
+      const int status = run_inspect(*options);
+      std::fflush(stdout);
+      return status;
+    };
+  });
+}
+
+}  // namespace shardit::apps

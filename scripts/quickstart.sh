@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job on a built-in default: installs, builds, and runs shardit on its built-in tiny
+# model (inspect, then one tensor-parallel forward at TP=2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/build.sh
+BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
+"$BUILD_DIR/apps/shardit" inspect

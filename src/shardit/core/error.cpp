@@ -1,0 +1,12 @@
+#include "shardit/core/error.h"
+
+namespace shardit {
+
+std::string error_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10_error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+}  // namespace shardit

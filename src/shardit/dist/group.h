@@ -1,0 +1,72 @@
+#pragma once
+// Process groups and the collectives the layers above use, on c10d (Gloo for CPU tensors, NCCL
+// for CUDA tensors when LibTorch has it). A group of size 1 needs no backend: every collective is
+// the identity, so single-process code runs the same path.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardit::dist {
+
+/// What a group has sent, for benchmarks and for tests that count all-reduces.
+struct CommStats {
+  uint64_t collectives = 0;   ///< number of collective calls
+  uint64_t bytes_sent = 0;    ///< bytes this rank sent, by the ring algorithms' count
+  std::map<std::string, uint64_t> calls_by_op;  ///< "all_reduce" -> count
+  void reset() { *this = CommStats{}; }
+};
+
+/// A pending collective. wait() rethrows the collective's error (naming the group and the op).
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::function<void()> wait_fn) : wait_fn_(std::move(wait_fn)) {}
+  void wait();
+
+ private:
+  std::function<void()> wait_fn_;
+};
+
+/// A set of ranks that run collectives together. Every member must call the same collectives in
+/// the same order. Errors (a peer that died, a timeout) throw c10::Error naming the group, the op
+/// and the cause.
+class Group {
+ public:
+  virtual ~Group() = default;
+  /// This process's index in the group.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Global ranks of the members, in group order.
+  virtual const std::vector<int>& global_ranks() const = 0;
+  virtual const std::string& name() const = 0;
+
+  /// Sum over the group, in place. f32, bf16, f16 (and f64, integers).
+  virtual void all_reduce(at::Tensor& tensor) = 0;
+  virtual Work all_reduce_async(at::Tensor& tensor) = 0;
+  /// Concatenation of every member's `tensor` along `dim`, in group order.
+  virtual at::Tensor all_gather(const at::Tensor& tensor, int64_t dim) = 0;
+  /// Sum over the group, then this member's 1/size chunk along `dim` (which size must divide).
+  virtual at::Tensor reduce_scatter(const at::Tensor& tensor, int64_t dim) = 0;
+  /// Splits `tensor` into size chunks along `scatter_dim`, sends chunk j to member j, and
+  /// concatenates the received chunks along `gather_dim` (Ulysses attention's exchange).
+  virtual at::Tensor all_to_all(const at::Tensor& tensor, int64_t scatter_dim,
+                                int64_t gather_dim) = 0;
+  /// Copies member `root`'s tensor into everyone's, in place.
+  virtual void broadcast(at::Tensor& tensor, int root) = 0;
+  virtual void barrier() = 0;
+
+  CommStats& stats() { return stats_; }
+
+  /// A group holding only this process (size 1): every collective is the identity.
+  static std::shared_ptr<Group> single();
+
+ protected:
+  CommStats stats_;
+};
+
+}  // namespace shardit::dist

@@ -1,0 +1,25 @@
+#pragma once
+// The built-in local launcher (like `torchrun --standalone --nproc-per-node N`).
+#include <string>
+#include <vector>
+
+namespace shardit::dist {
+
+struct LocalLaunchOptions {
+  int nproc = 1;
+  /// Prefix every output line of rank r with "[r] ".
+  bool prefix_output = true;
+  /// Seconds to wait for the other ranks to exit after one failed, before SIGKILL.
+  int grace_seconds = 5;
+};
+
+/// Runs `argv` (argv[0] is the program; a path, or the current executable when empty) as `nproc`
+/// ranks on this host with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR=127.0.0.1 and a
+/// free MASTER_PORT set. Forwards SIGINT/SIGTERM to the ranks. When a rank fails, stops the others
+/// and reports which rank failed and how. Returns 0 when every rank exited 0, else non-zero.
+int launch_local(const std::vector<std::string>& argv, const LocalLaunchOptions& options);
+
+/// The path of the running executable (/proc/self/exe).
+std::string current_executable();
+
+}  // namespace shardit::dist

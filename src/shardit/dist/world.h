@@ -1,0 +1,56 @@
+#pragma once
+// The process-wide distributed runtime: rendezvous through c10d's TCPStore, the world group, the
+// rank's device and thread count, and sub-groups.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardit/dist/group.h"
+#include "shardit/dist/launch_env.h"
+
+namespace shardit::dist {
+
+struct InitOptions {
+  /// Rendezvous and collective timeout: a peer that vanished is reported after at most this long.
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  /// "auto" (cuda:LOCAL_RANK when CUDA is available, else cpu), "cpu" or "cuda".
+  std::string device = "auto";
+  /// Intra-op CPU threads for this rank; 0: hardware cores / local ranks (at least 1).
+  int threads = 0;
+};
+
+/// The world this process belongs to. A single process with no launcher variables is rank 0 of 1
+/// and needs no store.
+class World {
+ public:
+  /// Initialises once from LaunchEnv::from_environment(); later calls return the same world.
+  static World& init(const InitOptions& options = {});
+  /// The initialised world (init() with defaults if nobody called it).
+  static World& get();
+  static bool initialized();
+
+  const LaunchEnv& env() const { return env_; }
+  int rank() const { return env_.rank; }
+  int size() const { return env_.world_size; }
+  at::Device device() const { return device_; }
+  const InitOptions& options() const { return options_; }
+  /// All ranks.
+  std::shared_ptr<Group> group() const { return world_group_; }
+  /// A group over `ranks` (global ranks). Collective over the world: every rank calls it, in the
+  /// same order, with the same list; a rank outside `ranks` gets nullptr.
+  std::shared_ptr<Group> new_group(const std::vector<int>& ranks);
+
+ private:
+  World() = default;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+  LaunchEnv env_;
+  InitOptions options_;
+  at::Device device_{at::kCPU};
+  std::shared_ptr<Group> world_group_;
+};
+
+}  // namespace shardit::dist

@@ -1,0 +1,440 @@
+#include "shardit/io/safetensors.h"
+
+#include "shardit/core/compat.h"
+
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <torch/version.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "shardit/core/error.h"
+
+// safetensors is little endian; the raw copies below assume the host is too.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "shardit's safetensors I/O needs a little-endian host");
+
+namespace shardit::io {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+/// The mapped file and its descriptor: views share it, reads pread() from the descriptor.
+struct Mapping {
+  void* base = MAP_FAILED;
+  size_t size = 0;
+  int fd = -1;
+  ~Mapping() {
+    if (base != MAP_FAILED) munmap(base, size);
+    if (fd >= 0) close(fd);
+  }
+};
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+/// Reads exactly `size` bytes at `offset`, retrying short reads.
+void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::string& path,
+                 const std::string& name) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd, dst + done, size - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    TORCH_CHECK(got > 0, path, ": reading tensor '", name, "' failed at byte ", offset + done, ": ",
+                got < 0 ? std::strerror(errno) : "unexpected end of file (was it truncated?)");
+    done += static_cast<size_t>(got);
+  }
+}
+
+at::Tensor maybe_convert(at::Tensor tensor, std::optional<at::ScalarType> dtype) {
+  if (dtype && *dtype != tensor.scalar_type()) return tensor.to(*dtype);
+  return tensor;
+}
+
+}  // namespace
+
+at::ScalarType to_scalar_type(StDtype dtype) {
+  switch (dtype) {
+    case StDtype::F64: return at::kDouble;
+    case StDtype::F32: return at::kFloat;
+    case StDtype::F16: return at::kHalf;
+    case StDtype::BF16: return at::kBFloat16;
+    case StDtype::I64: return at::kLong;
+    case StDtype::I32: return at::kInt;
+    case StDtype::I16: return at::kShort;
+    case StDtype::I8: return at::kChar;
+    case StDtype::U8: return at::kByte;
+    case StDtype::BOOL: return at::kBool;
+#if SHARDIT_HAS_FLOAT8
+    case StDtype::F8_E4M3: return at::kFloat8_e4m3fn;
+    case StDtype::F8_E5M2: return at::kFloat8_e5m2;
+#else
+    case StDtype::F8_E4M3:
+    case StDtype::F8_E5M2:
+      TORCH_CHECK(false, "safetensors dtype ", st_dtype_name(dtype), " needs LibTorch >= 2.1 (this is ",
+                  TORCH_VERSION, "); convert the checkpoint to BF16/F16/F32 first");
+#endif
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled StDtype ", static_cast<int>(dtype));
+}
+
+StDtype from_scalar_type(at::ScalarType type) {
+  switch (type) {
+    case at::kDouble: return StDtype::F64;
+    case at::kFloat: return StDtype::F32;
+    case at::kHalf: return StDtype::F16;
+    case at::kBFloat16: return StDtype::BF16;
+    case at::kLong: return StDtype::I64;
+    case at::kInt: return StDtype::I32;
+    case at::kShort: return StDtype::I16;
+    case at::kChar: return StDtype::I8;
+    case at::kByte: return StDtype::U8;
+    case at::kBool: return StDtype::BOOL;
+#if SHARDIT_HAS_FLOAT8
+    case at::kFloat8_e4m3fn: return StDtype::F8_E4M3;
+    case at::kFloat8_e5m2: return StDtype::F8_E5M2;
+#endif
+    default:
+      TORCH_CHECK(false, "LibTorch dtype ", c10::toString(type),
+                  " has no safetensors equivalent (supported: float64/32/16, bfloat16, int64/32/16/8, "
+                  "uint8, bool, float8)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SafetensorsFile
+
+std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path,
+                                                       std::shared_ptr<ReadStats> stats) {
+  auto mapping = std::make_shared<Mapping>();
+  mapping->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(mapping->fd >= 0, path, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  TORCH_CHECK(fstat(mapping->fd, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  TORCH_CHECK(file_size >= 8, path, ": file is ", file_size,
+              " bytes, too short for a safetensors file (it starts with an 8-byte header length)");
+
+  uint64_t header_size = 0;
+  pread_exact(mapping->fd, reinterpret_cast<char*>(&header_size), 8, 0, path, "<header length>");
+  TORCH_CHECK(header_size <= file_size - 8, path, ": header length ", header_size,
+              " exceeds the file size ", file_size, " (truncated file, or not a safetensors file)");
+
+  std::string header(header_size, '\0');
+  pread_exact(mapping->fd, header.data(), header_size, 8, path, "<header>");
+  const uint64_t data_offset = 8 + header_size;
+
+  std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  file->stats_ = std::move(stats);
+  file->data_size_ = file_size - data_offset;
+  file->tensors_ = parse_header(path, header.data(), header.size(), file->data_size_, &file->metadata_);
+  for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
+
+  mapping->size = file_size;
+  mapping->base = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, mapping->fd, 0);
+  TORCH_CHECK(mapping->base != MAP_FAILED, path, ": mmap of ", file_size, " bytes failed: ",
+              std::strerror(errno));
+  file->data_ = static_cast<const char*>(mapping->base) + data_offset;
+  file->mapping_ = std::move(mapping);
+  return file;
+}
+
+SafetensorsFile::~SafetensorsFile() = default;
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& info : tensors_) out.push_back(info.name);
+  return out;
+}
+
+bool SafetensorsFile::contains(const std::string& name) const { return index_.count(name) != 0; }
+
+const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+  const auto it = index_.find(name);
+  TORCH_CHECK(it != index_.end(), path_, ": no tensor named '", name, "' (the file has ",
+              tensors_.size(), " tensors)");
+  return tensors_[it->second];
+}
+
+at::Tensor SafetensorsFile::view(const std::string& name) const {
+  const TensorInfo& tensor = info(name);
+  const at::ScalarType type = to_scalar_type(tensor.dtype);
+  std::shared_ptr<void> keep_alive = mapping_;
+  void* ptr = const_cast<char*>(data_ + tensor.begin);
+  return at::from_blob(ptr, tensor.shape, [keep_alive](void*) {}, at::TensorOptions().dtype(type));
+}
+
+at::Tensor SafetensorsFile::read(const std::string& name, std::optional<at::ScalarType> dtype) const {
+  const TensorInfo& tensor = info(name);
+  at::Tensor out = at::empty(tensor.shape, at::TensorOptions().dtype(to_scalar_type(tensor.dtype)));
+  const auto* mapping = static_cast<const Mapping*>(mapping_.get());
+  const uint64_t file_offset =
+      static_cast<uint64_t>(data_ - static_cast<const char*>(mapping->base)) + tensor.begin;
+  pread_exact(mapping->fd, static_cast<char*>(out.data_ptr()), tensor.nbytes(), file_offset, path_, name);
+  if (stats_) {
+    stats_->bytes_read += tensor.nbytes();
+    stats_->tensors_read += 1;
+  }
+  return maybe_convert(std::move(out), dtype);
+}
+
+at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
+                                        const std::vector<Range>& ranges,
+                                        std::optional<at::ScalarType> dtype) const {
+  const TensorInfo& tensor = info(name);
+  const int64_t ndim = static_cast<int64_t>(tensor.shape.size());
+  TORCH_CHECK(ndim > 0, path_, ": tensor '", name, "' is a scalar and cannot be sliced");
+  TORCH_CHECK(dim >= -ndim && dim < ndim, path_, ": tensor '", name, "' has ", ndim,
+              " dims; cannot slice along dim ", dim);
+  if (dim < 0) dim += ndim;
+  const int64_t extent = tensor.shape[dim];
+  int64_t total = 0;
+  for (const Range& range : ranges) {
+    TORCH_CHECK(range.begin >= 0 && range.begin <= range.end && range.end <= extent, path_,
+                ": tensor '", name, "' of shape ", shape_string(tensor.shape), ": range [",
+                range.begin, ", ", range.end, ") along dim ", dim, " is out of bounds for size ",
+                extent);
+    total += range.size();
+  }
+
+  std::vector<int64_t> out_shape = tensor.shape;
+  out_shape[dim] = total;
+  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(to_scalar_type(tensor.dtype)));
+
+  // The tensor is [outer, extent, inner]: each (outer index, range) is one contiguous span.
+  int64_t outer = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= tensor.shape[d];
+  uint64_t inner_bytes = static_cast<uint64_t>(st_dtype_size(tensor.dtype));
+  for (int64_t d = dim + 1; d < ndim; ++d) inner_bytes *= static_cast<uint64_t>(tensor.shape[d]);
+  const uint64_t src_row = static_cast<uint64_t>(extent) * inner_bytes;
+  const uint64_t dst_row = static_cast<uint64_t>(total) * inner_bytes;
+
+  const auto* mapping = static_cast<const Mapping*>(mapping_.get());
+  const uint64_t file_offset =
+      static_cast<uint64_t>(data_ - static_cast<const char*>(mapping->base)) + tensor.begin;
+  char* dst = static_cast<char*>(out.data_ptr());
+  uint64_t copied = 0;
+  for (int64_t o = 0; o < outer; ++o) {
+    uint64_t dst_pos = static_cast<uint64_t>(o) * dst_row;
+    for (const Range& range : ranges) {
+      const uint64_t bytes = static_cast<uint64_t>(range.size()) * inner_bytes;
+      if (bytes == 0) continue;
+      const uint64_t src_pos = static_cast<uint64_t>(o) * src_row +
+                               static_cast<uint64_t>(range.begin) * inner_bytes;
+      pread_exact(mapping->fd, dst + dst_pos, bytes, file_offset + src_pos, path_, name);
+      dst_pos += bytes;
+      copied += bytes;
+    }
+  }
+  if (stats_) {
+    stats_->bytes_read += copied;
+    stats_->tensors_read += 1;
+  }
+  return maybe_convert(std::move(out), dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> contiguous;
+  contiguous.reserve(tensors.size());
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    TORCH_CHECK(tensor.defined(), path, ": tensor '", name, "' is undefined");
+    TORCH_CHECK(name != "__metadata__", path, ": '__metadata__' is reserved and cannot name a tensor");
+    TORCH_CHECK(!header.contains(name), path, ": tensor '", name, "' is given twice");
+    const StDtype dtype = from_scalar_type(tensor.scalar_type());
+    at::Tensor data = tensor.to(at::kCPU).contiguous();
+    const uint64_t nbytes = static_cast<uint64_t>(data.numel()) * st_dtype_size(dtype);
+    header[name] = {{"dtype", st_dtype_name(dtype)},
+                    {"shape", data.sizes().vec()},
+                    {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+    contiguous.push_back(std::move(data));
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  TORCH_CHECK(out, path, ": cannot open for writing: ", std::strerror(errno));
+  const uint64_t header_size = text.size();
+  out.write(reinterpret_cast<const char*>(&header_size), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& data : contiguous) {
+    out.write(static_cast<const char*>(data.data_ptr()), static_cast<std::streamsize>(data.nbytes()));
+  }
+  out.flush();
+  TORCH_CHECK(out, path, ": writing failed (disk full?)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoint
+
+namespace {
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool has_weight_prefix(const std::string& filename) {
+  return filename.rfind("diffusion_pytorch_model", 0) == 0 || filename.rfind("model", 0) == 0;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+/// The weights file of a folder: one recognised index, else one recognised .safetensors file.
+std::string find_weights_in_folder(const std::string& dir) {
+  std::vector<std::string> indexes;
+  std::vector<std::string> singles;
+  std::vector<std::string> others;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string filename = entry.path().filename().string();
+    if (ends_with(filename, ".safetensors.index.json")) {
+      (has_weight_prefix(filename) ? indexes : others).push_back(filename);
+    } else if (ends_with(filename, ".safetensors")) {
+      (has_weight_prefix(filename) ? singles : others).push_back(filename);
+    }
+  }
+  std::sort(indexes.begin(), indexes.end());
+  std::sort(singles.begin(), singles.end());
+  std::sort(others.begin(), others.end());
+  if (!indexes.empty()) {
+    TORCH_CHECK(indexes.size() == 1, dir, ": ambiguous weights: several index files (",
+                join(indexes), "); keep one, or open the index file directly");
+    return (fs::path(dir) / indexes.front()).string();
+  }
+  TORCH_CHECK(!singles.empty(), dir,
+              ": no weights found (expected diffusion_pytorch_model*.safetensors or "
+              "model*.safetensors, or their .safetensors.index.json)",
+              others.empty() ? std::string() : "; other safetensors files here: " + join(others));
+  TORCH_CHECK(singles.size() == 1, dir, ": ambiguous weights: several files (", join(singles),
+              ") and no .safetensors.index.json; add the index, or open one file directly");
+  return (fs::path(dir) / singles.front()).string();
+}
+
+}  // namespace
+
+Checkpoint Checkpoint::open(const std::string& path) {
+  TORCH_CHECK(fs::exists(path), path, ": no such file or directory");
+  std::string target = path;
+  if (fs::is_directory(path)) target = find_weights_in_folder(path);
+
+  Checkpoint checkpoint;
+  checkpoint.path_ = path;
+  checkpoint.stats_ = std::make_shared<ReadStats>();
+
+  std::vector<std::string> file_paths;
+  std::map<std::string, std::string> index_map;  // tensor -> file name, from the index
+  if (ends_with(target, ".index.json")) {
+    nlohmann::json index;
+    {
+      std::ifstream in(target);
+      TORCH_CHECK(in, target, ": cannot open: ", std::strerror(errno));
+      try {
+        index = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception& e) {
+        TORCH_CHECK(false, target, ": invalid JSON (", e.what(), ")");
+      }
+    }
+    TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+                target, ": expected an object with a \"weight_map\" object (tensor name -> file)");
+    std::set<std::string> files;
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      TORCH_CHECK(file.is_string(), target, ": weight_map entry '", name, "' is not a file name");
+      index_map[name] = file.get<std::string>();
+      files.insert(file.get<std::string>());
+    }
+    const fs::path dir = fs::path(target).parent_path();
+    for (const auto& file : files) {
+      const std::string file_path = (dir / file).string();
+      if (!fs::exists(file_path)) {
+        const auto listed = std::find_if(index_map.begin(), index_map.end(),
+                                         [&](const auto& item) { return item.second == file; });
+        TORCH_CHECK(false, target, ": names '", file, "' (for tensor '", listed->first,
+                    "' and maybe others) but ", file_path, " does not exist");
+      }
+      file_paths.push_back(file_path);
+    }
+  } else {
+    file_paths.push_back(target);
+  }
+
+  // Every tensor of every file counts, also one a (stale) index forgot to list; the index is
+  // then checked against the files.
+  for (const auto& file_path : file_paths) {
+    const size_t file_index = checkpoint.files_.size();
+    auto file = SafetensorsFile::open(file_path, checkpoint.stats_);
+    for (const auto& name : file->names()) {
+      const auto [it, inserted] = checkpoint.file_index_.emplace(name, file_index);
+      TORCH_CHECK(inserted, path, ": tensor '", name, "' is in two files: ",
+                  checkpoint.files_[it->second]->path(), " and ", file_path);
+    }
+    checkpoint.files_.push_back(std::move(file));
+  }
+  for (const auto& [name, file] : index_map) {
+    const auto it = checkpoint.file_index_.find(name);
+    const std::string expected = (fs::path(target).parent_path() / file).string();
+    TORCH_CHECK(it != checkpoint.file_index_.end(), target, ": tensor '", name,
+                "' is listed for ", file, " but ", expected, " does not contain it");
+    TORCH_CHECK(fs::path(checkpoint.files_[it->second]->path()) == fs::path(expected), target,
+                ": tensor '", name, "' is listed for ", file, " but is in ",
+                checkpoint.files_[it->second]->path());
+  }
+  return checkpoint;
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  out.reserve(file_index_.size());
+  for (const auto& item : file_index_) out.push_back(item.first);
+  return out;
+}
+
+bool Checkpoint::contains(const std::string& name) const { return file_index_.count(name) != 0; }
+
+const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
+  const auto it = file_index_.find(name);
+  TORCH_CHECK(it != file_index_.end(), path_, ": checkpoint has no tensor named '", name, "' (it has ",
+              file_index_.size(), " tensors)");
+  return *files_[it->second];
+}
+
+const TensorInfo& Checkpoint::info(const std::string& name) const { return file_of(name).info(name); }
+
+at::Tensor Checkpoint::read(const std::string& name, std::optional<at::ScalarType> dtype) const {
+  return file_of(name).read(name, dtype);
+}
+
+at::Tensor Checkpoint::read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
+                                   std::optional<at::ScalarType> dtype) const {
+  return file_of(name).read_slices(name, dim, ranges, dtype);
+}
+
+}  // namespace shardit::io

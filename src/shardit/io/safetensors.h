@@ -1,0 +1,137 @@
+#pragma once
+// safetensors files: a fully validated header, zero-copy views over mmap, and sliced reads that
+// touch only the bytes of a shard (what lets each tensor-parallel rank read only its own slice).
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardit::io {
+
+/// The dtype names of the safetensors format.
+enum class StDtype { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2 };
+
+/// "F32" -> StDtype::F32; throws (naming `context`) on an unknown name.
+StDtype st_dtype_from_name(const std::string& name, const std::string& context);
+const char* st_dtype_name(StDtype dtype);
+int64_t st_dtype_size(StDtype dtype);
+/// The LibTorch scalar type of a safetensors dtype (F8 types need LibTorch >= 2.1: error otherwise).
+at::ScalarType to_scalar_type(StDtype dtype);
+StDtype from_scalar_type(at::ScalarType type);
+
+/// One tensor's entry in a safetensors header.
+struct TensorInfo {
+  std::string name;
+  StDtype dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  ///< byte offset inside the data section
+  uint64_t end = 0;    ///< one past the last byte, inside the data section
+  int64_t numel() const;
+  uint64_t nbytes() const { return end - begin; }
+};
+
+/// A half-open index range [begin, end) along one dimension of a tensor.
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const Range& other) const { return begin == other.begin && end == other.end; }
+};
+
+/// Counts the bytes copied out of checkpoint files. Shared by the files of one checkpoint, so
+/// tests and benchmarks can show that a rank read only its shard.
+struct ReadStats {
+  std::atomic<uint64_t> bytes_read{0};
+  std::atomic<uint64_t> tensors_read{0};
+};
+
+/// One .safetensors file, memory-mapped read-only. The header is validated completely on open:
+/// length within the file, valid JSON, known dtypes, shape x dtype size == byte range, every range
+/// inside the data section and no two overlapping. Errors name the file, the tensor and the problem.
+class SafetensorsFile {
+ public:
+  /// Opens and validates `path`. `stats` (optional) receives the byte counts of reads.
+  static std::shared_ptr<SafetensorsFile> open(const std::string& path,
+                                               std::shared_ptr<ReadStats> stats = nullptr);
+  /// Validates a header given as bytes (the part after the 8-byte length) for a data section of
+  /// `data_size` bytes. Used by open() and by the fuzzer. Throws c10::Error on any problem.
+  static std::vector<TensorInfo> parse_header(const std::string& file_label, const char* json,
+                                              size_t json_size, uint64_t data_size,
+                                              std::map<std::string, std::string>* metadata);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  /// Tensor names in the order of their data offsets.
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const;
+  /// Throws naming the file and the tensor when it is absent.
+  const TensorInfo& info(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  /// A CPU tensor aliasing the mapped bytes (no copy). It keeps the file mapped while alive.
+  /// Read-only in spirit: writing to it is undefined.
+  at::Tensor view(const std::string& name) const;
+  /// An owned copy, converted to `dtype` when given.
+  at::Tensor read(const std::string& name, std::optional<at::ScalarType> dtype = std::nullopt) const;
+  /// Reads only the elements of `ranges` along `dim` and concatenates them along `dim`, converted
+  /// to `dtype` when given. Only the bytes of those ranges are copied from the file (for dim > 0
+  /// that is one contiguous span per outer index). Throws naming the tensor when a range is out of
+  /// bounds.
+  at::Tensor read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
+                         std::optional<at::ScalarType> dtype = std::nullopt) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  std::shared_ptr<void> mapping_;  // the mmap; views hold a copy
+  const char* data_ = nullptr;     // start of the data section
+  uint64_t data_size_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
+  std::shared_ptr<ReadStats> stats_;
+};
+
+/// Writes tensors (any layout; written contiguous, in the given order) as a safetensors file.
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+/// A checkpoint made of one or several safetensors files: a single file, a folder with one
+/// `*.safetensors` file, or a sharded set described by `*.safetensors.index.json`.
+class Checkpoint {
+ public:
+  /// `path` is a .safetensors file, an .index.json file, or a folder holding exactly one of
+  /// `<prefix>.safetensors.index.json` or one `<prefix>.safetensors` file (diffusers'
+  /// `diffusion_pytorch_model*` and transformers' `model*` are both recognised).
+  static Checkpoint open(const std::string& path);
+
+  /// Every tensor name, sorted.
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const;
+  const TensorInfo& info(const std::string& name) const;
+  /// The file holding `name`; throws naming the checkpoint when absent.
+  const SafetensorsFile& file_of(const std::string& name) const;
+  at::Tensor read(const std::string& name, std::optional<at::ScalarType> dtype = std::nullopt) const;
+  at::Tensor read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
+                         std::optional<at::ScalarType> dtype = std::nullopt) const;
+  const std::vector<std::shared_ptr<SafetensorsFile>>& files() const { return files_; }
+  const std::string& path() const { return path_; }
+  const ReadStats& stats() const { return *stats_; }
+
+ private:
+  std::string path_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> file_index_;  // tensor name -> files_ index
+  std::shared_ptr<ReadStats> stats_;
+};
+
+}  // namespace shardit::io

@@ -1,0 +1,99 @@
+#include "support/test_support.h"
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+#include <sstream>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace shardit::testing {
+
+std::string golden_path(const std::string& relative) {
+  const char* override_dir = std::getenv("SHARDIT_GOLDEN_DIR");
+  const std::string root = override_dir ? override_dir : SHARDIT_GOLDEN_DIR;
+  return relative.empty() ? root : root + "/" + relative;
+}
+
+namespace {
+std::vector<std::string>& temp_dirs() {
+  static std::vector<std::string> dirs;
+  return dirs;
+}
+void remove_temp_dirs() {
+  for (const auto& dir : temp_dirs()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+}
+}  // namespace
+
+std::string make_temp_dir(const std::string& tag) {
+  static std::once_flag registered;
+  // Build the list before registering the handler, so it outlives the handler.
+  std::call_once(registered, [] {
+    temp_dirs();
+    std::atexit(remove_temp_dirs);
+  });
+  std::string pattern = (std::filesystem::temp_directory_path() / ("shardit-" + tag + "-XXXXXX")).string();
+  char* made = mkdtemp(pattern.data());
+  if (made == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
+  // Only the process that made it removes it (worker ranks run as separate processes).
+  temp_dirs().push_back(made);
+  return made;
+}
+
+::testing::AssertionResult tensors_close(const std::string& what, const at::Tensor& actual,
+                                         const at::Tensor& expected, double atol, double rtol) {
+  if (!actual.defined() || !expected.defined()) {
+    return ::testing::AssertionFailure() << what << ": undefined tensor";
+  }
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << what << ": shape " << actual.sizes() << ", expected "
+                                         << expected.sizes();
+  }
+  const at::Tensor a = actual.to(at::kDouble).contiguous();
+  const at::Tensor b = expected.to(at::kDouble).contiguous();
+  const at::Tensor diff = (a - b).abs();
+  const at::Tensor limit = atol + rtol * b.abs();
+  const at::Tensor bad = (diff > limit) | a.isnan() != b.isnan();
+  const double max_diff = diff.numel() ? diff.max().item<double>() : 0.0;
+  if (!bad.any().item<bool>()) {
+    return ::testing::AssertionSuccess() << what << ": max abs diff " << max_diff;
+  }
+  const int64_t first = bad.flatten().nonzero().select(1, 0)[0].item<int64_t>();
+  std::ostringstream index;
+  int64_t rest = first;
+  std::vector<int64_t> coords(b.dim());
+  for (int64_t d = b.dim() - 1; d >= 0; --d) {
+    coords[d] = rest % b.size(d);
+    rest /= b.size(d);
+  }
+  index << "[";
+  for (size_t i = 0; i < coords.size(); ++i) index << (i ? ", " : "") << coords[i];
+  index << "]";
+  return ::testing::AssertionFailure()
+         << what << ": max abs diff " << max_diff << " exceeds " << atol << " + " << rtol
+         << "*|expected|; " << bad.sum().item<int64_t>() << " of " << b.numel()
+         << " elements bad, first at " << index.str() << ": got " << a.flatten()[first].item<double>()
+         << ", expected " << b.flatten()[first].item<double>();
+}
+
+int run_command(const std::string& command_line, std::string* output) {
+  std::string full = command_line + " 2>&1";
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  std::array<char, 4096> buffer{};
+  std::string collected;
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) collected.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  if (output) *output = collected;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string cli_path() { return SHARDIT_CLI_PATH; }
+
+}  // namespace shardit::testing

@@ -1,0 +1,29 @@
+#pragma once
+// Helpers shared by the tests: golden-data paths, tensor comparison with a report, temp folders,
+// running the CLI.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace shardit::testing {
+
+/// Absolute path of a file or folder inside the golden data (../shared/golden).
+std::string golden_path(const std::string& relative);
+
+/// A fresh empty folder under the system temp dir, removed at process exit.
+std::string make_temp_dir(const std::string& tag);
+
+/// Checks |actual - expected| <= atol + rtol * |expected| elementwise; on failure the message
+/// names `what`, the shapes, the max difference and the first bad index with both values.
+::testing::AssertionResult tensors_close(const std::string& what, const at::Tensor& actual,
+                                         const at::Tensor& expected, double atol, double rtol);
+
+/// Runs a shell command line, returns its exit status and fills `output` with stdout+stderr.
+int run_command(const std::string& command_line, std::string* output);
+
+/// The built `shardit` CLI.
+std::string cli_path();
+
+}  // namespace shardit::testing
