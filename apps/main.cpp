@@ -27,20 +27,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (nproc_per_node > 1) {
-    // Re-run the same command line without the launcher option, once per rank.
-    std::vector<std::string> child_argv{shardit::dist::current_executable()};
-    for (int i = 1; i < argc; ++i) {
-      const std::string arg = argv[i];
-      if (arg == "--nproc-per-node") {
-        ++i;
-        continue;
-      }
-      if (arg.rfind("--nproc-per-node=", 0) == 0) continue;
-      child_argv.push_back(arg);
-    }
-    shardit::dist::LocalLaunchOptions options;
-    options.nproc = nproc_per_node;
-    return shardit::dist::launch_local(child_argv, options);
+    return shardit::dist::relaunch_as_local_ranks(argc, argv, nproc_per_node);
   }
 
   try {

@@ -58,7 +58,7 @@ std::string make_temp_dir(const std::string& tag) {
   const at::Tensor b = expected.to(at::kDouble).contiguous();
   const at::Tensor diff = (a - b).abs();
   const at::Tensor limit = atol + rtol * b.abs();
-  const at::Tensor bad = (diff > limit) | a.isnan() != b.isnan();
+  const at::Tensor bad = (diff > limit) | (a.isnan() != b.isnan());
   const double max_diff = diff.numel() ? diff.max().item<double>() : 0.0;
   if (!bad.any().item<bool>()) {
     return ::testing::AssertionSuccess() << what << ": max abs diff " << max_diff;

@@ -14,6 +14,17 @@
 namespace shardit::dist {
 
 /// What a group has sent, for benchmarks and for tests that count all-reduces.
+///
+/// bytes_sent counts what this rank sends under the bandwidth-optimal algorithms, for a group of
+/// n members and B = the caller's tensor bytes (its own dtype, whatever the backend puts on the
+/// wire; Gloo sums f16/bf16 as f32, twice the bytes):
+///   all_reduce      2(n-1)/n * B          (ring reduce-scatter + ring all-gather)
+///   all_gather      (n-1)/n * B_out = (n-1) * B_in
+///   reduce_scatter  (n-1)/n * B_in        (done as one all-to-all plus a local sum on Gloo)
+///   all_to_all      (n-1)/n * B_in
+///   broadcast       B on the root, 0 elsewhere
+///   barrier         0
+/// Every call counts in `collectives` and `calls_by_op`, also on a size-1 group (with 0 bytes).
 struct CommStats {
   uint64_t collectives = 0;   ///< number of collective calls
   uint64_t bytes_sent = 0;    ///< bytes this rank sent, by the ring algorithms' count

@@ -23,3 +23,12 @@ int launch_local(const std::vector<std::string>& argv, const LocalLaunchOptions&
 std::string current_executable();
 
 }  // namespace shardit::dist
+
+namespace shardit::dist {
+
+/// Re-runs the current command line (`argc`/`argv` of main) as `nproc` local ranks through
+/// launch_local, with the `option` flag and its value (`--nproc-per-node N` or
+/// `--nproc-per-node=N`) removed. Returns launch_local's exit code.
+int relaunch_as_local_ranks(int argc, char** argv, int nproc, const std::string& option = "--nproc-per-node");
+
+}  // namespace shardit::dist

@@ -1,0 +1,21 @@
+#include "shardit/dist/launcher.h"
+
+namespace shardit::dist {
+
+int relaunch_as_local_ranks(int argc, char** argv, int nproc, const std::string& option) {
+  std::vector<std::string> child_argv{current_executable()};
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == option) {
+      ++i;  // and its value
+      continue;
+    }
+    if (arg.rfind(option + "=", 0) == 0) continue;
+    child_argv.push_back(arg);
+  }
+  LocalLaunchOptions options;
+  options.nproc = nproc;
+  return launch_local(child_argv, options);
+}
+
+}  // namespace shardit::dist

@@ -1,0 +1,546 @@
+// The world: rendezvous through a TCPStore, process groups over c10d (Gloo for CPU tensors, NCCL
+// for CUDA tensors when LibTorch has it), and a heartbeat that lets a failed collective name the
+// rank that was lost.
+#include "shardit/dist/world.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#if SHARDIT_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <sstream>
+#include <thread>
+
+#include "shardit/core/compat.h"
+#include "shardit/core/error.h"
+
+namespace shardit::dist {
+
+// Defined in group.cpp: a one-member group of a larger world.
+std::shared_ptr<Group> make_single_group(int global_rank, std::string name);
+
+namespace {
+
+#if SHARDIT_C10D_HAS_BACKEND
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+
+// How often each rank bumps its heartbeat counter in the store, and how long a failed collective
+// watches the counters before it calls a rank lost.
+constexpr auto kHeartbeatPeriod = std::chrono::milliseconds(200);
+constexpr auto kProbeWindow = std::chrono::milliseconds(1000);
+
+std::string heartbeat_key(int rank) { return "shardit/heartbeat/" + std::to_string(rank); }
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  return out.str();
+}
+
+// Each rank increments its counter in the store every kHeartbeatPeriod from its own thread (and
+// its own store connection, so a collective blocked in the store never delays it). A rank whose
+// counter stands still over kProbeWindow has exited, crashed, or been stopped.
+class Heartbeat {
+ public:
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, int rank)
+      : store_(std::move(store)), rank_(rank), thread_([this] { run(); }) {}
+  ~Heartbeat() { stop(); }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // A sentence about the members of `global_ranks` (other than this rank) that were lost.
+  std::string lost_ranks(const std::vector<int>& global_ranks) {
+    std::vector<int> others;
+    for (int r : global_ranks) {
+      if (r != rank_) others.push_back(r);
+    }
+    if (others.empty()) return "";
+    try {
+      std::vector<int64_t> before = read(others);
+      std::this_thread::sleep_for(kProbeWindow);
+      std::vector<int64_t> after = read(others);
+      std::vector<int> lost, never_joined;
+      for (size_t i = 0; i < others.size(); ++i) {
+        if (after[i] == 0) {
+          never_joined.push_back(others[i]);
+        } else if (after[i] == before[i]) {
+          lost.push_back(others[i]);
+        }
+      }
+      std::string text;
+      if (!lost.empty()) {
+        text = (lost.size() == 1 ? "lost rank " : "lost ranks ") + join_ranks(lost) +
+               " (exited, crashed or was killed)";
+      }
+      if (!never_joined.empty()) {
+        text += (text.empty() ? "" : "; ") + std::string(never_joined.size() == 1 ? "rank " : "ranks ") +
+                join_ranks(never_joined) + " never joined";
+      }
+      return text.empty() ? "every other member is still alive" : text;
+    } catch (const std::exception& e) {
+      return "the rendezvous store hosted by rank 0 is unreachable: rank 0 exited (perhaps after "
+             "another rank failed), crashed or was killed";
+    }
+  }
+
+ private:
+  std::vector<int64_t> read(const std::vector<int>& ranks) {
+    std::lock_guard<std::mutex> lock(store_mutex_);
+    std::vector<int64_t> values;
+    for (int r : ranks) values.push_back(store_->add(heartbeat_key(r), 0));
+    return values;
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopping_) {
+      lock.unlock();
+      try {
+        std::lock_guard<std::mutex> store_lock(store_mutex_);
+        store_->add(heartbeat_key(rank_), 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone (rank 0 exited): nothing left to report to
+      }
+      lock.lock();
+      wake_.wait_for(lock, kHeartbeatPeriod, [this] { return stopping_; });
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  std::mutex store_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+using LostRanksFn = std::function<std::string(const std::vector<int>&)>;
+
+// Sizes of what a rank sends, by the ring algorithms' count (see CommStats in group.h).
+uint64_t tensor_bytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGroup> {
+ public:
+  C10dGroup(std::string name, int rank, std::vector<int> global_ranks,
+            c10::intrusive_ptr<C10dBackend> gloo, c10::intrusive_ptr<C10dBackend> nccl,
+            LostRanksFn lost_ranks)
+      : name_(std::move(name)),
+        rank_(rank),
+        global_ranks_(std::move(global_ranks)),
+        gloo_(std::move(gloo)),
+        nccl_(std::move(nccl)),
+        lost_ranks_(std::move(lost_ranks)) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(global_ranks_.size()); }
+  const std::vector<int>& global_ranks() const override { return global_ranks_; }
+  const std::string& name() const override { return name_; }
+
+  void all_reduce(at::Tensor& tensor) override { all_reduce_async(tensor).wait(); }
+
+  Work all_reduce_async(at::Tensor& tensor) override {
+    const int n = size();
+    count("all_reduce", tensor_bytes(tensor) * 2 * (n - 1) / n);
+    // Gloo sums half types without widening (and 1.13's Gloo has no bf16 at all): sum in f32 on
+    // the wire and round once at the end, which also matches a single-rank f32 accumulation better.
+    at::Tensor wire = tensor;
+    if (!tensor.is_cuda() && (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf)) {
+      wire = tensor.to(at::kFloat);
+    } else if (!tensor.is_contiguous()) {
+      wire = tensor.contiguous();
+    }
+    auto work = guarded("all_reduce", [&] {
+      std::vector<at::Tensor> tensors{wire};
+      return backend(tensor).allreduce(tensors);
+    });
+    auto self = shared_from_this();
+    at::Tensor target = tensor;
+    return Work([self, work, wire, target]() mutable {
+      self->guarded("all_reduce", [&] { work->wait(); });
+      if (!wire.is_same(target)) target.copy_(wire);
+    });
+  }
+
+  at::Tensor all_gather(const at::Tensor& tensor, int64_t dim) override {
+    dim = checked_dim(tensor, dim, "all_gather");
+    const int n = size();
+    count("all_gather", tensor_bytes(tensor) * (n - 1));
+    const at::Tensor input = to_wire(tensor.contiguous());
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int i = 0; i < n; ++i) outputs[0].push_back(at::empty_like(input));
+    guarded("all_gather", [&] {
+      std::vector<at::Tensor> inputs{input};
+      backend(tensor).allgather(outputs, inputs)->wait();
+    });
+    std::vector<at::Tensor> parts;
+    for (auto& part : outputs[0]) parts.push_back(from_wire(part, tensor.scalar_type()));
+    return at::cat(parts, dim);
+  }
+
+  at::Tensor reduce_scatter(const at::Tensor& tensor, int64_t dim) override {
+    dim = checked_dim(tensor, dim, "reduce_scatter");
+    const int n = size();
+    check_divisible(tensor, dim, "reduce_scatter");
+    count("reduce_scatter", tensor_bytes(tensor) * (n - 1) / n);
+    // Gloo has no reduce-scatter: exchange the chunks with one all-to-all (each member receives
+    // every member's copy of its own chunk, (n-1)/n of the bytes, the same as a ring
+    // reduce-scatter) and sum them locally in group order, widening half types to f32.
+    const at::Tensor received = exchange_chunks(tensor, dim, "reduce_scatter");  // [n, chunk...]
+    const bool narrow_type = tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf;
+    const at::Tensor summed = narrow_type ? received.to(at::kFloat).sum(0) : received.sum(0);
+    return summed.to(tensor.scalar_type());
+  }
+
+  at::Tensor all_to_all(const at::Tensor& tensor, int64_t scatter_dim, int64_t gather_dim) override {
+    scatter_dim = checked_dim(tensor, scatter_dim, "all_to_all");
+    gather_dim = checked_dim(tensor, gather_dim, "all_to_all");
+    const int n = size();
+    check_divisible(tensor, scatter_dim, "all_to_all");
+    count("all_to_all", tensor_bytes(tensor) * (n - 1) / n);
+    const at::Tensor received = exchange_chunks(tensor, scatter_dim, "all_to_all");
+    return at::cat(received.unbind(0), gather_dim);
+  }
+
+  void broadcast(at::Tensor& tensor, int root) override {
+    const int n = size();
+    TORCH_CHECK(root >= 0 && root < n, "broadcast on group '", name_, "': root ", root,
+                " is out of range for a group of size ", n);
+    count("broadcast", rank_ == root ? tensor_bytes(tensor) : 0);
+    at::Tensor contiguous = tensor.contiguous();
+    at::Tensor wire = to_wire(contiguous);
+    guarded("broadcast", [&] {
+      std::vector<at::Tensor> tensors{wire};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      backend(tensor).broadcast(tensors, options)->wait();
+    });
+    if (!contiguous.is_same(tensor)) tensor.copy_(contiguous);
+  }
+
+  void barrier() override {
+    count("barrier", 0);
+    guarded("barrier", [&] { gloo_->barrier()->wait(); });
+  }
+
+ private:
+  template <typename Fn>
+  auto guarded(const char* op, Fn&& fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (const std::exception& e) {
+      const std::string cause = error_message(e);
+      const std::string lost = lost_ranks_ ? lost_ranks_(global_ranks_) : "";
+      TORCH_CHECK(false, op, " on group '", name_, "' (global ranks ", join_ranks(global_ranks_),
+                  ") failed on rank ", global_ranks_[rank_], ": ", cause,
+                  lost.empty() ? "" : "; ", lost);
+    }
+  }
+
+  void count(const char* op, uint64_t bytes) {
+    ++stats_.collectives;
+    ++stats_.calls_by_op[op];
+    stats_.bytes_sent += bytes;
+  }
+
+  int64_t checked_dim(const at::Tensor& tensor, int64_t dim, const char* op) const {
+    const int64_t ndim = tensor.dim();
+    TORCH_CHECK(ndim > 0, op, " on group '", name_, "': needs a tensor with at least one dimension");
+    TORCH_CHECK(dim >= -ndim && dim < ndim, op, " on group '", name_, "': dim ", dim,
+                " is out of range for a tensor of shape ", tensor.sizes());
+    return dim < 0 ? dim + ndim : dim;
+  }
+
+  void check_divisible(const at::Tensor& tensor, int64_t dim, const char* op) const {
+    TORCH_CHECK(tensor.size(dim) % size() == 0, op, " on group '", name_, "': dim ", dim,
+                " of shape ", tensor.sizes(), " has size ", tensor.size(dim),
+                ", which the group size ", size(), " does not divide");
+  }
+
+  C10dBackend& backend(const at::Tensor& tensor) {
+    if (tensor.is_cuda()) {
+      TORCH_CHECK(nccl_, "group '", name_, "' has no NCCL backend for a CUDA tensor; "
+                  "LibTorch was built without NCCL, or the world was initialised with device=cpu");
+      return *nccl_;
+    }
+    TORCH_CHECK(tensor.device().is_cpu(), "group '", name_, "': tensors on ", tensor.device(),
+                " are not supported (only CPU, and CUDA with NCCL)");
+    return *gloo_;
+  }
+
+  // Gloo moves only some types; data that is only moved (never summed) travels as a same-size type.
+  static at::Tensor to_wire(const at::Tensor& t) {
+    if (t.is_cuda()) return t;
+    switch (t.scalar_type()) {
+      case at::kBFloat16:
+      case at::kShort: return t.view(at::kHalf);
+      case at::kBool: return t.view(at::kByte);
+      default: return t;
+    }
+  }
+  static at::Tensor from_wire(const at::Tensor& t, at::ScalarType type) {
+    return t.scalar_type() == type ? t : t.view(type);
+  }
+
+  // Splits `tensor` into size() chunks along `dim`, sends chunk j to member j; returns the received
+  // chunks stacked in group order: [size, chunk shape].
+  at::Tensor exchange_chunks(const at::Tensor& tensor, int64_t dim, const char* op) {
+    at::Tensor input = to_wire(at::stack(tensor.chunk(size(), dim), 0).contiguous());
+    at::Tensor output = at::empty_like(input);
+    guarded(op, [&] {
+      std::vector<int64_t> equal_splits;
+      backend(tensor).alltoall_base(output, input, equal_splits, equal_splits)->wait();
+    });
+    return from_wire(output, tensor.scalar_type());
+  }
+
+  std::string name_;
+  int rank_;
+  std::vector<int> global_ranks_;
+  c10::intrusive_ptr<C10dBackend> gloo_;
+  c10::intrusive_ptr<C10dBackend> nccl_;
+  LostRanksFn lost_ranks_;
+};
+
+int timeout_override_ms() {
+  const char* text = std::getenv("SHARDIT_DIST_TIMEOUT_MS");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  TORCH_CHECK(end != text && *end == '\0' && value > 0 && value <= 24L * 3600 * 1000,
+              "SHARDIT_DIST_TIMEOUT_MS='", text, "' is invalid: expected milliseconds, 1..86400000");
+  return static_cast<int>(value);
+}
+
+at::Device choose_device(const std::string& device, int local_rank) {
+  TORCH_CHECK(device == "auto" || device == "cpu" || device == "cuda", "device '", device,
+              "' is not supported: use auto, cpu or cuda");
+  const bool cuda = at::hasCUDA();
+  TORCH_CHECK(device != "cuda" || cuda, "device 'cuda' was requested but this LibTorch has no "
+              "usable CUDA device; use device auto or cpu");
+  if (device == "cpu" || !cuda) return at::Device(at::kCPU);
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+World* g_world = nullptr;
+std::mutex g_world_mutex;
+
+}  // namespace
+
+struct World::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<::gloo::transport::Device> gloo_device;
+  std::unique_ptr<Heartbeat> heartbeat;
+  int groups_made = 0;
+
+  c10::intrusive_ptr<C10dBackend> make_gloo(const std::string& prefix, int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(gloo_device);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+  }
+
+  c10::intrusive_ptr<C10dBackend> make_nccl(const std::string& prefix, int rank, int size,
+                                            std::chrono::milliseconds timeout, at::Device device) {
+#if SHARDIT_WITH_NCCL
+    if (device.is_cuda()) {
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix + "/nccl", store);
+      return c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, options);
+    }
+#endif
+    return {};
+  }
+
+  LostRanksFn lost_ranks_fn() {
+    Heartbeat* beat = heartbeat.get();
+    if (beat == nullptr) return {};
+    return [beat](const std::vector<int>& ranks) { return beat->lost_ranks(ranks); };
+  }
+};
+
+World& World::init(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_world_mutex);
+  if (g_world != nullptr) return *g_world;
+
+  // Never destroyed: c10d's threads may still be blocked on a dead peer at exit. Only the
+  // heartbeat thread is stopped (at exit), because it touches the store on its own.
+  auto world = std::unique_ptr<World>(new World());
+  world->env_ = LaunchEnv::from_environment();
+  world->options_ = options;
+  if (const int override_ms = timeout_override_ms()) {
+    world->options_.timeout = std::chrono::milliseconds(override_ms);
+  }
+  const auto timeout = world->options_.timeout;
+  const LaunchEnv& env = world->env_;
+  world->device_ = choose_device(world->options_.device, env.local_rank);
+
+  int threads = world->options_.threads;
+  if (threads <= 0) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    threads = std::max(1, cores / std::max(1, env.local_world_size));
+  }
+  at::set_num_threads(threads);
+
+#if SHARDIT_WITH_NCCL
+  if (world->device_.is_cuda()) c10::cuda::set_device(world->device_.index());
+#endif
+
+  world->impl_ = std::make_shared<Impl>();
+  if (env.world_size == 1) {
+    world->world_group_ = Group::single();
+    g_world = world.release();
+    return *g_world;
+  }
+
+  Impl& impl = *world->impl_;
+  const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
+  const std::string where = host + ":" + std::to_string(env.master_port);
+  try {
+    // Rank 0 hosts the store (c10d's server listens on every interface of its host); everyone
+    // connects to MASTER_ADDR, or loopback when all ranks are local.
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(env.master_port);
+    store_options.isServer = env.rank == 0;
+    store_options.waitWorkers = false;  // the joined keys below wait, and name who is missing
+    store_options.timeout = timeout;
+    impl.store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+    // Every rank announces itself, then waits for the others, so a rank that never arrives is
+    // named here rather than reported as a bare socket timeout by Gloo.
+    impl.store->set("shardit/joined/" + std::to_string(env.rank), std::vector<uint8_t>{1});
+    std::vector<std::string> joined_keys;
+    for (int r = 0; r < env.world_size; ++r) joined_keys.push_back("shardit/joined/" + std::to_string(r));
+    try {
+      // Rank 0 keeps the store up a little longer, so the others can still ask who is missing.
+      impl.store->wait(joined_keys, env.rank == 0 ? timeout + std::chrono::milliseconds(500) : timeout);
+    } catch (const std::exception&) {
+      std::vector<int> missing;
+      try {
+        for (int r = 0; r < env.world_size; ++r) {
+          if (!impl.store->check({joined_keys[r]})) missing.push_back(r);
+        }
+      } catch (const std::exception&) {
+        throw std::runtime_error("not every rank joined, and rank 0's store closed meanwhile");
+      }
+      if (missing.empty()) throw;
+      throw std::runtime_error((missing.size() == 1 ? "rank " : "ranks ") + join_ranks(missing) +
+                               " did not join");
+    }
+
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+      impl.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    } else if (env.master_addr.empty()) {
+      impl.gloo_device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+    } else {
+      impl.gloo_device = c10d::ProcessGroupGloo::createDefaultDevice();
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size, " (", launch_source_name(env.source),
+                "): rendezvous at ", where, " failed within ", timeout.count(), " ms: ",
+                error_message(e), "; check that all ", env.world_size,
+                " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is up");
+  }
+
+  std::vector<int> all(env.world_size);
+  for (int r = 0; r < env.world_size; ++r) all[r] = r;
+  try {
+    // A second connection for the heartbeat, so it never waits behind a blocked store call.
+    c10d::TCPStoreOptions beat_options;
+    beat_options.port = static_cast<uint16_t>(env.master_port);
+    beat_options.isServer = false;
+    beat_options.waitWorkers = false;
+    beat_options.timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5));
+    auto beat_store = c10::make_intrusive<c10d::TCPStore>(host, beat_options);
+    impl.heartbeat = std::make_unique<Heartbeat>(beat_store, env.rank);
+    static std::once_flag stop_at_exit;
+    std::call_once(stop_at_exit, [] {
+      std::atexit([] {
+        if (g_world != nullptr && g_world->impl_ && g_world->impl_->heartbeat) {
+          g_world->impl_->heartbeat->stop();
+        }
+      });
+    });
+
+    auto gloo = impl.make_gloo("shardit/world", env.rank, env.world_size, timeout);
+    auto nccl = impl.make_nccl("shardit/world", env.rank, env.world_size, timeout, world->device_);
+    world->world_group_ =
+        std::make_shared<C10dGroup>("world", env.rank, all, gloo, nccl, impl.lost_ranks_fn());
+  } catch (const std::exception& e) {
+    const std::string lost = impl.heartbeat ? impl.heartbeat->lost_ranks(all) : "";
+    TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size,
+                ": setting up the world process group (rendezvous at ", where, ") failed within ",
+                timeout.count(), " ms: ", error_message(e), lost.empty() ? "" : "; ", lost);
+  }
+  g_world = world.release();
+  return *g_world;
+}
+
+World& World::get() {
+  {
+    std::lock_guard<std::mutex> lock(g_world_mutex);
+    if (g_world != nullptr) return *g_world;
+  }
+  return init();
+}
+
+bool World::initialized() {
+  std::lock_guard<std::mutex> lock(g_world_mutex);
+  return g_world != nullptr;
+}
+
+std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
+  TORCH_CHECK(!ranks.empty(), "new_group: the rank list is empty");
+  std::set<int> seen;
+  for (int r : ranks) {
+    TORCH_CHECK(r >= 0 && r < size(), "new_group: rank ", r, " is out of range for a world of size ",
+                size(), " (ranks [", join_ranks(ranks), "])");
+    TORCH_CHECK(seen.insert(r).second, "new_group: rank ", r, " appears twice in [",
+                join_ranks(ranks), "]");
+  }
+  // Every rank counts every call, members or not, so the store prefixes agree.
+  const int index = impl_->groups_made++;
+  const std::string name = "group" + std::to_string(index) + "[" + join_ranks(ranks) + "]";
+  const auto it = std::find(ranks.begin(), ranks.end(), rank());
+  if (it == ranks.end()) return nullptr;
+  const int group_rank = static_cast<int>(it - ranks.begin());
+  const int group_size = static_cast<int>(ranks.size());
+  if (group_size == 1) return make_single_group(rank(), name);
+
+  const std::string prefix = "shardit/group/" + std::to_string(index);
+  try {
+    auto gloo = impl_->make_gloo(prefix, group_rank, group_size, options_.timeout);
+    auto nccl = impl_->make_nccl(prefix, group_rank, group_size, options_.timeout, device_);
+    return std::make_shared<C10dGroup>(name, group_rank, ranks, gloo, nccl, impl_->lost_ranks_fn());
+  } catch (const std::exception& e) {
+    const std::string lost = impl_->heartbeat ? impl_->heartbeat->lost_ranks(ranks) : "";
+    TORCH_CHECK(false, "new_group ", name, " failed on rank ", rank(), " within ",
+                options_.timeout.count(), " ms: ", error_message(e), lost.empty() ? "" : "; ", lost);
+  }
+}
+
+}  // namespace shardit::dist

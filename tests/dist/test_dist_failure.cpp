@@ -1,0 +1,317 @@
+// Failure paths: a rank that dies mid-sequence (SIGKILL, or a silent exit), a rank that never
+// arrives, bad environment values, and the local launcher stopping a job when one rank fails.
+// Every surviving rank must fail with a message naming the lost rank, within the timeout.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "shardit/core/error.h"
+#include "shardit/dist/launcher.h"
+#include "shardit/dist/world.h"
+#include "support/multiprocess.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::dist::World;
+using shardit::testing::env_or;
+using shardit::testing::is_worker;
+using shardit::testing::run_ranks;
+using ::testing::HasSubstr;
+
+// The collective timeout the failure tests run with: a lost rank must be reported well within it.
+constexpr int kTimeoutMs = 5000;
+// Reporting adds the heartbeat probe (1 s) on top of the detection itself.
+constexpr int64_t kReportBoundMs = kTimeoutMs + 2000;
+
+// CLOCK_MONOTONIC is shared by every process on the host, so ranks can compare timestamps.
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream(path + ".tmp") << text;
+  std::rename((path + ".tmp").c_str(), path.c_str());  // readers never see half a file
+}
+
+// A fresh folder, removed with everything in it when the test ends.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag) {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / ("shardit-" + tag + "-XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed: " + pattern);
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Survivor side: runs collectives until one throws, then records when and what, and exits 1.
+// SIGTERM from the launcher (sent as soon as the dying rank exits) is ignored, so what is measured
+// is the runtime's own detection, not the launcher's.
+[[noreturn]] void run_until_failure(const std::string& dir) {
+  ::signal(SIGTERM, SIG_IGN);
+  World& world = World::get();
+  const int64_t give_up = now_ms() + 4 * kTimeoutMs;
+  std::string message = "no error";
+  while (now_ms() < give_up) {
+    try {
+      at::Tensor x = at::ones({64, 64});
+      world.group()->all_reduce(x);
+      world.group()->all_gather(x, 0);
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+      break;
+    }
+  }
+  const int64_t failed_at = now_ms();
+  write_file(dir + "/rank" + std::to_string(world.rank()),
+             std::to_string(failed_at) + "\n" + message);
+  // Keep this process (and rank 0's store) up while the other survivors probe for the lost rank.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::_Exit(1);
+}
+
+// Dying side: a few good collectives, then the timestamp, then death.
+void die_after_collectives(const std::string& dir, bool by_sigkill) {
+  World& world = World::get();
+  for (int i = 0; i < 5; ++i) {  // the same sequence as run_until_failure's
+    at::Tensor x = at::ones({64, 64});
+    world.group()->all_reduce(x);
+    world.group()->all_gather(x, 0);
+  }
+  write_file(dir + "/death", std::to_string(now_ms()));
+  if (by_sigkill) ::raise(SIGKILL);
+  std::_Exit(0);  // a silent exit with success: the others must still fail
+}
+
+void expect_survivor_report(const std::string& dir, int rank, int lost_rank) {
+  const std::string death = read_file(dir + "/death");
+  const std::string report = read_file(dir + "/rank" + std::to_string(rank));
+  ASSERT_FALSE(death.empty()) << "the dying rank did not record its death";
+  ASSERT_FALSE(report.empty()) << "rank " << rank << " wrote no report";
+  const int64_t died_at = std::stoll(death);
+  const int64_t failed_at = std::stoll(report.substr(0, report.find('\n')));
+  const std::string message = report.substr(report.find('\n') + 1);
+  EXPECT_LT(failed_at - died_at, kReportBoundMs) << "rank " << rank << ": " << message;
+  EXPECT_THAT(message, HasSubstr("failed on rank " + std::to_string(rank)));
+  EXPECT_THAT(message, HasSubstr("on group 'world'"));
+  EXPECT_THAT(message, HasSubstr("lost rank " + std::to_string(lost_rank) + " (exited, crashed or was killed)"));
+}
+
+TEST(DistFailure, RankKilledMidSequence) {
+  if (is_worker()) {
+    const std::string dir = env_or("SHARDIT_TEST_DIR");
+    World& world = World::init();
+    if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/true);
+    run_until_failure(dir);
+  }
+  const TempDir temp("dist-kill");
+  const std::string& dir = temp.path();
+  const auto start = std::chrono::steady_clock::now();
+  const int code = run_ranks(3, "DistFailure.RankKilledMidSequence",
+                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(code, 0);
+  EXPECT_LT(seconds, 20.0);
+  expect_survivor_report(dir, 0, 1);
+  expect_survivor_report(dir, 2, 1);
+}
+
+TEST(DistFailure, RankExitsSilentlyMidSequence) {
+  if (is_worker()) {
+    const std::string dir = env_or("SHARDIT_TEST_DIR");
+    World& world = World::init();
+    if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/false);
+    run_until_failure(dir);
+  }
+  const TempDir temp("dist-exit");
+  const std::string& dir = temp.path();
+  const auto start = std::chrono::steady_clock::now();
+  const int code = run_ranks(2, "DistFailure.RankExitsSilentlyMidSequence",
+                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(code, 0) << "rank 0 should have failed after rank 1 left";
+  EXPECT_LT(seconds, 20.0);
+  expect_survivor_report(dir, 0, 1);
+}
+
+TEST(DistFailure, RankThatNeverArrivesTimesOut) {
+  constexpr int kRendezvousMs = 3000;
+  if (is_worker()) {
+    const std::string dir = env_or("SHARDIT_TEST_DIR");
+    if (std::atoi(env_or("RANK").c_str()) == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * kRendezvousMs));
+      std::_Exit(0);
+    }
+    const int64_t start = now_ms();
+    std::string message = "no error";
+    try {
+      World::init();
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    write_file(dir + "/rank0", std::to_string(now_ms() - start) + "\n" + message);
+    std::_Exit(1);
+  }
+  const TempDir temp("dist-absent");
+  const std::string& dir = temp.path();
+  const int code = run_ranks(2, "DistFailure.RankThatNeverArrivesTimesOut",
+                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
+  EXPECT_NE(code, 0);
+  const std::string report = read_file(dir + "/rank0");
+  ASSERT_FALSE(report.empty());
+  const int64_t elapsed = std::stoll(report.substr(0, report.find('\n')));
+  const std::string message = report.substr(report.find('\n') + 1);
+  // The wait is the timeout (+0.5 s that rank 0 keeps its store up for the others).
+  EXPECT_GE(elapsed, kRendezvousMs - 100) << message;
+  EXPECT_LT(elapsed, kRendezvousMs + 2000) << message;
+  EXPECT_THAT(message, HasSubstr("rank 0 of 2 (torchrun): rendezvous at 127.0.0.1:"));
+  EXPECT_THAT(message, HasSubstr("failed within 3000 ms: rank 1 did not join"));
+}
+
+// Sets variables for one call and restores the environment after.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(std::map<std::string, std::string> vars) : vars_(std::move(vars)) {
+    for (const auto& [name, value] : vars_) setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, value] : vars_) unsetenv(name.c_str());
+  }
+
+ private:
+  std::map<std::string, std::string> vars_;
+};
+
+std::string init_error(std::map<std::string, std::string> vars, shardit::dist::InitOptions options = {}) {
+  ScopedEnv env(std::move(vars));
+  try {
+    World::init(options);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(DistFailure, BadEnvironmentFailsInit) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  EXPECT_THAT(init_error({{"RANK", "3"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}}),
+              HasSubstr("RANK=3 is out of range for WORLD_SIZE=2 (expected 0..1)"));
+  EXPECT_THAT(init_error({{"RANK", "0"}, {"WORLD_SIZE", "0"}}),
+              HasSubstr("WORLD_SIZE=0 is invalid: the world needs at least 1 rank"));
+  EXPECT_THAT(init_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}),
+              HasSubstr("MASTER_PORT='http' is not an integer"));
+  EXPECT_THAT(init_error({{"SHARDIT_DIST_TIMEOUT_MS", "soon"}}),
+              HasSubstr("SHARDIT_DIST_TIMEOUT_MS='soon' is invalid: expected milliseconds"));
+  shardit::dist::InitOptions gpu;
+  gpu.device = "gpu";
+  EXPECT_THAT(init_error({}, gpu), HasSubstr("device 'gpu' is not supported: use auto, cpu or cuda"));
+  EXPECT_FALSE(World::initialized());
+}
+
+// Runs launch_local with this process's stdout and stderr captured into files.
+int launch_captured(const std::vector<std::string>& argv, const shardit::dist::LocalLaunchOptions& options,
+                    std::string* out, std::string* err) {
+  const TempDir temp("launch");
+  const std::string& dir = temp.path();
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int saved_out = ::dup(1);
+  const int saved_err = ::dup(2);
+  const int out_fd = ::open((dir + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err_fd = ::open((dir + "/err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::dup2(out_fd, 1);
+  ::dup2(err_fd, 2);
+  const int code = shardit::dist::launch_local(argv, options);
+  ::dup2(saved_out, 1);
+  ::dup2(saved_err, 2);
+  for (int fd : {saved_out, saved_err, out_fd, err_fd}) ::close(fd);
+  *out = read_file(dir + "/out");
+  *err = read_file(dir + "/err");
+  return code;
+}
+
+TEST(DistLauncher, PrefixesOutputAndSetsTheEnvironment) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  std::string out, err;
+  shardit::dist::LocalLaunchOptions options;
+  options.nproc = 2;
+  const int code = launch_captured(
+      {"/bin/sh", "-c",
+       "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR\"; "
+       "echo \"warn $RANK\" >&2; printf 'no newline'"},
+      options, &out, &err);
+  EXPECT_EQ(code, 0) << err;
+  EXPECT_THAT(out, HasSubstr("[0] env 0 2 0 2 127.0.0.1\n"));
+  EXPECT_THAT(out, HasSubstr("[1] env 1 2 1 2 127.0.0.1\n"));
+  EXPECT_THAT(out, HasSubstr("[1] no newline\n"));
+  EXPECT_THAT(err, HasSubstr("[0] warn 0\n"));
+  EXPECT_THAT(err, HasSubstr("[1] warn 1\n"));
+}
+
+TEST(DistLauncher, StopsTheOthersWhenARankFails) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  std::string out, err;
+  shardit::dist::LocalLaunchOptions options;
+  options.nproc = 3;
+  const auto start = std::chrono::steady_clock::now();
+  const int code = launch_captured(
+      {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 60"}, options,
+      &out, &err);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(code, 3);
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_THAT(err, HasSubstr("shardit: rank 1 failed (exit code 3); stopping the other ranks"));
+}
+
+TEST(DistLauncher, KillsRanksThatIgnoreSigtermAfterTheGracePeriod) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  std::string out, err;
+  shardit::dist::LocalLaunchOptions options;
+  options.nproc = 2;
+  options.grace_seconds = 1;
+  const auto start = std::chrono::steady_clock::now();
+  const int code = launch_captured(
+      {"/bin/sh", "-c",
+       "trap '' TERM; if [ \"$RANK\" = 0 ]; then sleep 0.3; kill -9 $$; fi; sleep 60"},
+      options, &out, &err);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(code, 128 + SIGKILL);
+  EXPECT_GE(seconds, 1.0);  // rank 1 ignored SIGTERM and lived through the grace period
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_THAT(err, HasSubstr("shardit: rank 0 failed (killed by signal 9"));
+  EXPECT_THAT(err, HasSubstr("); stopping the other ranks"));
+}
+
+}  // namespace
