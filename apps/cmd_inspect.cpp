@@ -14,6 +14,8 @@
 #include "shardit/core/error.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/builtin.h"
+#include "shardit/models/registry.h"
 
 namespace shardit::apps {
 
@@ -67,10 +69,13 @@ void print_tensor_table(const io::Checkpoint& checkpoint) {
              total_elements, total_bytes, human_bytes(total_bytes), checkpoint.files().size());
 }
 
-/// The resolved tensor-parallel plan. The model registry (models layer) is not wired into the CLI
-/// yet; once it is, this looks the component's class up and prints the plan resolved for `tp`.
+/// The tensor-parallel plan of the component's model class, resolved at `tp` (errors, such as a
+/// degree that does not divide the heads, are the resolver's own).
 void print_plan(const std::optional<io::ComponentFolder>& component, int tp) {
-  fmt::print("plan: not available for this model\n");
+  TORCH_CHECK(component.has_value(),
+              "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
+  const auto model = models::create_transformer(*component);
+  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), tp, model->resolve(tp).to_table());
 }
 
 void print_component(const io::ComponentFolder& component, const InspectOptions& options,
@@ -89,13 +94,19 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   } else {
     print_tensor_table(component.weights());
   }
-  if (options.plan) print_plan(component, options.tp);
+  // In a pipeline only the transformer has a plan; a component folder given directly must.
+  const auto supported = models::supported_transformer_classes();
+  const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
+  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options.tp);
 }
 
 int run_inspect(const InspectOptions& options) {
-  TORCH_CHECK(!options.path.empty(),
-              "inspect: give a path (a .safetensors file, a component folder or a pipeline folder); "
-              "inspecting a built-in model without a path is not available in this build");
+  if (options.path.empty()) {
+    InspectOptions builtin = options;
+    builtin.path = models::write_builtin_model(models::default_builtin_model_root()).pipeline;
+    fmt::print("(no path given: inspecting the built-in tiny model)\n");
+    return run_inspect(builtin);
+  }
   TORCH_CHECK(fs::exists(options.path), options.path, ": no such file or directory");
 
   if (!fs::is_directory(options.path)) {
@@ -137,7 +148,7 @@ void register_inspect(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<InspectOptions>();
   CLI::App* command = app.add_subcommand(
       "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
-  command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder");
+  command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
   command->add_option("--tp", options->tp, "tensor-parallel degree for --plan")->check(CLI::PositiveNumber);
   command->callback([&body, options] {

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
 BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
-"$BUILD_DIR/apps/shardit" inspect
+"$BUILD_DIR/apps/shardit" inspect --plan --tp 2

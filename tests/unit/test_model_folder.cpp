@@ -164,7 +164,11 @@ TEST(InspectCommand, PrintsConfigAndTensorTable) {
   EXPECT_THAT(output, HasSubstr(std::to_string(count) + " tensors"));
 
   ASSERT_EQ(testing::run_command(testing::cli_path() + " inspect --plan --tp 2 " + golden, &output), 0) << output;
-  EXPECT_THAT(output, HasSubstr("plan: not available for this model"));
+  EXPECT_THAT(output, HasSubstr("tensor-parallel plan of FluxTransformer2DModel at TP=2"));
+  EXPECT_THAT(output, HasSubstr("transformer_blocks.0.attn.to_q.weight"));
+  // 4 heads cannot be split three ways: the resolver's message, and a non-zero exit.
+  EXPECT_NE(testing::run_command(testing::cli_path() + " inspect --plan --tp 3 " + golden, &output), 0);
+  EXPECT_THAT(output, HasSubstr("1, 2, 4"));
 
   const std::string root = make_pipeline();
   write_text(root + "/text_encoder/config.json", R"({"architectures": ["CLIPTextModel"]})");

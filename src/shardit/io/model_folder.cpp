@@ -117,4 +117,9 @@ ComponentFolder ModelFolder::component(const std::string& name) const {
   return load_component((fs::path(root_) / name).string(), name);
 }
 
+ComponentFolder open_component(const std::string& path, const std::string& name) {
+  const ModelFolder folder = ModelFolder::open(path);
+  return folder.is_pipeline() ? folder.component(name) : folder.component("");
+}
+
 }  // namespace shardit::io

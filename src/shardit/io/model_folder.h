@@ -43,6 +43,10 @@ class ModelFolder {
   nlohmann::json model_index_;
 };
 
+/// The component `name` ("transformer") of the pipeline folder at `path`, or the folder itself
+/// when `path` is a component folder (a `transformer/` folder given directly, a test case).
+ComponentFolder open_component(const std::string& path, const std::string& name);
+
 /// Reads a JSON file with an error naming the file on any problem.
 nlohmann::json read_json_file(const std::string& path);
 

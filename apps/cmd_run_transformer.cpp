@@ -1,0 +1,104 @@
+// `shardit run-transformer`: one forward of a diffusers transformer on a golden-style case folder
+// (inputs.safetensors with the forward's keyword tensors, inputs.json with the rest). Under a
+// multi-rank launch every rank runs the model sharded over the world (TP degree = world size);
+// rank 0 writes the sample.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "apps/commands.h"
+#include "shardit/dist/world.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/registry.h"
+#include "shardit/parallel/tensor_parallel.h"
+
+namespace shardit::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct RunTransformerOptions {
+  std::string model;
+  std::string inputs;
+  std::string out;
+  std::string dtype = "f32";
+};
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "f32" || name == "fp32" || name == "float32") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  TORCH_CHECK(false, "--dtype '", name, "' is not supported; use f32 or bf16");
+}
+
+
+int run_transformer(const RunTransformerOptions& options) {
+  dist::World& world = dist::World::get();
+  const at::ScalarType dtype = parse_dtype(options.dtype);
+
+  const io::ComponentFolder component = io::open_component(options.model, "transformer");
+  std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
+
+  const std::string inputs_path =
+      fs::is_directory(options.inputs) ? (fs::path(options.inputs) / "inputs.safetensors").string() : options.inputs;
+  const fs::path inputs_json = fs::path(inputs_path).parent_path() / "inputs.json";
+  if (fs::exists(inputs_json)) {
+    const nlohmann::json meta = io::read_json_file(inputs_json.string());
+    if (meta.contains("model_class") && meta.at("model_class").is_string()) {
+      TORCH_CHECK(meta.at("model_class").get<std::string>() == component.class_name(), inputs_json.string(),
+                  ": inputs are for '", meta.at("model_class").get<std::string>(), "', but ", component.dir,
+                  " holds a '", component.class_name(), "'");
+    }
+  }
+  const auto inputs_file = io::SafetensorsFile::open(inputs_path);
+
+  parallel::LoadOptions load_options;
+  load_options.dtype = dtype;
+  load_options.device = world.device();
+  if (world.size() > 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world.size());
+
+  const auto load_start = std::chrono::steady_clock::now();
+  model->load(component.weights(), load_options);
+  const auto forward_start = std::chrono::steady_clock::now();
+
+  at::Tensor sample;
+  if (auto flux = std::dynamic_pointer_cast<models::FluxTransformer2DModel>(model)) {
+    sample = flux->forward(models::FluxTransformer2DModelInputs::read(*inputs_file));
+  } else {
+    TORCH_CHECK(false, "run-transformer: no input reader for '", model->type_name(),
+                "' yet; supported: FluxTransformer2DModel");
+  }
+  const auto end = std::chrono::steady_clock::now();
+
+  if (world.rank() == 0) {
+    // Written as float32 whatever the compute dtype (bf16 -> f32 is exact).
+    io::save_safetensors(options.out, {{"sample", sample.to(at::kCPU, at::kFloat).contiguous()}});
+    const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    fmt::print("{} ({}, tp {}): sample {} in {:.3f} s (load {:.3f} s) -> {}\n", model->type_name(), options.dtype,
+               world.size(), fmt::join(sample.sizes(), "x"), seconds(forward_start, end),
+               seconds(load_start, forward_start), options.out);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_run_transformer(CLI::App& app, CommandBody& body) {
+  auto options = std::make_shared<RunTransformerOptions>();
+  CLI::App* command =
+      app.add_subcommand("run-transformer", "run one transformer forward on a case folder and write `sample`");
+  command->add_option("--model", options->model, "transformer component folder (or pipeline folder)")->required();
+  command->add_option("--inputs", options->inputs, "case folder with inputs.safetensors (+ inputs.json), or the file")
+      ->required();
+  command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
+  command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
+  command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });
+}
+
+}  // namespace shardit::apps

@@ -1,0 +1,456 @@
+// shardit-bench: forward latency, memory per rank, communication, and the fraction of the
+// machine's measured GEMM rate that a transformer forward reaches; and load time / peak RSS of
+// the two tensor-parallel load paths. See docs/benchmarks.md.
+//
+//   shardit-bench forward [--nproc-per-node N] [--dtype f32|bf16] [--height 512 --width 512]
+//                         [--text-tokens 512] [--double 2 --single 4] [--model <folder>]
+//   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
+//
+// Without --model, both build a synthetic diffusers folder with FLUX.1-dev widths (3072 hidden,
+// 24 heads x 128, MLP x4, joint_attention_dim 4096) and random bf16 weights, in sharded
+// safetensors with an index, and reuse it on later runs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardit/core/error.h"
+#include "shardit/dist/launcher.h"
+#include "shardit/dist/world.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/registry.h"
+#include "shardit/parallel/tensor_parallel.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using shardit::models::FluxTransformer2DModel;
+using shardit::models::FluxTransformer2DModelConfig;
+using Clock = std::chrono::steady_clock;
+
+struct BenchOptions {
+  std::string mode;  // forward | load
+  int nproc_per_node = 1;
+  std::string model_dir;
+  std::string cache_dir = (fs::temp_directory_path() / "shardit-bench").string();
+  int num_double = 2;
+  int num_single = 4;
+  std::string dtype = "f32";
+  int height = 512;
+  int width = 512;
+  int text_tokens = 512;
+  int batch = 1;
+  int warmup = 1;
+  int repeats = 3;
+  std::string load_path = "shard-on-load";
+  std::string json_out;
+  std::string label;
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Peak resident set of this process so far, in bytes.
+int64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+/// Current resident set, in bytes.
+int64_t current_rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return pages_resident * sysconf(_SC_PAGESIZE);
+}
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "f32" || name == "fp32" || name == "float32") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  TORCH_CHECK(false, "--dtype must be f32 or bf16, got '", name, "'");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The synthetic checkpoint folder
+
+nlohmann::json synthetic_config(const BenchOptions& options) {
+  return {{"_class_name", "FluxTransformer2DModel"},
+          {"patch_size", 1},
+          {"in_channels", 64},
+          {"out_channels", nullptr},
+          {"num_layers", options.num_double},
+          {"num_single_layers", options.num_single},
+          {"attention_head_dim", 128},
+          {"num_attention_heads", 24},
+          {"joint_attention_dim", 4096},
+          {"pooled_projection_dim", 768},
+          {"guidance_embeds", true},
+          {"axes_dims_rope", {16, 56, 56}}};
+}
+
+/// Writes a diffusers pipeline folder (model_index.json + transformer/) with random bf16 weights,
+/// split into safetensors files of about `shard_bytes` with an index, as diffusers saves them.
+void write_synthetic_folder(const fs::path& root, const nlohmann::json& config) {
+  const fs::path transformer_dir = root / "transformer";
+  fs::create_directories(transformer_dir);
+  std::ofstream(root / "model_index.json")
+      << nlohmann::json{{"_class_name", "FluxPipeline"}, {"transformer", {"diffusers", "FluxTransformer2DModel"}}}.dump(2);
+  std::ofstream(transformer_dir / "config.json") << config.dump(2);
+
+  FluxTransformer2DModel model(FluxTransformer2DModelConfig::from_json(config, "synthetic config"));
+  auto slots = model.named_parameters();
+  constexpr int64_t kShardBytes = int64_t{1} << 30;
+  std::vector<std::vector<size_t>> shards(1);
+  int64_t shard_fill = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t bytes = slots[i].tensor->numel() * 2;
+    if (shard_fill > 0 && shard_fill + bytes > kShardBytes) {
+      shards.emplace_back();
+      shard_fill = 0;
+    }
+    shards.back().push_back(i);
+    shard_fill += bytes;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  int64_t total_bytes = 0;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(1234);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    char file_name[96];
+    std::snprintf(file_name, sizeof(file_name), "diffusion_pytorch_model-%05zu-of-%05zu.safetensors", s + 1,
+                  shards.size());
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (size_t i : shards[s]) {
+      const auto& slot = slots[i];
+      at::Tensor values = at::normal(0.0, 0.02, slot.tensor->sizes(), generator, at::TensorOptions().dtype(at::kFloat));
+      if (slot.name.find("norm") != std::string::npos && slot.tensor->dim() == 1) values.fill_(1.0);
+      tensors.emplace_back(slot.name, values.to(at::kBFloat16));
+      weight_map[slot.name] = file_name;
+      total_bytes += tensors.back().second.numel() * 2;
+    }
+    shardit::io::save_safetensors((transformer_dir / file_name).string(), tensors);
+  }
+  std::ofstream(transformer_dir / "diffusion_pytorch_model.safetensors.index.json")
+      << nlohmann::json{{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}.dump(2);
+}
+
+/// The model folder to benchmark: --model, or the synthetic one (made by rank 0 if missing).
+std::string prepare_model_folder(const BenchOptions& options, shardit::dist::World& world) {
+  if (!options.model_dir.empty()) return options.model_dir;
+  const nlohmann::json config = synthetic_config(options);
+  const fs::path root = fs::path(options.cache_dir) /
+                        ("flux1-width3072-d" + std::to_string(options.num_double) + "-s" +
+                         std::to_string(options.num_single));
+  const fs::path done_marker = root / ".complete";
+  if (world.rank() == 0 && !fs::exists(done_marker)) {
+    std::fprintf(stderr, "bench: writing synthetic checkpoint %s\n", root.string().c_str());
+    fs::remove_all(root);
+    write_synthetic_folder(root, config);
+    std::ofstream(done_marker) << "ok\n";
+  }
+  world.group()->barrier();
+  return root.string();
+}
+
+// ---------------------------------------------------------------------------------------------
+// FLOPs and the GEMM rate
+
+/// Multiply-add FLOPs (2 per MAC) of the matmuls of one FLUX.1 forward: every Linear plus the two
+/// attention products. Element-wise work is not counted.
+double flux_forward_flops(const FluxTransformer2DModelConfig& config, int64_t batch, int64_t image_tokens,
+                          int64_t text_tokens) {
+  const double d = static_cast<double>(config.inner_dim());
+  const double n = static_cast<double>(image_tokens);
+  const double l = static_cast<double>(text_tokens);
+  const double s = n + l;
+  const double mlp = 4.0 * d;
+  // Double block, per stream: q, k, v, out (4 d^2) and the MLP (2 d mlp), per token.
+  const double double_block = 2.0 * s * (4.0 * d * d + 2.0 * d * mlp) + 2.0 * 2.0 * s * s * d;
+  // Single block, per token: q, k, v (3 d^2), proj_mlp (d mlp), proj_out ((d + mlp) d).
+  const double single_block = 2.0 * s * (3.0 * d * d + d * mlp + (d + mlp) * d) + 2.0 * 2.0 * s * s * d;
+  const double embed = 2.0 * (n * config.in_channels * d + l * config.joint_attention_dim * d) +
+                       2.0 * n * d * config.patch_size * config.patch_size * config.resolved_out_channels();
+  return batch * (config.num_layers * double_block + config.num_single_layers * single_block + embed);
+}
+
+/// GFLOP/s of an fp32 matmul shaped like the model's projections ([S, D] x [D, D]), measured with
+/// this rank's threads.
+double measure_gemm_gflops(int64_t rows, int64_t dim, at::ScalarType dtype) {
+  const at::Tensor a = at::randn({rows, dim}).to(dtype);
+  const at::Tensor b = at::randn({dim, dim}).to(dtype);
+  at::Tensor c = at::mm(a, b);  // warm-up
+  std::vector<double> rates;
+  for (int i = 0; i < 5; ++i) {
+    const auto start = Clock::now();
+    c = at::mm(a, b);
+    rates.push_back(2.0 * rows * dim * dim / seconds_since(start) / 1e9);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+std::string human_bytes(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The benchmarks
+
+void emit(const BenchOptions& options, const nlohmann::json& result, const std::string& markdown_row) {
+  std::printf("%s\n", result.dump(2).c_str());
+  std::printf("\n%s\n", markdown_row.c_str());
+  if (!options.json_out.empty()) std::ofstream(options.json_out) << result.dump(2) << "\n";
+}
+
+int run_forward(const BenchOptions& options) {
+  auto& world = shardit::dist::World::init();
+  const int tp = world.size();
+  const at::ScalarType dtype = parse_dtype(options.dtype);
+  const std::string folder_path = prepare_model_folder(options, world);
+  const auto folder = shardit::io::open_component(folder_path, "transformer");
+  auto module = shardit::models::create_transformer(folder);
+  auto* model = dynamic_cast<FluxTransformer2DModel*>(module.get());
+  TORCH_CHECK(model != nullptr, "shardit-bench forward: supports FluxTransformer2DModel, got ", module->type_name());
+  const auto& config = model->config;
+
+  // Every rank measures its GEMM rate at the same time, so the sum is the machine's rate with
+  // this many ranks and threads each.
+  world.group()->barrier();
+  const int64_t image_tokens = static_cast<int64_t>(options.height / 16) * (options.width / 16);
+  const double gemm_rank = measure_gemm_gflops(image_tokens + options.text_tokens, config.inner_dim(), at::kFloat);
+  at::Tensor gemm_sum = at::tensor({gemm_rank}, at::kDouble);
+  world.group()->all_reduce(gemm_sum);
+  const double gemm_machine = gemm_sum.item<double>();
+
+  const int64_t rss_before_load = current_rss_bytes();
+  shardit::parallel::LoadOptions load;
+  load.dtype = dtype;
+  if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(tp);
+  model->load(folder.weights(), load);
+  const int64_t parameter_bytes = model->parameter_bytes();
+
+  // Inputs as the pipeline makes them (values random, shapes real).
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto randn = [&](std::vector<int64_t> shape) {
+    return at::normal(0.0, 1.0, shape, generator, at::TensorOptions().dtype(at::kFloat)).to(dtype);
+  };
+  shardit::models::FluxTransformer2DModelInputs inputs;
+  const int64_t b = options.batch;
+  inputs.hidden_states = randn({b, image_tokens, config.in_channels});
+  inputs.encoder_hidden_states = randn({b, options.text_tokens, config.joint_attention_dim});
+  inputs.pooled_projections = randn({b, config.pooled_projection_dim});
+  inputs.timestep = at::full({b}, 0.5, at::kFloat).to(dtype);
+  if (config.guidance_embeds) inputs.guidance = at::full({b}, 0.0035, at::kFloat).to(dtype);
+  const int64_t grid_w = options.width / 16;
+  const at::Tensor positions = at::arange(image_tokens, at::kLong);
+  inputs.img_ids = at::stack({at::zeros({image_tokens}, at::kLong), positions.div(grid_w, "floor"),
+                              positions.remainder(grid_w)}, 1).to(at::kFloat);
+  inputs.txt_ids = at::zeros({options.text_tokens, 3}, at::kFloat);
+
+  auto& stats = world.group()->stats();
+  for (int i = 0; i < options.warmup; ++i) model->forward(inputs);
+  world.group()->barrier();
+  stats.reset();
+  std::vector<double> step_seconds;
+  for (int i = 0; i < options.repeats; ++i) {
+    world.group()->barrier();
+    const auto start = Clock::now();
+    at::Tensor sample = model->forward(inputs);
+    step_seconds.push_back(seconds_since(start));
+  }
+  // The barriers between steps are collectives too; count only the forward's.
+  const double steps = options.repeats;
+  const double barrier_calls = static_cast<double>(stats.calls_by_op["barrier"]);
+  const double all_reduces = stats.calls_by_op["all_reduce"] / steps;
+  const double all_gathers = stats.calls_by_op["all_gather"] / steps;
+  const double collectives = (stats.collectives - barrier_calls) / steps;
+  const double bytes_sent = stats.bytes_sent / steps;
+
+  int64_t expected_all_reduces = 0;
+  if (tp > 1) {
+    for (const auto& spec : model->resolve(tp).parameters) {
+      if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
+                         *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
+          spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
+        ++expected_all_reduces;
+      }
+    }
+  }
+
+  std::vector<double> sorted = step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double flops = flux_forward_flops(config, b, image_tokens, options.text_tokens);
+  const double achieved = flops / median / 1e9;
+
+  // Per-rank memory, gathered on rank 0.
+  at::Tensor memory = at::tensor({static_cast<double>(peak_rss_bytes()), static_cast<double>(parameter_bytes)},
+                                 at::kDouble).unsqueeze(0);
+  memory = world.group()->all_gather(memory, 0);
+  if (world.rank() != 0) return 0;
+
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (int r = 0; r < tp; ++r) {
+    per_rank.push_back({{"rank", r},
+                        {"peak_rss_bytes", static_cast<int64_t>(memory[r][0].item<double>())},
+                        {"parameter_bytes", static_cast<int64_t>(memory[r][1].item<double>())}});
+  }
+  nlohmann::json result = {
+      {"benchmark", "forward"},
+      {"label", options.label},
+      {"model", folder_path},
+      {"num_layers", config.num_layers},
+      {"num_single_layers", config.num_single_layers},
+      {"tp_degree", tp},
+      {"threads_per_rank", at::get_num_threads()},
+      {"dtype", options.dtype},
+      {"batch", b},
+      {"image_tokens", image_tokens},
+      {"text_tokens", options.text_tokens},
+      {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}, {"all", step_seconds}}},
+      {"matmul_gflop_per_step", flops / 1e9},
+      {"achieved_gflops", achieved},
+      {"gemm_gflops_machine", gemm_machine},
+      {"fraction_of_gemm_rate", achieved / gemm_machine},
+      {"collectives_per_step", collectives},
+      {"all_reduces_per_step", all_reduces},
+      {"all_reduces_expected_from_plan", expected_all_reduces},
+      {"all_gathers_per_step", all_gathers},
+      {"bytes_sent_per_rank_per_step", bytes_sent},
+      {"rss_before_load_bytes", rss_before_load},
+      {"per_rank", per_rank},
+  };
+  char row[512];
+  std::snprintf(row, sizeof(row),
+                "| forward | %s | TP=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f "
+                "| %.0f all-reduce (plan: %lld), %.1f MiB/rank | %s params, %s peak RSS (rank 0) |",
+                options.dtype.c_str(), tp, at::get_num_threads(), static_cast<long long>(image_tokens),
+                options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
+                gemm_machine, all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
+                human_bytes(parameter_bytes).c_str(), human_bytes(peak_rss_bytes()).c_str());
+  emit(options, result, row);
+  return 0;
+}
+
+int run_load(const BenchOptions& options) {
+  auto& world = shardit::dist::World::init();
+  const int tp = world.size();
+  const at::ScalarType dtype = parse_dtype(options.dtype);
+  const std::string folder_path = prepare_model_folder(options, world);
+  const auto folder = shardit::io::open_component(folder_path, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  const auto plan = model->resolve(tp);
+  const int64_t element_size = at::elementSize(dtype);
+  const int64_t expected_bytes =
+      (plan.replicated_bytes() + plan.sharded_bytes() / tp) / plan.element_size * element_size;
+
+  world.group()->barrier();
+  const int64_t rss_before = current_rss_bytes();
+  const auto checkpoint = folder.weights();
+  const auto start = Clock::now();
+  shardit::parallel::LoadOptions load;
+  load.dtype = dtype;
+  const bool shard_on_load = options.load_path == "shard-on-load";
+  TORCH_CHECK(shard_on_load || options.load_path == "load-then-shard",
+              "--path must be shard-on-load or load-then-shard, got '", options.load_path, "'");
+  if (tp > 1 && shard_on_load) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(tp);
+  model->load(checkpoint, load);
+  if (tp > 1 && !shard_on_load) {
+    model->enable_parallelism(shardit::parallel::TensorParallelConfig::from_degree(tp));
+  }
+  const double load_seconds = seconds_since(start);
+  const int64_t peak_growth = peak_rss_bytes() - rss_before;
+
+  at::Tensor numbers = at::tensor({load_seconds, static_cast<double>(peak_growth),
+                                   static_cast<double>(model->parameter_bytes()),
+                                   static_cast<double>(checkpoint.stats().bytes_read.load())},
+                                  at::kDouble).unsqueeze(0);
+  numbers = world.group()->all_gather(numbers, 0);
+  if (world.rank() != 0) return 0;
+  nlohmann::json per_rank = nlohmann::json::array();
+  double worst_growth = 0;
+  double worst_seconds = 0;
+  for (int r = 0; r < tp; ++r) {
+    per_rank.push_back({{"rank", r},
+                        {"load_seconds", numbers[r][0].item<double>()},
+                        {"peak_rss_growth_bytes", static_cast<int64_t>(numbers[r][1].item<double>())},
+                        {"parameter_bytes", static_cast<int64_t>(numbers[r][2].item<double>())},
+                        {"checkpoint_bytes_read", static_cast<int64_t>(numbers[r][3].item<double>())}});
+    worst_growth = std::max(worst_growth, numbers[r][1].item<double>());
+    worst_seconds = std::max(worst_seconds, numbers[r][0].item<double>());
+  }
+  nlohmann::json result = {
+      {"benchmark", "load"},
+      {"label", options.label},
+      {"model", folder_path},
+      {"path", options.load_path},
+      {"tp_degree", tp},
+      {"dtype", options.dtype},
+      {"expected_bytes_per_rank", expected_bytes},
+      {"peak_rss_growth_over_expected", worst_growth / expected_bytes},
+      {"per_rank", per_rank},
+  };
+  char row[512];
+  std::snprintf(row, sizeof(row), "| load | %s | TP=%d | %s | %.1f s | %s peak RSS growth (max rank) | %s expected | %.2fx |",
+                options.dtype.c_str(), tp, options.load_path.c_str(), worst_seconds,
+                human_bytes(static_cast<int64_t>(worst_growth)).c_str(), human_bytes(expected_bytes).c_str(),
+                worst_growth / expected_bytes);
+  emit(options, result, row);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardit-bench: transformer forward and load benchmarks"};
+  BenchOptions options;
+  app.add_option("--nproc-per-node", options.nproc_per_node, "ranks on this host")->check(CLI::PositiveNumber);
+  app.add_option("--model", options.model_dir, "a diffusers folder (default: a synthetic FLUX.1-dev-width one)");
+  app.add_option("--cache-dir", options.cache_dir, "where the synthetic folder is written and reused");
+  app.add_option("--double", options.num_double, "double-stream blocks of the synthetic model");
+  app.add_option("--single", options.num_single, "single-stream blocks of the synthetic model");
+  app.add_option("--dtype", options.dtype, "f32 or bf16");
+  app.add_option("--json", options.json_out, "also write the result to this file");
+  app.add_option("--label", options.label, "free text stored with the result");
+  auto* forward = app.add_subcommand("forward", "forward-step latency, memory, communication, roofline ratio");
+  forward->add_option("--height", options.height, "image height in pixels (16 px per latent token)");
+  forward->add_option("--width", options.width, "image width in pixels");
+  forward->add_option("--text-tokens", options.text_tokens, "text sequence length");
+  forward->add_option("--batch", options.batch, "batch size");
+  forward->add_option("--warmup", options.warmup, "untimed steps first");
+  forward->add_option("--repeats", options.repeats, "timed steps");
+  auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
+  load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
+  app.require_subcommand(1);
+  CLI11_PARSE(app, argc, argv);
+  options.mode = forward->parsed() ? "forward" : "load";
+
+  if (options.nproc_per_node > 1) {
+    return shardit::dist::relaunch_as_local_ranks(argc, argv, options.nproc_per_node);
+  }
+  try {
+    return options.mode == "forward" ? run_forward(options) : run_load(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardit-bench: error: %s\n", shardit::error_message(e).c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+}

@@ -1,0 +1,116 @@
+#include "shardit/models/builtin.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include "shardit/io/safetensors.h"
+#include "shardit/models/flux/transformer_flux.h"
+
+namespace shardit::models {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Small enough to run in a blink, large enough that TP=2, 3 and 4 all divide it (12 heads).
+nlohmann::json builtin_transformer_config() {
+  return {{"_class_name", "FluxTransformer2DModel"},
+          {"patch_size", 1},
+          {"in_channels", 16},
+          {"out_channels", nullptr},
+          {"num_layers", 2},
+          {"num_single_layers", 2},
+          {"attention_head_dim", 16},
+          {"num_attention_heads", 12},
+          {"joint_attention_dim", 32},
+          {"pooled_projection_dim", 32},
+          {"guidance_embeds", true},
+          {"axes_dims_rope", {4, 6, 6}}};
+}
+
+void write_json(const fs::path& path, const nlohmann::json& json) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), path.string(), ": cannot write");
+  out << json.dump(2) << "\n";
+}
+
+}  // namespace
+
+std::string default_builtin_model_root() {
+  return (fs::temp_directory_path() / "shardit-builtin-1").string();
+}
+
+BuiltinModelPaths write_builtin_model(const std::string& root_path) {
+  const fs::path root(root_path);
+  BuiltinModelPaths paths{root.string(), (root / "transformer").string(), (root / "inputs").string()};
+  if (fs::exists(root / ".complete")) return paths;
+
+  // Write into a private folder, then rename: ranks started together never see half a model.
+  const fs::path staging = root.string() + ".tmp-" + std::to_string(::getpid());
+  fs::remove_all(staging);
+  fs::create_directories(staging / "transformer");
+  fs::create_directories(staging / "inputs");
+  write_json(staging / "model_index.json",
+             {{"_class_name", "FluxPipeline"}, {"transformer", {"diffusers", "FluxTransformer2DModel"}}});
+  const nlohmann::json config = builtin_transformer_config();
+  write_json(staging / "transformer" / "config.json", config);
+
+  FluxTransformer2DModel model(FluxTransformer2DModelConfig::from_json(config, "built-in config"));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(20261130);
+  std::vector<std::pair<std::string, at::Tensor>> shards[2];
+  nlohmann::json weight_map = nlohmann::json::object();
+  int64_t total_size = 0;
+  const char* shard_names[2] = {"diffusion_pytorch_model-00001-of-00002.safetensors",
+                                "diffusion_pytorch_model-00002-of-00002.safetensors"};
+  for (const auto& slot : model.named_parameters()) {
+    // Weights large enough that every layer matters in the output.
+    at::Tensor values = at::normal(0.0, 0.2, slot.tensor->sizes(), generator, at::TensorOptions().dtype(at::kFloat));
+    const int shard = slot.name.rfind("single_transformer_blocks", 0) == 0 ? 1 : 0;
+    shards[shard].emplace_back(slot.name, values);
+    weight_map[slot.name] = shard_names[shard];
+    total_size += values.numel() * 4;
+  }
+  for (int s = 0; s < 2; ++s) io::save_safetensors((staging / "transformer" / shard_names[s]).string(), shards[s]);
+  write_json(staging / "transformer" / "diffusion_pytorch_model.safetensors.index.json",
+             {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}});
+
+  // One input case: B=2, a 3x4 latent token grid, 6 text tokens.
+  const int64_t batch = 2, grid_h = 3, grid_w = 4, text_len = 6;
+  const auto randn = [&](std::vector<int64_t> shape) {
+    return at::normal(0.0, 1.0, shape, generator, at::TensorOptions().dtype(at::kFloat));
+  };
+  const at::Tensor positions = at::arange(grid_h * grid_w, at::kLong);
+  const at::Tensor img_ids =
+      at::stack({at::zeros_like(positions), positions.div(grid_w, "floor"), positions.remainder(grid_w)}, 1)
+          .to(at::kFloat);
+  io::save_safetensors((staging / "inputs" / "inputs.safetensors").string(),
+                       {{"hidden_states", randn({batch, grid_h * grid_w, 16})},
+                        {"encoder_hidden_states", randn({batch, text_len, 32})},
+                        {"pooled_projections", randn({batch, 32})},
+                        {"timestep", at::tensor({0.75f, 0.25f})},
+                        {"img_ids", img_ids},
+                        {"txt_ids", at::zeros({text_len, 3}, at::kFloat)},
+                        {"guidance", at::tensor({0.0035f, 0.0035f})}});
+  write_json(staging / "inputs" / "inputs.json",
+             {{"model_class", "FluxTransformer2DModel"},
+              {"batch_size", batch},
+              {"latent_token_grid", {{"height", grid_h}, {"width", grid_w}}},
+              {"text_len", text_len},
+              {"notes", {"built-in tiny model input; timestep and guidance are t/1000 as the pipeline passes them"}}});
+  std::ofstream(staging / ".complete") << "ok\n";
+
+  std::error_code error;
+  fs::rename(staging, root, error);
+  if (error) {
+    // Another process finished first: keep its copy.
+    fs::remove_all(staging);
+    TORCH_CHECK(fs::exists(root / ".complete"), root.string(), ": cannot create the built-in model: ", error.message());
+  }
+  return paths;
+}
+
+}  // namespace shardit::models

@@ -1,0 +1,22 @@
+#pragma once
+// A built-in tiny model, so that the CLI and the quick start run on a fresh machine with no
+// checkpoint: a diffusers pipeline folder holding a small FluxTransformer2DModel with seeded random
+// weights (in two safetensors shards with an index, as diffusers saves large models), and one
+// input case in the golden-data layout (inputs.safetensors + inputs.json).
+#include <string>
+
+namespace shardit::models {
+
+struct BuiltinModelPaths {
+  std::string pipeline;     ///< the folder with model_index.json
+  std::string transformer;  ///< its transformer/ component
+  std::string inputs;       ///< a case folder for `run-transformer --inputs`
+};
+
+/// Writes (or reuses, when already complete) the built-in tiny model under `root`.
+BuiltinModelPaths write_builtin_model(const std::string& root);
+
+/// The default location: `$TMPDIR/shardit-builtin-<version>`.
+std::string default_builtin_model_root();
+
+}  // namespace shardit::models

@@ -1,0 +1,526 @@
+#include "shardit/models/flux/transformer_flux.h"
+
+#include <c10/util/Exception.h>
+
+#include <numeric>
+#include <utility>
+
+namespace shardit::models {
+
+namespace {
+
+constexpr double kNormEps = 1e-6;
+
+template <class T>
+T json_value(const nlohmann::json& json, const char* key, T fallback, const std::string& source) {
+  if (!json.contains(key) || json.at(key).is_null()) return fallback;
+  try {
+    return json.at(key).get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", json.at(key).dump(), "): ", e.what());
+  }
+}
+
+/// normed * (1 + scale) + shift with per-sample [B, D] modulation broadcast over the sequence,
+/// in place on the freshly normalised tensor (same roundings as the reference's two ops).
+at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale) {
+  return normed.mul_(1 + scale.unsqueeze(1)).add_(shift.unsqueeze(1));
+}
+
+/// residual + gate * update with a per-sample [B, D] gate, one pass.
+at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
+  return at::addcmul(residual, gate.unsqueeze(1), update);
+}
+
+/// A recorder that prefixes every name; empty when `record` is.
+IntermediateRecorder prefixed(const IntermediateRecorder& record, std::string prefix) {
+  if (!record) return {};
+  return [record, prefix = std::move(prefix)](const std::string& name, const at::Tensor& value) {
+    record(prefix + name, value);
+  };
+}
+
+/// [B, S, H * D] -> [B, S, H, D] with H taken from the width (the local heads under TP).
+at::Tensor split_heads(const at::Tensor& x, int64_t head_dim) {
+  return x.unflatten(-1, {x.size(-1) / head_dim, head_dim});
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+FluxTransformer2DModelConfig FluxTransformer2DModelConfig::from_json(const nlohmann::json& json,
+                                                                     const std::string& source) {
+  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  FluxTransformer2DModelConfig config;
+  config.patch_size = json_value(json, "patch_size", config.patch_size, source);
+  config.in_channels = json_value(json, "in_channels", config.in_channels, source);
+  if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
+    config.out_channels = json_value<int64_t>(json, "out_channels", 0, source);
+  }
+  config.num_layers = json_value(json, "num_layers", config.num_layers, source);
+  config.num_single_layers = json_value(json, "num_single_layers", config.num_single_layers, source);
+  config.attention_head_dim = json_value(json, "attention_head_dim", config.attention_head_dim, source);
+  config.num_attention_heads = json_value(json, "num_attention_heads", config.num_attention_heads, source);
+  config.joint_attention_dim = json_value(json, "joint_attention_dim", config.joint_attention_dim, source);
+  config.pooled_projection_dim = json_value(json, "pooled_projection_dim", config.pooled_projection_dim, source);
+  config.guidance_embeds = json_value(json, "guidance_embeds", config.guidance_embeds, source);
+  config.axes_dims_rope = json_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+
+  const auto positive = [&](const char* key, int64_t value) {
+    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
+  };
+  positive("patch_size", config.patch_size);
+  positive("in_channels", config.in_channels);
+  positive("out_channels", config.resolved_out_channels());
+  positive("attention_head_dim", config.attention_head_dim);
+  positive("num_attention_heads", config.num_attention_heads);
+  positive("joint_attention_dim", config.joint_attention_dim);
+  positive("pooled_projection_dim", config.pooled_projection_dim);
+  TORCH_CHECK(config.num_layers >= 0 && config.num_single_layers >= 0, source,
+              ": num_layers and num_single_layers must be >= 0, got ", config.num_layers, " and ",
+              config.num_single_layers);
+  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
+  TORCH_CHECK(!config.axes_dims_rope.empty() && rope_dim == config.attention_head_dim, source,
+              ": axes_dims_rope must sum to attention_head_dim (", config.attention_head_dim, "), got sum ",
+              rope_dim);
+  for (int64_t d : config.axes_dims_rope) {
+    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
+  }
+  return config;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Normalisation with modulation
+
+AdaLayerNormZero::AdaLayerNormZero(int64_t embedding_dim) {
+  linear = register_module("linear",
+                           std::make_shared<nn::Linear>(nn::LinearOptions(embedding_dim, 6 * embedding_dim)));
+}
+
+AdaLayerNormZero::Output AdaLayerNormZero::forward(const at::Tensor& x, const at::Tensor& emb) {
+  Output out;
+  // [B, 6D]
+  out.emb = linear->forward(at::silu(emb));
+  const std::vector<at::Tensor> chunks = out.emb.chunk(6, 1);
+  out.gate_msa = chunks[2];
+  out.shift_mlp = chunks[3];
+  out.scale_mlp = chunks[4];
+  out.gate_mlp = chunks[5];
+  out.hidden_states = modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  return out;
+}
+
+AdaLayerNormZeroSingle::AdaLayerNormZeroSingle(int64_t embedding_dim) {
+  linear = register_module("linear",
+                           std::make_shared<nn::Linear>(nn::LinearOptions(embedding_dim, 3 * embedding_dim)));
+}
+
+AdaLayerNormZeroSingle::Output AdaLayerNormZeroSingle::forward(const at::Tensor& x, const at::Tensor& emb) {
+  Output out;
+  // [B, 3D]
+  out.emb = linear->forward(at::silu(emb));
+  const std::vector<at::Tensor> chunks = out.emb.chunk(3, 1);
+  out.gate = chunks[2];
+  out.hidden_states = modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  return out;
+}
+
+AdaLayerNormContinuous::AdaLayerNormContinuous(int64_t embedding_dim, int64_t conditioning_embedding_dim) {
+  linear = register_module("linear", std::make_shared<nn::Linear>(
+                                         nn::LinearOptions(conditioning_embedding_dim, 2 * embedding_dim)));
+}
+
+at::Tensor AdaLayerNormContinuous::forward(const at::Tensor& x, const at::Tensor& conditioning, at::Tensor* emb_out) {
+  // [B, 2D] = [scale | shift]
+  const at::Tensor emb = linear->forward(at::silu(conditioning).to(x.scalar_type()));
+  if (emb_out != nullptr) *emb_out = emb;
+  const std::vector<at::Tensor> chunks = emb.chunk(2, 1);
+  return modulate(nn::layer_norm(x, kNormEps), /*shift=*/chunks[1], /*scale=*/chunks[0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conditioning embedding
+
+CombinedTimestepGuidanceTextProjEmbeddings::CombinedTimestepGuidanceTextProjEmbeddings(int64_t embedding_dim,
+                                                                                       int64_t pooled_projection_dim,
+                                                                                       bool with_guidance)
+    : time_proj(nn::TimestepsOptions(256, /*flip_sin_to_cos=*/true, /*downscale_freq_shift=*/0)) {
+  timestep_embedder = register_module("timestep_embedder", std::make_shared<nn::TimestepEmbedding>(256, embedding_dim));
+  if (with_guidance) {
+    guidance_embedder = register_module("guidance_embedder", std::make_shared<nn::TimestepEmbedding>(256, embedding_dim));
+  }
+  text_embedder = register_module("text_embedder", std::make_shared<nn::PixArtAlphaTextProjection>(
+                                                       pooled_projection_dim, embedding_dim, nn::Activation::SiLU));
+}
+
+at::Tensor CombinedTimestepGuidanceTextProjEmbeddings::forward(const at::Tensor& timestep,
+                                                               const std::optional<at::Tensor>& guidance,
+                                                               const at::Tensor& pooled_projection,
+                                                               const IntermediateRecorder& record) {
+  const at::ScalarType dtype = pooled_projection.scalar_type();
+  // [B, 256] fp32
+  const at::Tensor timesteps_proj = time_proj.forward(timestep);
+  if (record) record("temb.timestep_proj", timesteps_proj);
+  // [B, D]
+  at::Tensor conditioning = timestep_embedder->forward(timesteps_proj.to(dtype));
+  if (record) record("temb.timestep_emb", conditioning);
+  if (guidance_embedder) {
+    TORCH_INTERNAL_ASSERT(guidance.has_value(), "guidance missing for a guidance-distilled model");
+    const at::Tensor guidance_proj = time_proj.forward(*guidance);
+    if (record) record("temb.guidance_proj", guidance_proj);
+    const at::Tensor guidance_emb = guidance_embedder->forward(guidance_proj.to(dtype));
+    if (record) record("temb.guidance_emb", guidance_emb);
+    conditioning = conditioning + guidance_emb;
+  }
+  const at::Tensor pooled_emb = text_embedder->forward(pooled_projection);
+  if (record) record("temb.pooled_emb", pooled_emb);
+  return conditioning + pooled_emb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+FluxAttention::FluxAttention(const FluxAttentionOptions& options) : options_(options) {
+  const int64_t inner_dim = options.heads * options.dim_head;
+  const auto rms = [&] { return std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(options.dim_head).with_eps(options.eps)); };
+  const auto linear = [](int64_t in, int64_t out) { return std::make_shared<nn::Linear>(nn::LinearOptions(in, out)); };
+  norm_q = register_module("norm_q", rms());
+  norm_k = register_module("norm_k", rms());
+  to_q = register_module("to_q", linear(options.query_dim, inner_dim));
+  to_k = register_module("to_k", linear(options.query_dim, inner_dim));
+  to_v = register_module("to_v", linear(options.query_dim, inner_dim));
+  if (!options.pre_only) {
+    to_out = register_module("to_out", std::make_shared<nn::ModuleList<nn::Linear>>());
+    to_out->push_back(linear(inner_dim, options.query_dim));
+  }
+  if (options.added_kv_proj_dim > 0) {
+    norm_added_q = register_module("norm_added_q", rms());
+    norm_added_k = register_module("norm_added_k", rms());
+    add_q_proj = register_module("add_q_proj", linear(options.added_kv_proj_dim, inner_dim));
+    add_k_proj = register_module("add_k_proj", linear(options.added_kv_proj_dim, inner_dim));
+    add_v_proj = register_module("add_v_proj", linear(options.added_kv_proj_dim, inner_dim));
+    to_add_out = register_module("to_add_out", linear(inner_dim, options.query_dim));
+  }
+}
+
+FluxAttention::Output FluxAttention::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                                             const nn::RotaryEmbedding& rope) {
+  // hidden_states [B, N, D]; encoder_hidden_states [B, L, D] or undefined
+  const int64_t head_dim = options_.dim_head;
+  // [B, N, H_local, hd]
+  at::Tensor query = norm_q->forward(split_heads(to_q->forward(hidden_states), head_dim));
+  at::Tensor key = norm_k->forward(split_heads(to_k->forward(hidden_states), head_dim));
+  at::Tensor value = split_heads(to_v->forward(hidden_states), head_dim);
+
+  int64_t text_len = 0;
+  if (encoder_hidden_states.defined()) {
+    TORCH_INTERNAL_ASSERT(add_q_proj, "FluxAttention: encoder_hidden_states given to an attention without added KV");
+    text_len = encoder_hidden_states.size(1);
+    // [B, L, H_local, hd]
+    const at::Tensor encoder_query =
+        norm_added_q->forward(split_heads(add_q_proj->forward(encoder_hidden_states), head_dim));
+    const at::Tensor encoder_key =
+        norm_added_k->forward(split_heads(add_k_proj->forward(encoder_hidden_states), head_dim));
+    const at::Tensor encoder_value = split_heads(add_v_proj->forward(encoder_hidden_states), head_dim);
+    // [B, L + N, H_local, hd]: text first
+    query = at::cat({encoder_query, query}, 1);
+    key = at::cat({encoder_key, key}, 1);
+    value = at::cat({encoder_value, value}, 1);
+  }
+
+  query = nn::apply_rotary_emb(query, rope);
+  key = nn::apply_rotary_emb(key, rope);
+
+  // [B, H_local, S, hd]
+  at::Tensor attended = nn::scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                                         value.transpose(1, 2));
+  // [B, S, H_local * hd]
+  attended = attended.transpose(1, 2).flatten(2).to(query.scalar_type());
+
+  Output out;
+  if (!encoder_hidden_states.defined()) {
+    out.hidden_states = options_.pre_only ? attended : (*to_out)[0].forward(attended);
+    return out;
+  }
+  // [B, L, H_local * hd] and [B, N, H_local * hd]
+  const at::Tensor text = attended.slice(1, 0, text_len);
+  const at::Tensor image = attended.slice(1, text_len);
+  out.hidden_states = (*to_out)[0].forward(image);
+  out.encoder_hidden_states = to_add_out->forward(text);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Blocks
+
+FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t num_attention_heads, int64_t attention_head_dim) {
+  norm1 = register_module("norm1", std::make_shared<AdaLayerNormZero>(dim));
+  norm1_context = register_module("norm1_context", std::make_shared<AdaLayerNormZero>(dim));
+  FluxAttentionOptions attn_options{dim, num_attention_heads, attention_head_dim};
+  attn_options.added_kv_proj_dim = dim;
+  attn_options.eps = kNormEps;
+  attn = register_module("attn", std::make_shared<FluxAttention>(attn_options));
+  // norm2 / norm2_context: LayerNorm without affine parameters (nn::layer_norm below).
+  ff = register_module("ff", std::make_shared<nn::FeedForward>(nn::FeedForwardOptions(dim)));
+  ff_context = register_module("ff_context", std::make_shared<nn::FeedForward>(nn::FeedForwardOptions(dim)));
+}
+
+std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::forward(const at::Tensor& hidden_states,
+                                                                const at::Tensor& encoder_hidden_states,
+                                                                const at::Tensor& temb, const nn::RotaryEmbedding& rope,
+                                                                const IntermediateRecorder& record) {
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
+  const AdaLayerNormZero::Output img = norm1->forward(hidden_states, temb);
+  const AdaLayerNormZero::Output txt = norm1_context->forward(encoder_hidden_states, temb);
+  if (record) {
+    record("norm1.linear", img.emb);
+    record("norm1_context.linear", txt.emb);
+  }
+
+  const FluxAttention::Output attention = attn->forward(img.hidden_states, txt.hidden_states, rope);
+  if (record) {
+    record("attn.hidden_states", attention.hidden_states);
+    record("attn.encoder_hidden_states", attention.encoder_hidden_states);
+  }
+
+  // Image stream. [B, N, D]
+  at::Tensor image = gated_residual(hidden_states, img.gate_msa, attention.hidden_states);
+  const at::Tensor ff_output = ff->forward(modulate(nn::layer_norm(image, kNormEps), img.shift_mlp, img.scale_mlp));
+  if (record) record("ff", ff_output);
+  image = gated_residual(image, img.gate_mlp, ff_output);
+
+  // Text stream. [B, L, D]
+  at::Tensor text = gated_residual(encoder_hidden_states, txt.gate_msa, attention.encoder_hidden_states);
+  const at::Tensor ff_context_output =
+      ff_context->forward(modulate(nn::layer_norm(text, kNormEps), txt.shift_mlp, txt.scale_mlp));
+  if (record) record("ff_context", ff_context_output);
+  text = gated_residual(text, txt.gate_mlp, ff_context_output);
+  return {text, image};
+}
+
+FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t num_attention_heads,
+                                                       int64_t attention_head_dim, double mlp_ratio) {
+  const auto mlp_hidden_dim = static_cast<int64_t>(static_cast<double>(dim) * mlp_ratio);
+  norm = register_module("norm", std::make_shared<AdaLayerNormZeroSingle>(dim));
+  proj_mlp = register_module("proj_mlp", std::make_shared<nn::Linear>(nn::LinearOptions(dim, mlp_hidden_dim)));
+  // The input is cat[attn, mlp]: packed rowwise sharding splits each block on its own.
+  proj_out = register_module("proj_out", std::make_shared<nn::Linear>(
+                                             nn::LinearOptions(dim + mlp_hidden_dim, dim).with_in_blocks({dim, mlp_hidden_dim})));
+  FluxAttentionOptions attn_options{dim, num_attention_heads, attention_head_dim};
+  attn_options.pre_only = true;
+  attn_options.eps = kNormEps;
+  attn = register_module("attn", std::make_shared<FluxAttention>(attn_options));
+}
+
+at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, const at::Tensor& temb,
+                                               const nn::RotaryEmbedding& rope, const IntermediateRecorder& record) {
+  // hidden_states [B, S, D], temb [B, D]
+  const AdaLayerNormZeroSingle::Output normed = norm->forward(hidden_states, temb);
+  if (record) record("norm.linear", normed.emb);
+  // [B, S, 4D_local]
+  at::Tensor mlp = proj_mlp->forward(normed.hidden_states);
+  if (record) record("proj_mlp", mlp);
+  at::gelu_(mlp, "tanh");
+  // [B, S, D_local]
+  const at::Tensor attention = attn->forward(normed.hidden_states, at::Tensor(), rope).hidden_states;
+  if (record) record("attn", attention);
+  // [B, S, D_local + 4D_local] -> [B, S, D]
+  const at::Tensor projected = proj_out->forward(at::cat({attention, mlp}, 2));
+  return gated_residual(hidden_states, normed.gate, projected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model
+
+FluxTransformer2DModelInputs FluxTransformer2DModelInputs::read(const io::SafetensorsFile& file) {
+  FluxTransformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  inputs.pooled_projections = file.read("pooled_projections");
+  inputs.timestep = file.read("timestep");
+  inputs.img_ids = file.read("img_ids");
+  inputs.txt_ids = file.read("txt_ids");
+  if (file.contains("guidance")) inputs.guidance = file.read("guidance");
+  return inputs;
+}
+
+FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfig& config)
+    : config(config), pos_embed(10000.0, config.axes_dims_rope) {
+  const int64_t inner_dim = config.inner_dim();
+  time_text_embed = register_module("time_text_embed", std::make_shared<CombinedTimestepGuidanceTextProjEmbeddings>(
+                                                           inner_dim, config.pooled_projection_dim, config.guidance_embeds));
+  context_embedder = register_module(
+      "context_embedder", std::make_shared<nn::Linear>(nn::LinearOptions(config.joint_attention_dim, inner_dim)));
+  x_embedder = register_module("x_embedder", std::make_shared<nn::Linear>(nn::LinearOptions(config.in_channels, inner_dim)));
+  transformer_blocks =
+      register_module("transformer_blocks", std::make_shared<nn::ModuleList<FluxTransformerBlock>>());
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    transformer_blocks->push_back(
+        std::make_shared<FluxTransformerBlock>(inner_dim, config.num_attention_heads, config.attention_head_dim));
+  }
+  single_transformer_blocks =
+      register_module("single_transformer_blocks", std::make_shared<nn::ModuleList<FluxSingleTransformerBlock>>());
+  for (int64_t i = 0; i < config.num_single_layers; ++i) {
+    single_transformer_blocks->push_back(
+        std::make_shared<FluxSingleTransformerBlock>(inner_dim, config.num_attention_heads, config.attention_head_dim));
+  }
+  norm_out = register_module("norm_out", std::make_shared<AdaLayerNormContinuous>(inner_dim, inner_dim));
+  proj_out = register_module("proj_out", std::make_shared<nn::Linear>(nn::LinearOptions(
+                                             inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
+}
+
+const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
+  using parallel::ShardStyle;
+  // diffusers' FLUX.1 plan: q/k/v and the FF input split by heads / hidden columns (colwise), the
+  // projections back to D split by rows (rowwise, one all-reduce each). The single block's
+  // proj_out reads cat[attn D | mlp 4D]: each block is split on its own (blocks declared by the
+  // layer). Our addition: the AdaLN modulation linears (D -> 6D / 3D, a quarter of FLUX.1's
+  // parameters) are split colwise and all-gathered instead of held whole on every rank.
+  // Replicated (not listed): embedders, norm_out and proj_out (small), and the per-head RMSNorms.
+  static const parallel::TpPlan plan = {
+      {"transformer_blocks.*.norm1.linear", ShardStyle::ColwiseGather},
+      {"transformer_blocks.*.norm1_context.linear", ShardStyle::ColwiseGather},
+      {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_q_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
+      {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
+      {"transformer_blocks.*.ff.net.0.proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.ff.net.2", ShardStyle::Rowwise},
+      {"transformer_blocks.*.ff_context.net.0.proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.ff_context.net.2", ShardStyle::Rowwise},
+      {"single_transformer_blocks.*.norm.linear", ShardStyle::ColwiseGather},
+      {"single_transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
+      {"single_transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
+      {"single_transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"single_transformer_blocks.*.proj_mlp", ShardStyle::Colwise},
+      {"single_transformer_blocks.*.proj_out", ShardStyle::PackedRowwise},
+  };
+  return plan;
+}
+
+std::vector<parallel::TpDivisor> FluxTransformer2DModel::tp_divisors() const {
+  // Heads are the unit of the attention split: a rank must hold whole heads.
+  return {{"num_attention_heads", config.num_attention_heads}};
+}
+
+at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs,
+                                           const IntermediateRecorder& record) {
+  TORCH_CHECK(is_materialized(), "FluxTransformer2DModel: forward called before the weights were loaded");
+  const at::ScalarType dtype = this->dtype();
+  const at::Device device = this->device();
+  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
+
+  const at::Tensor& hidden_states_in = inputs.hidden_states;
+  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
+              "FluxTransformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
+              hidden_states_in.defined() ? hidden_states_in.sizes() : at::IntArrayRef{});
+  const int64_t batch = hidden_states_in.size(0);
+  const int64_t image_len = hidden_states_in.size(1);
+  TORCH_CHECK(inputs.encoder_hidden_states.defined() && inputs.encoder_hidden_states.dim() == 3 &&
+                  inputs.encoder_hidden_states.size(0) == batch &&
+                  inputs.encoder_hidden_states.size(2) == config.joint_attention_dim,
+              "FluxTransformer2DModel: encoder_hidden_states must be [", batch, ", L, ", config.joint_attention_dim,
+              "], got ", inputs.encoder_hidden_states.defined() ? inputs.encoder_hidden_states.sizes() : at::IntArrayRef{});
+  const int64_t text_len = inputs.encoder_hidden_states.size(1);
+  TORCH_CHECK(inputs.pooled_projections.defined() && inputs.pooled_projections.dim() == 2 &&
+                  inputs.pooled_projections.size(0) == batch &&
+                  inputs.pooled_projections.size(1) == config.pooled_projection_dim,
+              "FluxTransformer2DModel: pooled_projections must be [", batch, ", ", config.pooled_projection_dim,
+              "], got ", inputs.pooled_projections.defined() ? inputs.pooled_projections.sizes() : at::IntArrayRef{});
+
+  // Per-sample scalars as fp32 [B]; a single value is broadcast to the batch.
+  const auto per_sample = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined() && (t.numel() == batch || t.numel() == 1), "FluxTransformer2DModel: ", name,
+                " must hold one value per sample ([", batch, "]), got shape ",
+                t.defined() ? t.sizes() : at::IntArrayRef{});
+    return t.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
+  };
+  // The model's own scaling of the pipeline's t/1000, in fp32.
+  const at::Tensor timestep = per_sample(inputs.timestep, "timestep") * 1000;
+  std::optional<at::Tensor> guidance;
+  if (config.guidance_embeds) {
+    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(),
+                "FluxTransformer2DModel: this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
+    guidance = per_sample(*inputs.guidance, "guidance") * 1000;
+  } else {
+    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(),
+                "FluxTransformer2DModel: this model has no guidance embedder (guidance_embeds=false); pass no "
+                "`guidance`");
+  }
+
+  // Position ids: 2-D [S, 3]. A batched [B, S, 3] tensor is accepted (deprecated in diffusers);
+  // all samples share positions, so its first entry is used.
+  const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
+    TORCH_CHECK(ids.defined() && (ids.dim() == 2 || ids.dim() == 3), "FluxTransformer2DModel: ", name,
+                " must be [", len, ", ", config.axes_dims_rope.size(), "], got ",
+                ids.defined() ? ids.sizes() : at::IntArrayRef{});
+    at::Tensor flat = ids.dim() == 3 ? ids.select(0, 0) : ids;
+    TORCH_CHECK(flat.size(0) == len && flat.size(1) == static_cast<int64_t>(config.axes_dims_rope.size()),
+                "FluxTransformer2DModel: ", name, " has shape ", ids.sizes(), ", expected [", len, ", ",
+                config.axes_dims_rope.size(), "]");
+    return flat;
+  };
+  const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
+  const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
+
+  // [B, N, D]
+  at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
+  if (record) record("x_embedder", hidden_states);
+
+  // [B, D]
+  const at::Tensor temb =
+      time_text_embed->forward(timestep, guidance, to_model(inputs.pooled_projections), record);
+  if (record) record("temb", temb);
+
+  // [B, L, D]
+  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
+  if (record) record("context_embedder", encoder_hidden_states);
+
+  // [L + N, head_dim] fp32, text first
+  nn::RotaryEmbedding rope = pos_embed.forward(at::cat({txt_ids, img_ids}, 0).to(device));
+  if (record) {
+    record("rope.cos", rope.cos);
+    record("rope.sin", rope.sin);
+  }
+
+  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
+    const std::string name = "transformer_blocks." + std::to_string(i);
+    std::tie(encoder_hidden_states, hidden_states) = (*transformer_blocks)[i].forward(
+        hidden_states, encoder_hidden_states, temb, rope, prefixed(record, "debug." + name + "."));
+    if (record) {
+      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
+      record("block." + name + ".hidden_states", hidden_states);
+    }
+  }
+
+  // [B, L + N, D]
+  hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
+  for (size_t i = 0; i < single_transformer_blocks->size(); ++i) {
+    const std::string name = "single_transformer_blocks." + std::to_string(i);
+    hidden_states = (*single_transformer_blocks)[i].forward(hidden_states, temb, rope,
+                                                             prefixed(record, "debug." + name + "."));
+    if (record) {
+      record("block." + name + ".encoder_hidden_states", hidden_states.slice(1, 0, text_len));
+      record("block." + name + ".hidden_states", hidden_states.slice(1, text_len));
+    }
+  }
+  // [B, N, D]
+  hidden_states = hidden_states.slice(1, text_len);
+
+  at::Tensor norm_out_emb;
+  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
+  if (record) {
+    record("norm_out.linear", norm_out_emb);
+    record("norm_out", hidden_states);
+  }
+  // [B, N, patch^2 * out_channels]
+  return proj_out->forward(hidden_states);
+}
+
+}  // namespace shardit::models

@@ -1,0 +1,28 @@
+#pragma once
+// Builds a transformer from a diffusers component folder by its config's `_class_name`.
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/parallel/tensor_parallel.h"
+
+namespace shardit::models {
+
+/// Receives named intermediate tensors during a forward (parity tests compare them with the
+/// reference's). An empty recorder records nothing and costs nothing. A recorded tensor may be
+/// reused (overwritten in place) after the call returns: copy what you keep.
+using IntermediateRecorder = std::function<void(const std::string& name, const at::Tensor& value)>;
+
+/// The transformer class named by `folder`'s config.json `_class_name`, built from that config
+/// with its parameters declared on the meta device (load them with TensorParallelModule::load).
+/// Errors name the folder and list the supported classes.
+std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder);
+
+/// The `_class_name` values create_transformer accepts.
+std::vector<std::string> supported_transformer_classes();
+
+}  // namespace shardit::models

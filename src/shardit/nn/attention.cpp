@@ -1,0 +1,82 @@
+#include "shardit/nn/attention.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <cmath>
+#include <limits>
+
+#include "shardit/core/compat.h"
+
+namespace shardit::nn {
+
+namespace {
+
+#if !SHARDIT_HAS_SDPA
+at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, double scale) {
+  // [B, H, S_q, S_kv]
+  at::Tensor scores = at::matmul(q * scale, k.transpose(-2, -1));
+  if (mask.has_value() && mask->defined()) {
+    if (mask->scalar_type() == at::kBool) {
+      scores = scores.to(at::kFloat).masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
+    } else {
+      scores = scores.to(at::kFloat) + mask->to(at::kFloat);
+    }
+  }
+  // The softmax in fp32 whatever the input dtype, then back for the product with v.
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat);
+  if (probs.scalar_type() != v.scalar_type()) probs = probs.to(v.scalar_type());
+  // [B, H, S_q, D]
+  return at::matmul(probs, v);
+}
+#endif
+
+}  // namespace
+
+at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const std::optional<at::Tensor>& mask, std::optional<double> scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "attention: q, k, v must be [B, H, S, D], got shapes ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "attention: incompatible shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  const double default_scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const double softmax_scale = scale.value_or(default_scale);
+#if SHARDIT_HAS_SDPA
+  // LibTorch picks its fused kernel (flash / memory-efficient / CPU flash) or its math path; all
+  // accumulate the softmax in fp32 for reduced-precision inputs. The `scale` argument only
+  // exists from 2.1 on, so a non-default scale is folded into q.
+  c10::optional<at::Tensor> attn_mask;
+  if (mask.has_value() && mask->defined()) attn_mask = *mask;
+  const at::Tensor query = scale.has_value() ? q * (softmax_scale / default_scale) : q;
+  return at::scaled_dot_product_attention(query, k, v, attn_mask);
+#else
+  return math_attention(q, k, v, mask, softmax_scale);
+#endif
+}
+
+
+GELU::GELU(int64_t dim_in, int64_t dim_out, bool approximate_tanh, bool bias)
+    : approximate_tanh_(approximate_tanh) {
+  proj = register_module("proj", std::make_shared<Linear>(LinearOptions(dim_in, dim_out).with_bias(bias)));
+}
+
+at::Tensor GELU::forward(const at::Tensor& x) {
+  at::Tensor h = proj->forward(x);
+  return approximate_tanh_ ? at::gelu_(h, "tanh") : at::gelu_(h);
+}
+
+FeedForward::FeedForward(const FeedForwardOptions& options) {
+  const int64_t inner_dim = options.inner_dim > 0 ? options.inner_dim : options.dim * options.mult;
+  const int64_t dim_out = options.dim_out > 0 ? options.dim_out : options.dim;
+  net = register_module("net", std::make_shared<Net>());
+  net->act = net->add("0", std::make_shared<GELU>(options.dim, inner_dim, options.approximate_tanh, options.bias));
+  net->linear = net->add("2", std::make_shared<Linear>(LinearOptions(inner_dim, dim_out).with_bias(options.bias)));
+}
+
+at::Tensor FeedForward::forward(const at::Tensor& x) {
+  // [..., dim] -> [..., inner (local)] -> [..., dim_out]
+  return net->linear->forward(net->act->forward(x));
+}
+
+}  // namespace shardit::nn

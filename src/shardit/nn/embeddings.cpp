@@ -1,0 +1,82 @@
+#include "shardit/nn/embeddings.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace shardit::nn {
+
+at::Tensor timestep_frequencies(int64_t num_channels, double downscale_freq_shift, double max_period) {
+  TORCH_CHECK(num_channels >= 2, "timestep embedding: num_channels must be >= 2, got ", num_channels);
+  const int64_t half = num_channels / 2;
+  TORCH_CHECK(static_cast<double>(half) != downscale_freq_shift,
+              "timestep embedding: downscale_freq_shift (", downscale_freq_shift,
+              ") must differ from num_channels / 2 (", half, ")");
+  // fp32 throughout, as the reference: fl32(fl32(-ln P) * k) / (half - shift), then torch's exp.
+  const at::Tensor k = at::arange(half, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor exponent = (k * static_cast<float>(-std::log(max_period))) /
+                              static_cast<float>(static_cast<double>(half) - downscale_freq_shift);
+  return at::exp(exponent);
+}
+
+namespace {
+
+at::Tensor sinusoid(const at::Tensor& timesteps, const at::Tensor& freqs, int64_t num_channels,
+                    bool flip_sin_to_cos, double scale) {
+  TORCH_CHECK(timesteps.dim() == 1, "timestep embedding: timesteps must be 1-D [B], got shape ",
+              timesteps.sizes());
+  // [B, C/2]
+  at::Tensor arg = timesteps.to(at::kFloat).unsqueeze(1) * freqs.to(timesteps.device()).unsqueeze(0);
+  if (scale != 1.0) arg = arg * scale;
+  at::Tensor emb = flip_sin_to_cos ? at::cat({at::cos(arg), at::sin(arg)}, -1)
+                                   : at::cat({at::sin(arg), at::cos(arg)}, -1);
+  // [B, C]
+  if (num_channels % 2 == 1) emb = at::constant_pad_nd(emb, {0, 1});
+  return emb;
+}
+
+}  // namespace
+
+at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t num_channels, bool flip_sin_to_cos,
+                              double downscale_freq_shift, double scale, double max_period) {
+  return sinusoid(timesteps, timestep_frequencies(num_channels, downscale_freq_shift, max_period),
+                  num_channels, flip_sin_to_cos, scale);
+}
+
+Timesteps::Timesteps(const TimestepsOptions& options)
+    : options_(options), freqs_(timestep_frequencies(options.num_channels, options.downscale_freq_shift)) {}
+
+at::Tensor Timesteps::forward(const at::Tensor& timesteps) const {
+  return sinusoid(timesteps, freqs_, options_.num_channels, options_.flip_sin_to_cos, options_.scale);
+}
+
+at::Tensor activate(const at::Tensor& x, Activation act_fn) {
+  switch (act_fn) {
+    case Activation::SiLU:
+      return at::silu(x);
+    case Activation::GeluTanh:
+      return at::gelu(x, "tanh");
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown activation");
+}
+
+TimestepEmbedding::TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim) {
+  linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_channels, time_embed_dim)));
+  linear_2 = register_module("linear_2", std::make_shared<Linear>(LinearOptions(time_embed_dim, time_embed_dim)));
+}
+
+at::Tensor TimestepEmbedding::forward(const at::Tensor& sample) {
+  return linear_2->forward(at::silu(linear_1->forward(sample)));
+}
+
+PixArtAlphaTextProjection::PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size, Activation act_fn)
+    : act_fn_(act_fn) {
+  linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_features, hidden_size)));
+  linear_2 = register_module("linear_2", std::make_shared<Linear>(LinearOptions(hidden_size, hidden_size)));
+}
+
+at::Tensor PixArtAlphaTextProjection::forward(const at::Tensor& caption) {
+  return linear_2->forward(activate(linear_1->forward(caption), act_fn_));
+}
+
+}  // namespace shardit::nn

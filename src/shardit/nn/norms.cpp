@@ -1,0 +1,55 @@
+#include "shardit/nn/norms.h"
+
+#include <c10/util/Exception.h>
+
+namespace shardit::nn {
+
+namespace {
+
+bool is_reduced_float(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
+
+void check_last_dim(const char* what, const at::Tensor& x, int64_t expected) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == expected, what, ": input has shape ", x.sizes(),
+              ", expected the last dimension to be ", expected);
+}
+
+}  // namespace
+
+at::Tensor layer_norm(const at::Tensor& x, double eps) {
+  const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor y = at::layer_norm(x32, {x.size(-1)}, /*weight=*/{}, /*bias=*/{}, eps);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+LayerNorm::LayerNorm(const LayerNormOptions& options) : options_(options) {
+  if (options_.elementwise_affine) {
+    register_parameter("weight", &weight, {options_.normalized_shape});
+    register_parameter("bias", &bias, {options_.normalized_shape});
+  }
+}
+
+at::Tensor LayerNorm::forward(const at::Tensor& x) const {
+  check_last_dim("LayerNorm", x, options_.normalized_shape);
+  if (!options_.elementwise_affine) return layer_norm(x, options_.eps);
+  const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor y = at::layer_norm(x32, {options_.normalized_shape}, weight.to(at::kFloat),
+                                bias.to(at::kFloat), options_.eps);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+RMSNorm::RMSNorm(const RMSNormOptions& options) : options_(options) {
+  if (options_.elementwise_affine) register_parameter("weight", &weight, {options_.dim});
+}
+
+at::Tensor RMSNorm::forward(const at::Tensor& x) const {
+  check_last_dim("RMSNorm", x, options_.dim);
+  const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  // [..., 1]
+  const at::Tensor inv_rms = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true).add_(options_.eps));
+  at::Tensor y = x32 * inv_rms;
+  if (!options_.elementwise_affine) return y.to(x.scalar_type());
+  if (is_reduced_float(weight.scalar_type())) return y.to(weight.scalar_type()).mul_(weight);
+  return y.mul_(weight).to(x.scalar_type());
+}
+
+}  // namespace shardit::nn

@@ -1,0 +1,72 @@
+#pragma once
+// Normalisations shared by the diffusers transformers. Both compute in fp32 and cast back to the
+// input dtype, as PyTorch does for bf16/fp16 inputs.
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "shardit/nn/module.h"
+
+namespace shardit::nn {
+
+struct LayerNormOptions {
+  explicit LayerNormOptions(int64_t normalized_shape) : normalized_shape(normalized_shape) {}
+  int64_t normalized_shape;
+  double eps = 1e-5;
+  /// torch.nn.LayerNorm's `elementwise_affine`: a learnable `weight` and `bias` of
+  /// [normalized_shape].
+  bool elementwise_affine = true;
+
+  LayerNormOptions& with_eps(double value) { eps = value; return *this; }
+  LayerNormOptions& with_elementwise_affine(bool value) { elementwise_affine = value; return *this; }
+};
+
+/// torch.nn.LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) [* weight + bias].
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(const LayerNormOptions& options);
+  std::string type_name() const override { return "LayerNorm"; }
+
+  /// [..., C] -> [..., C], in the dtype of x.
+  at::Tensor forward(const at::Tensor& x) const;
+
+  at::Tensor weight;  ///< [C], only with elementwise_affine
+  at::Tensor bias;    ///< [C], only with elementwise_affine
+
+ private:
+  LayerNormOptions options_;
+};
+
+/// LayerNorm over the last dimension without affine parameters (computed in fp32).
+at::Tensor layer_norm(const at::Tensor& x, double eps);
+
+struct RMSNormOptions {
+  explicit RMSNormOptions(int64_t dim) : dim(dim) {}
+  int64_t dim;
+  double eps = 1e-6;
+  /// A learnable `weight` of [dim] (diffusers' `elementwise_affine`).
+  bool elementwise_affine = true;
+
+  RMSNormOptions& with_eps(double value) { eps = value; return *this; }
+  RMSNormOptions& with_elementwise_affine(bool value) { elementwise_affine = value; return *this; }
+};
+
+/// diffusers' RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight. The mean
+/// runs in fp32; with a bf16/fp16 weight the normalised value is cast to the weight's dtype
+/// before the product, otherwise the product is in fp32 and cast back to the input dtype.
+/// Used per attention head (dim = head_dim), so a tensor-parallel head split leaves it unchanged.
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(const RMSNormOptions& options);
+  std::string type_name() const override { return "RMSNorm"; }
+
+  /// [..., dim] -> [..., dim], in the dtype of x.
+  at::Tensor forward(const at::Tensor& x) const;
+
+  at::Tensor weight;  ///< [dim], only with elementwise_affine
+
+ private:
+  RMSNormOptions options_;
+};
+
+}  // namespace shardit::nn

@@ -1,0 +1,66 @@
+#include "shardit/nn/rope.h"
+
+#include <c10/util/Exception.h>
+
+#include <numeric>
+#include <utility>
+
+namespace shardit::nn {
+
+RotaryEmbedding rotary_pos_embed_1d(int64_t dim, const at::Tensor& pos, double theta) {
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "rotary embedding: axis dimension must be positive and even, got ", dim);
+  TORCH_CHECK(pos.dim() == 1, "rotary embedding: positions must be 1-D [S], got shape ", pos.sizes());
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(pos.device());
+  // [dim/2]: theta^(-2j/dim) in float64
+  const at::Tensor freqs = 1.0 / at::pow(theta, at::arange(0, dim, 2, f64) / static_cast<double>(dim));
+  // [S, dim/2]
+  const at::Tensor angles = at::outer(pos.to(at::kDouble), freqs);
+  // [S, dim]: each frequency twice, (2k, 2k+1)
+  return {angles.cos().repeat_interleave(2, 1).to(at::kFloat),
+          angles.sin().repeat_interleave(2, 1).to(at::kFloat)};
+}
+
+FluxPosEmbed::FluxPosEmbed(double theta, std::vector<int64_t> axes_dim)
+    : theta_(theta), axes_dim_(std::move(axes_dim)) {
+  TORCH_CHECK(!axes_dim_.empty(), "FluxPosEmbed: axes_dim must not be empty");
+}
+
+RotaryEmbedding FluxPosEmbed::forward(const at::Tensor& ids) const {
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) == static_cast<int64_t>(axes_dim_.size()),
+              "FluxPosEmbed: position ids have shape ", ids.sizes(), ", expected [S, ", axes_dim_.size(),
+              "] (one column per entry of axes_dims_rope)");
+  const at::Tensor pos = ids.to(at::kFloat);
+  std::vector<at::Tensor> cos_parts;
+  std::vector<at::Tensor> sin_parts;
+  for (size_t i = 0; i < axes_dim_.size(); ++i) {
+    RotaryEmbedding axis = rotary_pos_embed_1d(axes_dim_[i], pos.select(1, static_cast<int64_t>(i)), theta_);
+    cos_parts.push_back(std::move(axis.cos));
+    sin_parts.push_back(std::move(axis.sin));
+  }
+  // [S, sum(axes_dim)]
+  return {at::cat(cos_parts, 1), at::cat(sin_parts, 1)};
+}
+
+at::Tensor apply_rotary_emb(const at::Tensor& x, const RotaryEmbedding& rope) {
+  TORCH_CHECK(x.dim() == 4, "apply_rotary_emb: x must be [B, S, H, D], got shape ", x.sizes());
+  const int64_t seq = x.size(1);
+  const int64_t head_dim = x.size(3);
+  TORCH_CHECK(rope.cos.dim() == 2 && rope.cos.size(0) == seq && rope.cos.size(1) == head_dim &&
+                  rope.sin.sizes() == rope.cos.sizes(),
+              "apply_rotary_emb: cos/sin have shape ", rope.cos.sizes(), " and ", rope.sin.sizes(),
+              ", expected [", seq, ", ", head_dim, "] to match x of shape ", x.sizes());
+  const at::Tensor x32 = x.to(at::kFloat);
+  // [B, S, H, D/2, 2]
+  const at::Tensor pairs = x32.unflatten(-1, {head_dim / 2, 2});
+  const at::Tensor x_even = pairs.select(-1, 0);
+  const at::Tensor x_odd = pairs.select(-1, 1);
+  // [1, S, 1, D/2]: the repeated tables hold one value per pair
+  const at::Tensor cos = rope.cos.slice(1, 0, head_dim, 2).unsqueeze(1).unsqueeze(0);
+  const at::Tensor sin = rope.sin.slice(1, 0, head_dim, 2).unsqueeze(1).unsqueeze(0);
+  const at::Tensor out_even = x_even * cos - x_odd * sin;
+  const at::Tensor out_odd = x_odd * cos + x_even * sin;
+  // [B, S, H, D]
+  return at::stack({out_even, out_odd}, -1).flatten(-2).to(x.scalar_type());
+}
+
+}  // namespace shardit::nn

@@ -1,0 +1,605 @@
+#include "shardit/parallel/tensor_parallel.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "shardit/dist/mesh.h"
+#include "shardit/dist/world.h"
+#include "shardit/nn/linear.h"
+
+namespace shardit::parallel {
+
+namespace {
+
+// The largest TP degree an error message suggests.
+constexpr int kMaxSuggestedDegree = 64;
+
+std::vector<std::string> split_path(const std::string& path) {
+  std::vector<std::string> out;
+  if (path.empty()) return out;
+  size_t begin = 0;
+  while (true) {
+    const size_t dot = path.find('.', begin);
+    out.push_back(path.substr(begin, dot == std::string::npos ? std::string::npos : dot - begin));
+    if (dot == std::string::npos) break;
+    begin = dot + 1;
+  }
+  return out;
+}
+
+std::string join_path(const std::vector<std::string>& segments, size_t count) {
+  std::string out;
+  for (size_t i = 0; i < count; ++i) out += (i ? "." : "") + segments[i];
+  return out;
+}
+
+std::string shape_string(c10::IntArrayRef shape) {
+  std::ostringstream out;
+  out << shape;
+  return out.str();
+}
+
+std::string join_names(const std::vector<std::string>& names, size_t limit) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > limit) out += ", ... (" + std::to_string(names.size() - limit) + " more)";
+  return out;
+}
+
+int64_t product(c10::IntArrayRef shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+/// A matched layer: the Linear a plan entry applies to.
+struct LayerMatch {
+  std::string path;
+  nn::Linear* linear = nullptr;
+  const PlanEntry* entry = nullptr;
+  /// The split dimension of the weight and its blocks (absolute sizes); one block when not packed.
+  int64_t weight_dim = 0;
+  std::vector<int64_t> blocks;
+  bool bias_sharded = false;
+};
+
+/// A size the TP degree must divide, with what to say when it does not.
+struct Constraint {
+  int64_t size;
+  std::string plan_key;
+  std::string what;
+};
+
+struct Resolution {
+  ResolvedPlan plan;
+  std::vector<LayerMatch> layers;
+};
+
+/// Why `key` matched nothing: the deepest module its path reaches, and that module's children.
+std::string explain_no_match(nn::Module& model, const std::vector<std::string>& segments) {
+  nn::Module* current = &model;
+  std::string reached;
+  for (const std::string& segment : segments) {
+    nn::Module* next = nullptr;
+    for (const auto& [name, child] : current->children()) {
+      if (name == segment || (segment == "*" && dynamic_cast<nn::ModuleListBase*>(current))) {
+        next = child.get();
+        break;
+      }
+    }
+    if (next == nullptr) {
+      std::vector<std::string> names;
+      for (const auto& [name, child] : current->children()) names.push_back(name);
+      std::ostringstream out;
+      out << "'" << (reached.empty() ? std::string("<model>") : reached) << "' (" << current->type_name()
+          << ") has no child '" << segment << "'";
+      out << (names.empty() ? std::string("; it has no children")
+                            : "; its children: " + join_names(names, 16));
+      return out.str();
+    }
+    reached += (reached.empty() ? "" : ".") + (segment == "*" ? std::string("0") : segment);
+    current = next;
+  }
+  return "it names '" + reached + "'";
+}
+
+/// The modules `entry` names, validated: one `*` at most, standing for a whole segment whose
+/// prefix is a module list.
+std::vector<std::pair<std::string, nn::Module*>> match_entry(
+    nn::Module& model, const PlanEntry& entry,
+    const std::vector<std::pair<std::string, nn::Module*>>& modules) {
+  const std::string& key = entry.pattern;
+  const auto stars = std::count(key.begin(), key.end(), '*');
+  TORCH_CHECK(stars <= 1, "tp_plan key '", key, "' has ", stars,
+              " '*': at most one is allowed, standing for the index in one module list "
+              "(e.g. 'transformer_blocks.*.attn.to_q')");
+  const std::vector<std::string> segments = split_path(key);
+  size_t star_at = segments.size();
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (segments[i].find('*') == std::string::npos) continue;
+    TORCH_CHECK(segments[i] == "*", "tp_plan key '", key, "': '*' must stand for a whole path segment (the ",
+                "index in a module list), got segment '", segments[i], "'");
+    star_at = i;
+  }
+  if (star_at < segments.size()) {
+    const std::string prefix = join_path(segments, star_at);
+    nn::Module* container = model.find_module(prefix);
+    TORCH_CHECK(
+        container != nullptr, "tp_plan key '", key, "' matches no module: ",
+        explain_no_match(model, std::vector<std::string>(segments.begin(), segments.begin() + star_at)));
+    TORCH_CHECK(dynamic_cast<nn::ModuleListBase*>(container) != nullptr, "tp_plan key '", key,
+                "': '*' must stand for the index in a module list, but '",
+                prefix.empty() ? "<model>" : prefix, "' is a ", container->type_name(),
+                ", not a module list");
+  }
+
+  std::vector<std::pair<std::string, nn::Module*>> matches;
+  for (const auto& [name, module] : modules) {
+    const std::vector<std::string> parts = split_path(name);
+    if (parts.size() != segments.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < parts.size() && same; ++i) same = segments[i] == "*" || segments[i] == parts[i];
+    if (same) matches.emplace_back(name, module);
+  }
+  TORCH_CHECK(!matches.empty(), "tp_plan key '", key, "' matches no module of ", model.type_name(), ": ",
+              explain_no_match(model, segments));
+  return matches;
+}
+
+/// Absolute block sizes of `size` for a packed entry, from its proportions or the layer's
+/// declared blocks.
+std::vector<int64_t> packed_blocks(const PlanEntry& entry, const std::string& path, const nn::Linear& linear,
+                                   int64_t size, bool output_side) {
+  const char* side = output_side ? "out_blocks" : "in_blocks";
+  const std::string tensor = path + ".weight";
+  if (!entry.blocks.empty()) {
+    int64_t total = 0;
+    for (const int64_t proportion : entry.blocks) {
+      TORCH_CHECK(proportion > 0, "tp_plan key '", entry.pattern,
+                  "': block proportions must be positive, got ", c10::IntArrayRef(entry.blocks));
+      total += proportion;
+    }
+    TORCH_CHECK(size % total == 0, "tp_plan key '", entry.pattern, "': block proportions ",
+                c10::IntArrayRef(entry.blocks), " (sum ", total, ") do not divide dim ", output_side ? 0 : 1,
+                " of '", tensor, "' (size ", size, "); give proportions whose sum divides ", size,
+                ", or leave them empty and declare LinearOptions::", side, " on the layer");
+    std::vector<int64_t> blocks;
+    for (const int64_t proportion : entry.blocks) blocks.push_back(proportion * (size / total));
+    return blocks;
+  }
+  const std::vector<int64_t>& declared =
+      output_side ? linear.options().out_blocks : linear.options().in_blocks;
+  TORCH_CHECK(!declared.empty(), "tp_plan key '", entry.pattern, "' (", shard_style_name(entry.style),
+              ") gives no blocks and the layer '", path, "' declares no ", side,
+              ": give the block proportions in the plan entry or declare LinearOptions::", side);
+  const int64_t total = std::accumulate(declared.begin(), declared.end(), int64_t{0});
+  TORCH_CHECK(total == size, "tp_plan key '", entry.pattern, "': the layer '", path, "' declares ", side, " ",
+              c10::IntArrayRef(declared), " (sum ", total, ") but '", tensor, "' dim ", output_side ? 0 : 1,
+              " has size ", size);
+  return declared;
+}
+
+/// Fills the split dimension and blocks of a matched layer.
+void lay_out(LayerMatch& layer) {
+  const PlanEntry& entry = *layer.entry;
+  const nn::Linear& linear = *layer.linear;
+  const int64_t out = linear.weight.size(0);
+  const int64_t in = linear.weight.size(1);
+  const bool packed = entry.style == ShardStyle::PackedColwise || entry.style == ShardStyle::PackedRowwise;
+  TORCH_CHECK(entry.blocks.empty() || packed || entry.style == ShardStyle::ColwiseGather, "tp_plan key '",
+              entry.pattern, "': blocks ", c10::IntArrayRef(entry.blocks), " are given for the ",
+              shard_style_name(entry.style),
+              " style; only PackedColwise, PackedRowwise and ColwiseGather take blocks");
+  switch (entry.style) {
+    case ShardStyle::Colwise:
+      layer.weight_dim = 0;
+      layer.blocks = {out};
+      layer.bias_sharded = true;
+      break;
+    case ShardStyle::Rowwise:
+      layer.weight_dim = 1;
+      layer.blocks = {in};
+      break;
+    case ShardStyle::PackedColwise:
+      layer.weight_dim = 0;
+      layer.blocks = packed_blocks(entry, layer.path, linear, out, true);
+      layer.bias_sharded = true;
+      break;
+    case ShardStyle::PackedRowwise:
+      layer.weight_dim = 1;
+      layer.blocks = packed_blocks(entry, layer.path, linear, in, false);
+      break;
+    case ShardStyle::ColwiseGather:
+      // Contiguous ranges unless the entry packs the output: the gather restores the order.
+      layer.weight_dim = 0;
+      layer.blocks = entry.blocks.empty() ? std::vector<int64_t>{out}
+                                          : packed_blocks(entry, layer.path, linear, out, true);
+      layer.bias_sharded = true;
+      break;
+  }
+}
+
+std::vector<std::vector<io::Range>> ranges_for(const std::vector<int64_t>& blocks, int tp_degree) {
+  std::vector<std::vector<io::Range>> per_rank(tp_degree);
+  int64_t offset = 0;
+  for (const int64_t block : blocks) {
+    const int64_t piece = block / tp_degree;
+    for (int r = 0; r < tp_degree; ++r) per_rank[r].push_back({offset + r * piece, offset + (r + 1) * piece});
+    offset += block;
+  }
+  return per_rank;
+}
+
+std::string working_degrees(const std::vector<Constraint>& constraints) {
+  std::string out;
+  for (int d = 1; d <= kMaxSuggestedDegree; ++d) {
+    const bool ok = std::all_of(constraints.begin(), constraints.end(),
+                                [d](const Constraint& c) { return c.size % d == 0; });
+    if (ok) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  }
+  return out;
+}
+
+Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
+                   const std::vector<TpDivisor>& divisors) {
+  TORCH_CHECK(tp_degree >= 1, "tensor parallel: tp_degree must be >= 1, got ", tp_degree);
+  const auto modules = model.named_modules();
+
+  // 1. Match every key; each module gets at most one style.
+  Resolution result;
+  std::map<nn::Module*, std::string> claimed;  // module -> key that matched it
+  for (const PlanEntry& entry : plan) {
+    for (const auto& [path, module] : match_entry(model, entry, modules)) {
+      auto* linear = dynamic_cast<nn::Linear*>(module);
+      TORCH_CHECK(
+          linear != nullptr, "tp_plan key '", entry.pattern, "' puts a ", shard_style_name(entry.style),
+          " style on module '", path, "', a ", module->type_name(),
+          " without a weight to split: styles apply to Linear layers only (remove the key, or name the "
+          "Linear inside it)");
+      const auto [it, inserted] = claimed.emplace(module, entry.pattern);
+      TORCH_CHECK(inserted, "tp_plan keys '", it->second, "' and '", entry.pattern, "' both match module '",
+                  path, "': each module may have one style");
+      TORCH_CHECK(linear->parallel_mode() == nn::LinearParallel::None, "tp_plan key '", entry.pattern,
+                  "': module '", path, "' is already parallel; a model can be sharded once");
+      TORCH_CHECK(linear->weight.dim() == 2, "tp_plan key '", entry.pattern, "': '", path,
+                  ".weight' has shape ", linear->weight.sizes(), ", expected [out, in]");
+      LayerMatch match;
+      match.path = path;
+      match.linear = linear;
+      match.entry = &entry;
+      result.layers.push_back(std::move(match));
+    }
+  }
+
+  // 2. Lay out each matched layer and collect every size the degree must divide.
+  std::vector<Constraint> constraints;
+  for (LayerMatch& layer : result.layers) {
+    lay_out(layer);
+    const std::string tensor = layer.path + ".weight";
+    const int64_t full = layer.linear->weight.size(layer.weight_dim);
+    for (size_t b = 0; b < layer.blocks.size(); ++b) {
+      std::ostringstream what;
+      what << "tensor '" << tensor << "' " << shape_string(layer.linear->weight.sizes()) << " dim "
+           << layer.weight_dim;
+      if (layer.blocks.size() > 1) {
+        what << " block " << b << " of " << layer.blocks.size() << " " << shape_string(layer.blocks)
+             << " has size " << layer.blocks[b];
+      } else {
+        what << " has size " << full;
+      }
+      constraints.push_back({layer.blocks[b], layer.entry->pattern, what.str()});
+    }
+  }
+  for (const TpDivisor& divisor : divisors) {
+    constraints.push_back({divisor.value, "", divisor.what + " = " + std::to_string(divisor.value)});
+  }
+
+  // 3. Validate the degree against all of them before anything moves.
+  for (const Constraint& c : constraints) {
+    if (c.size % tp_degree == 0) continue;
+    TORCH_CHECK(false, c.plan_key.empty() ? std::string() : "tp_plan key '" + c.plan_key + "': ", c.what,
+                ", which does not divide by tp_degree ", tp_degree, "; degrees that would work (up to ",
+                kMaxSuggestedDegree, "): ", working_degrees(constraints));
+  }
+
+  // 4. A spec for every parameter, in model order.
+  std::map<nn::Module*, const LayerMatch*> layer_of;
+  for (const LayerMatch& layer : result.layers) layer_of[layer.linear] = &layer;
+  ResolvedPlan& resolved = result.plan;
+  resolved.tp_degree = tp_degree;
+  for (const auto& slot : model.named_parameters()) {
+    ShardSpec spec;
+    spec.parameter = slot.name;
+    spec.full_shape = slot.tensor->sizes().vec();
+    const auto found = layer_of.find(slot.owner);
+    if (found != layer_of.end()) {
+      const LayerMatch& layer = *found->second;
+      spec.plan_key = layer.entry->pattern;
+      const bool is_weight = slot.tensor == &layer.linear->weight;
+      if (is_weight || layer.bias_sharded) {
+        spec.style = layer.entry->style;
+        spec.dim = is_weight ? layer.weight_dim : 0;
+        spec.ranges_per_rank = ranges_for(layer.blocks, tp_degree);
+      }
+    }
+    resolved.parameters.push_back(std::move(spec));
+  }
+  return result;
+}
+
+nn::LinearParallel linear_mode(ShardStyle style) {
+  switch (style) {
+    case ShardStyle::Colwise:
+    case ShardStyle::PackedColwise: return nn::LinearParallel::Colwise;
+    case ShardStyle::Rowwise:
+    case ShardStyle::PackedRowwise: return nn::LinearParallel::Rowwise;
+    case ShardStyle::ColwiseGather: return nn::LinearParallel::ColwiseGather;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ShardStyle");
+}
+
+void set_parallel_modes(const std::vector<LayerMatch>& layers, const std::shared_ptr<dist::Group>& group) {
+  for (const LayerMatch& layer : layers) {
+    const nn::LinearParallel mode = linear_mode(layer.entry->style);
+    const bool packed_gather = mode == nn::LinearParallel::ColwiseGather && layer.blocks.size() > 1;
+    layer.linear->set_parallel(mode, group, packed_gather ? layer.blocks : std::vector<int64_t>{});
+  }
+}
+
+std::string human_bytes(int64_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(2);
+  if (bytes >= (int64_t{1} << 30)) {
+    out << static_cast<double>(bytes) / (1 << 30) << " GiB";
+  } else if (bytes >= (int64_t{1} << 20)) {
+    out << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  } else {
+    out << static_cast<double>(bytes) / (1 << 10) << " KiB";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// TensorParallelConfig
+
+TensorParallelConfig::TensorParallelConfig(std::shared_ptr<dist::Group> group) : group(std::move(group)) {
+  TORCH_CHECK(this->group != nullptr,
+              "TensorParallelConfig: the group is null (is this rank outside the group?)");
+}
+
+TensorParallelConfig::TensorParallelConfig(const dist::DeviceMesh& mesh, const std::string& dim)
+    : TensorParallelConfig(mesh.group(dim)) {}
+
+TensorParallelConfig TensorParallelConfig::from_degree(int tp_degree) {
+  dist::World& world = dist::World::get();
+  TORCH_CHECK(tp_degree == world.size(), "tp_degree ", tp_degree, " does not match the world size ",
+              world.size(), ": launch ", tp_degree, " ranks, or build the config from a mesh dimension");
+  return TensorParallelConfig(world.group());
+}
+
+int TensorParallelConfig::tp_degree() const { return group->size(); }
+int TensorParallelConfig::tp_rank() const { return group->rank(); }
+
+// ---------------------------------------------------------------------------------------------
+// ShardSpec, ResolvedPlan
+
+std::vector<int64_t> ShardSpec::local_shape(int tp_rank) const {
+  std::vector<int64_t> shape = full_shape;
+  if (!is_sharded()) return shape;
+  TORCH_CHECK(tp_rank >= 0 && tp_rank < static_cast<int>(ranges_per_rank.size()), "ShardSpec '", parameter,
+              "': tp_rank ", tp_rank, " out of range [0, ", ranges_per_rank.size(), ")");
+  int64_t size = 0;
+  for (const io::Range& range : ranges_per_rank[tp_rank]) size += range.size();
+  shape[dim] = size;
+  return shape;
+}
+
+int64_t ResolvedPlan::replicated_bytes() const {
+  int64_t total = 0;
+  for (const ShardSpec& spec : parameters) {
+    if (!spec.is_sharded()) total += product(spec.full_shape) * element_size;
+  }
+  return total;
+}
+
+int64_t ResolvedPlan::sharded_bytes() const {
+  int64_t total = 0;
+  for (const ShardSpec& spec : parameters) {
+    if (spec.is_sharded()) total += product(spec.full_shape) * element_size;
+  }
+  return total;
+}
+
+int64_t ResolvedPlan::bytes_on_rank(int tp_rank) const {
+  TORCH_CHECK(tp_rank >= 0 && tp_rank < tp_degree, "bytes_on_rank: tp_rank ", tp_rank, " out of range [0, ",
+              tp_degree, ")");
+  int64_t total = 0;
+  for (const ShardSpec& spec : parameters) total += product(spec.local_shape(tp_rank)) * element_size;
+  return total;
+}
+
+const ShardSpec& ResolvedPlan::spec(const std::string& parameter) const {
+  for (const ShardSpec& spec : parameters) {
+    if (spec.parameter == parameter) return spec;
+  }
+  TORCH_CHECK(false, "ResolvedPlan: no parameter named '", parameter, "'");
+}
+
+std::string ResolvedPlan::to_table() const {
+  struct Row {
+    std::string name, style, full, local, bytes;
+  };
+  std::vector<Row> rows{{"parameter", "style", "full shape", "per-rank shape", "bytes/rank"}};
+  for (const ShardSpec& spec : parameters) {
+    std::string style = spec.style ? shard_style_name(*spec.style) : "replicated";
+    if (spec.is_sharded()) style += " (dim " + std::to_string(spec.dim) + ")";
+    const auto local = spec.local_shape(0);
+    rows.push_back({spec.parameter, style, shape_string(spec.full_shape), shape_string(local),
+                    std::to_string(product(local) * element_size)});
+  }
+  size_t widths[4] = {0, 0, 0, 0};
+  for (const Row& row : rows) {
+    widths[0] = std::max(widths[0], row.name.size());
+    widths[1] = std::max(widths[1], row.style.size());
+    widths[2] = std::max(widths[2], row.full.size());
+    widths[3] = std::max(widths[3], row.local.size());
+  }
+  std::ostringstream out;
+  out << "tensor-parallel plan at tp_degree " << tp_degree << " (" << element_size << " bytes per element)\n";
+  for (const Row& row : rows) {
+    out << std::left << std::setw(static_cast<int>(widths[0]) + 2) << row.name
+        << std::setw(static_cast<int>(widths[1]) + 2) << row.style
+        << std::setw(static_cast<int>(widths[2]) + 2) << row.full
+        << std::setw(static_cast<int>(widths[3]) + 2) << row.local << std::right << row.bytes << "\n";
+  }
+  const int64_t replicated = replicated_bytes();
+  const int64_t sharded = sharded_bytes();
+  const int64_t per_rank = bytes_on_rank(0);
+  out << "replicated: " << replicated << " bytes (" << human_bytes(replicated) << ") on every rank\n";
+  out << "sharded:    " << sharded << " bytes (" << human_bytes(sharded) << ") / " << tp_degree << " = "
+      << sharded / tp_degree << " bytes per rank\n";
+  out << "per rank:   " << per_rank << " bytes (" << human_bytes(per_rank) << ") of " << replicated + sharded
+      << " bytes (" << human_bytes(replicated + sharded) << ") in all\n";
+  return out.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resolving, sharding, loading
+
+ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree,
+                          const std::vector<TpDivisor>& divisors) {
+  return resolve(model, plan, tp_degree, divisors).plan;
+}
+
+at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_rank) {
+  TORCH_CHECK(full.sizes().vec() == spec.full_shape, "shard_tensor: tensor '", spec.parameter, "' has shape ",
+              full.sizes(), ", expected the full shape ", c10::IntArrayRef(spec.full_shape));
+  if (!spec.is_sharded()) return full.clone(at::MemoryFormat::Contiguous);
+  TORCH_CHECK(tp_rank >= 0 && tp_rank < static_cast<int>(spec.ranges_per_rank.size()), "shard_tensor: '",
+              spec.parameter, "': tp_rank ", tp_rank, " out of range [0, ", spec.ranges_per_rank.size(), ")");
+  const auto& ranges = spec.ranges_per_rank[tp_rank];
+  if (ranges.size() == 1) {
+    return full.narrow(spec.dim, ranges[0].begin, ranges[0].size()).clone(at::MemoryFormat::Contiguous);
+  }
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(ranges.size());
+  for (const io::Range& range : ranges) pieces.push_back(full.narrow(spec.dim, range.begin, range.size()));
+  return at::cat(pieces, spec.dim);  // a fresh contiguous tensor
+}
+
+void apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
+                           const std::vector<TpDivisor>& divisors) {
+  TORCH_CHECK(config.group != nullptr, "apply_tensor_parallel: the config has no group");
+  Resolution resolution = resolve(model, plan, config.tp_degree(), divisors);
+  auto slots = model.named_parameters();
+  TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
+  for (const auto& slot : slots) {
+    TORCH_CHECK(slot.tensor->defined() && !slot.tensor->is_meta(), "apply_tensor_parallel: parameter '",
+                slot.name,
+                "' is not loaded; load the weights first, or shard while loading (load_weights with "
+                "LoadOptions::tensor_parallel)");
+  }
+  const int rank = config.tp_rank();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const ShardSpec& spec = resolution.plan.parameters[i];
+    TORCH_INTERNAL_ASSERT(spec.parameter == slots[i].name);
+    if (!spec.is_sharded()) continue;
+    // Assigning drops the slot's reference to the full tensor, so its memory is released.
+    *slots[i].tensor = shard_tensor(*slots[i].tensor, spec, rank);
+  }
+  set_parallel_modes(resolution.layers, config.group);
+}
+
+void load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
+                  const LoadOptions& options, const std::vector<TpDivisor>& divisors) {
+  const bool parallel = options.tensor_parallel.has_value();
+  Resolution resolution;
+  if (parallel) {
+    TORCH_CHECK(options.tensor_parallel->group != nullptr,
+                "load_weights: the tensor-parallel config has no group");
+    resolution = resolve(model, plan, options.tensor_parallel->tp_degree(), divisors);
+  }
+  auto slots = model.named_parameters();
+
+  // Validate the whole checkpoint against the model before reading anything.
+  std::vector<std::string> missing;
+  std::vector<std::string> mismatched;
+  std::set<std::string> expected;
+  for (const auto& slot : slots) {
+    expected.insert(slot.name);
+    if (!checkpoint.contains(slot.name)) {
+      missing.push_back(slot.name);
+      continue;
+    }
+    const io::TensorInfo& info = checkpoint.info(slot.name);
+    const std::vector<int64_t> declared = slot.tensor->sizes().vec();
+    if (info.shape != declared) {
+      std::ostringstream line;
+      line << checkpoint.file_of(slot.name).path() << ": tensor '" << slot.name << "' has shape "
+           << c10::IntArrayRef(info.shape) << ", the model expects " << c10::IntArrayRef(declared);
+      mismatched.push_back(line.str());
+    }
+  }
+  std::vector<std::string> extra;
+  for (const std::string& name : checkpoint.names()) {
+    if (expected.count(name) == 0) extra.push_back(name);
+  }
+  constexpr size_t kListed = 10;
+  TORCH_CHECK(mismatched.empty(), "checkpoint '", checkpoint.path(), "' does not fit ", model.type_name(),
+              ": ", mismatched.size(), " shape mismatch(es): ", join_names(mismatched, kListed),
+              "; check that the checkpoint and the model config are the same variant");
+  TORCH_CHECK(missing.empty() && extra.empty(), "checkpoint '", checkpoint.path(), "' does not fit ",
+              model.type_name(), ":",
+              missing.empty() ? std::string()
+                              : " " + std::to_string(missing.size()) +
+                                    " missing weight(s): " + join_names(missing, kListed) + ";",
+              extra.empty()
+                  ? std::string()
+                  : " " + std::to_string(extra.size()) +
+                        " unexpected weight(s) not in the model: " + join_names(extra, kListed) + ";",
+              " check that the checkpoint and the model config are the same variant");
+
+  const int rank = parallel ? options.tensor_parallel->tp_rank() : 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const std::string& name = slots[i].name;
+    const bool floating = at::isFloatingType(io::to_scalar_type(checkpoint.info(name).dtype));
+    const std::optional<at::ScalarType> dtype =
+        floating ? std::optional<at::ScalarType>(options.dtype) : std::nullopt;
+    at::Tensor value;
+    if (parallel && resolution.plan.parameters[i].is_sharded()) {
+      const ShardSpec& spec = resolution.plan.parameters[i];
+      TORCH_INTERNAL_ASSERT(spec.parameter == name);
+      value = checkpoint.read_slices(name, spec.dim, spec.ranges_per_rank[rank], dtype);
+    } else {
+      value = checkpoint.read(name, dtype);
+    }
+    *slots[i].tensor = value.to(options.device);
+  }
+  if (parallel) set_parallel_modes(resolution.layers, options.tensor_parallel->group);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TensorParallelModule
+
+void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config) {
+  apply_tensor_parallel(*this, tp_plan(), config, tp_divisors());
+  tp_degree_ = config.tp_degree();
+}
+
+void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& options) {
+  load_weights(*this, checkpoint, tp_plan(), options, tp_divisors());
+  tp_degree_ = options.tensor_parallel ? options.tensor_parallel->tp_degree() : 1;
+}
+
+ResolvedPlan TensorParallelModule::resolve(int tp_degree) {
+  return resolve_plan(*this, tp_plan(), tp_degree, tp_divisors());
+}
+
+}  // namespace shardit::parallel

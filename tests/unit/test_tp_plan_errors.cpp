@@ -1,0 +1,297 @@
+// Every way a plan or a checkpoint can be wrong, and the message that says so. Each message names
+// the plan key or tensor, the sizes, and what would work.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardit/core/error.h"
+#include "shardit/dist/group.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/nn/linear.h"
+#include "shardit/nn/module.h"
+#include "shardit/parallel/tensor_parallel.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::nn::Linear;
+using shardit::nn::LinearOptions;
+using shardit::nn::Module;
+using shardit::nn::ModuleList;
+using shardit::parallel::LoadOptions;
+using shardit::parallel::ShardStyle;
+using shardit::parallel::TensorParallelConfig;
+using shardit::parallel::TpDivisor;
+using shardit::parallel::TpPlan;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::shared_ptr<Linear> linear(int64_t in, int64_t out) {
+  return std::make_shared<Linear>(LinearOptions(in, out));
+}
+
+class Norm : public Module {
+ public:
+  Norm() { register_parameter("weight", &weight, {12}); }
+  std::string type_name() const override { return "Norm"; }
+  at::Tensor weight;
+};
+
+class Attention : public Module {
+ public:
+  Attention() {
+    to_q = register_module("to_q", linear(12, 12));
+    to_out = register_module("to_out", std::make_shared<ModuleList<Linear>>());
+    to_out->push_back(linear(12, 12));
+  }
+  std::string type_name() const override { return "Attention"; }
+  std::shared_ptr<Linear> to_q;
+  std::shared_ptr<ModuleList<Linear>> to_out;
+};
+
+class Block : public Module {
+ public:
+  Block() {
+    norm = register_module("norm", std::make_shared<Norm>());
+    attn = register_module("attn", std::make_shared<Attention>());
+    fused = register_module("fused", linear(12, 36));
+  }
+  std::string type_name() const override { return "Block"; }
+  std::shared_ptr<Norm> norm;
+  std::shared_ptr<Attention> attn;
+  std::shared_ptr<Linear> fused;
+};
+
+class Model : public Module {
+ public:
+  Model() {
+    blocks = register_module("blocks", std::make_shared<ModuleList<Block>>());
+    blocks->push_back(std::make_shared<Block>());
+    blocks->push_back(std::make_shared<Block>());
+    proj = register_module("proj", linear(12, 4));
+  }
+  std::string type_name() const override { return "Model"; }
+  std::shared_ptr<ModuleList<Block>> blocks;
+  std::shared_ptr<Linear> proj;
+};
+
+const TpPlan kPlan = {
+    {"blocks.*.attn.to_q", ShardStyle::Colwise},
+    {"blocks.*.attn.to_out.0", ShardStyle::Rowwise},
+};
+
+// The message of the c10::Error `fn` throws (without the backtrace); fails if it does not throw.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  ADD_FAILURE() << "expected a c10::Error";
+  return "";
+}
+
+std::string resolve_error(const TpPlan& plan, int degree, const std::vector<TpDivisor>& divisors = {}) {
+  Model model;
+  return error_of([&] { shardit::parallel::resolve_plan(model, plan, degree, divisors); });
+}
+
+TEST(TpPlanErrors, RejectsKeyMatchingNothing) {
+  const std::string message = resolve_error({{"blocks.*.attn.to_qq", ShardStyle::Colwise}}, 2);
+  EXPECT_THAT(message, HasSubstr("tp_plan key 'blocks.*.attn.to_qq' matches no module of Model"));
+  EXPECT_THAT(message,
+              HasSubstr("'blocks.0.attn' (Attention) has no child 'to_qq'; its children: to_q, to_out"));
+  EXPECT_THAT(resolve_error({{"transformer_blocks.*.attn.to_q", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'transformer_blocks.*.attn.to_q' matches no module"));
+  EXPECT_THAT(resolve_error({{"proj.weight", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'proj.weight' matches no module"));
+}
+
+TEST(TpPlanErrors, RejectsTwoStars) {
+  EXPECT_THAT(resolve_error({{"blocks.*.attn.*", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'blocks.*.attn.*' has 2 '*': at most one is allowed"));
+}
+
+TEST(TpPlanErrors, RejectsStarInsideASegment) {
+  EXPECT_THAT(resolve_error({{"blocks.1*.attn.to_q", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'blocks.1*.attn.to_q': '*' must stand for a whole path segment"));
+}
+
+TEST(TpPlanErrors, RejectsStarWhosePrefixIsNotAList) {
+  EXPECT_THAT(resolve_error({{"blocks.0.*.to_q", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'blocks.0.*.to_q': '*' must stand for the index in a module list, but "
+                        "'blocks.0' is a Block, not a module list"));
+}
+
+TEST(TpPlanErrors, RejectsStyleOnModuleWithoutAWeight) {
+  EXPECT_THAT(resolve_error({{"blocks.*.norm", ShardStyle::Colwise}}, 2),
+              HasSubstr("tp_plan key 'blocks.*.norm' puts a Colwise style on module 'blocks.0.norm', a Norm "
+                        "without a weight to split"));
+  EXPECT_THAT(resolve_error({{"blocks.*.attn", ShardStyle::Rowwise}}, 2),
+              HasSubstr("module 'blocks.0.attn', a Attention without a weight to split"));
+}
+
+TEST(TpPlanErrors, RejectsTwoKeysForOneModule) {
+  EXPECT_THAT(
+      resolve_error(
+          {{"blocks.*.attn.to_q", ShardStyle::Colwise}, {"blocks.1.attn.to_q", ShardStyle::Rowwise}}, 2),
+      HasSubstr("tp_plan keys 'blocks.*.attn.to_q' and 'blocks.1.attn.to_q' both match module "
+                "'blocks.1.attn.to_q'"));
+}
+
+TEST(TpPlanErrors, RejectsIndivisibleDimensionAndListsWorkingDegrees) {
+  const std::string message = resolve_error(kPlan, 5);
+  EXPECT_THAT(message,
+              HasSubstr("tp_plan key 'blocks.*.attn.to_q': tensor 'blocks.0.attn.to_q.weight' [12, 12] "
+                        "dim 0 has size 12, which does not divide by tp_degree 5"));
+  EXPECT_THAT(message, HasSubstr("degrees that would work (up to 64): 1, 2, 3, 4, 6, 12"));
+  // The list covers every size the plan shards: here blocks 12 and 24 of a 36-row fused layer.
+  EXPECT_THAT(
+      resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 2}}}, 8),
+      HasSubstr("block 0 of 2 [12, 24] has size 12, which does not divide by tp_degree 8; degrees that "
+                "would work (up to 64): 1, 2, 3, 4, 6, 12"));
+}
+
+TEST(TpPlanErrors, RejectsIndivisibleDivisor) {
+  // 12-wide layers would split 4 ways, but 6 heads do not.
+  const std::string message = resolve_error(kPlan, 4, {{"num_attention_heads", 6}});
+  EXPECT_THAT(message,
+              HasSubstr("num_attention_heads = 6, which does not divide by tp_degree 4; degrees that "
+                        "would work (up to 64): 1, 2, 3, 6"));
+  EXPECT_THAT(message, Not(HasSubstr("tp_plan key")));
+}
+
+TEST(TpPlanErrors, RejectsDegreeBelowOne) {
+  EXPECT_THAT(resolve_error(kPlan, 0), HasSubstr("tp_degree must be >= 1, got 0"));
+}
+
+TEST(TpPlanErrors, RejectsPackedStyleWithoutBlocks) {
+  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise}}, 2),
+              HasSubstr("tp_plan key 'blocks.*.fused' (PackedColwise) gives no blocks and the layer "
+                        "'blocks.0.fused' declares no out_blocks"));
+  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::PackedRowwise}}, 2),
+              HasSubstr("declares no in_blocks"));
+}
+
+TEST(TpPlanErrors, RejectsProportionsThatDoNotDivideTheDimension) {
+  EXPECT_THAT(
+      resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 4}}}, 1),
+      HasSubstr("tp_plan key 'blocks.*.fused': block proportions [1, 4] (sum 5) do not divide dim 0 of "
+                "'blocks.0.fused.weight' (size 36)"));
+}
+
+TEST(TpPlanErrors, RejectsBlocksOnAPlainStyle) {
+  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::Colwise, {1, 2}}}, 2),
+              HasSubstr("blocks [1, 2] are given for the Colwise style"));
+}
+
+TEST(TpPlanErrors, RejectsApplyingToAnUnloadedModel) {
+  Model model;
+  const std::string message = error_of([&] {
+    shardit::parallel::apply_tensor_parallel(model, kPlan,
+                                             TensorParallelConfig(shardit::dist::Group::single()));
+  });
+  EXPECT_THAT(message, HasSubstr("parameter 'blocks.0.norm.weight' is not loaded"));
+}
+
+TEST(TpPlanErrors, RejectsShardingTwice) {
+  Model model;
+  shardit::nn::init_random(model, 3);
+  const TensorParallelConfig config(shardit::dist::Group::single());
+  shardit::parallel::apply_tensor_parallel(model, kPlan, config);
+  EXPECT_THAT(error_of([&] { shardit::parallel::apply_tensor_parallel(model, kPlan, config); }),
+              HasSubstr("module 'blocks.0.attn.to_q' is already parallel"));
+}
+
+// A checkpoint of the model's full tensors, edited by `edit` before saving.
+std::string save_checkpoint(
+    const std::string& tag,
+    const std::function<void(std::vector<std::pair<std::string, at::Tensor>>&)>& edit) {
+  Model model;
+  shardit::nn::init_random(model, 11);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto& slot : model.named_parameters()) tensors.emplace_back(slot.name, *slot.tensor);
+  edit(tensors);
+  const std::string path = shardit::testing::make_temp_dir(tag) + "/model.safetensors";
+  shardit::io::save_safetensors(path, tensors);
+  return path;
+}
+
+std::string load_error(const std::string& path, bool parallel) {
+  const auto checkpoint = shardit::io::Checkpoint::open(path);
+  Model model;
+  LoadOptions options;
+  if (parallel) options.tensor_parallel = TensorParallelConfig(shardit::dist::Group::single());
+  const std::string message =
+      error_of([&] { shardit::parallel::load_weights(model, checkpoint, kPlan, options); });
+  // Validation happens before anything is read.
+  EXPECT_EQ(checkpoint.stats().bytes_read.load(), 0u);
+  EXPECT_FALSE(model.is_materialized());
+  return message;
+}
+
+TEST(TpPlanErrors, LoadRejectsMissingWeights) {
+  const std::string path = save_checkpoint("tp_missing", [](auto& tensors) {
+    tensors.erase(tensors.begin() + 2);  // blocks.0.attn.to_q.bias
+  });
+  for (bool parallel : {false, true}) {
+    const std::string message = load_error(path, parallel);
+    EXPECT_THAT(message, HasSubstr("does not fit Model: 1 missing weight(s): blocks.0.attn.to_q.bias;"));
+    EXPECT_THAT(message, HasSubstr(path));
+  }
+}
+
+TEST(TpPlanErrors, LoadListsAtMostTenNames) {
+  const std::string path = save_checkpoint(
+      "tp_many_missing", [](auto& tensors) { tensors.erase(tensors.begin(), tensors.begin() + 12); });
+  const std::string message = load_error(path, true);
+  EXPECT_THAT(message, HasSubstr("12 missing weight(s): blocks.0.norm.weight, blocks.0.attn.to_q.weight"));
+  EXPECT_THAT(message, HasSubstr(", ... (2 more)"));
+}
+
+TEST(TpPlanErrors, LoadRejectsExtraWeights) {
+  const std::string path = save_checkpoint("tp_extra", [](auto& tensors) {
+    tensors.emplace_back("blocks.0.attn.to_k.weight", at::zeros({12, 12}));
+  });
+  for (bool parallel : {false, true}) {
+    EXPECT_THAT(load_error(path, parallel),
+                HasSubstr("1 unexpected weight(s) not in the model: blocks.0.attn.to_k.weight;"));
+  }
+}
+
+TEST(TpPlanErrors, LoadRejectsMisshapedWeights) {
+  const std::string path = save_checkpoint("tp_shape", [](auto& tensors) {
+    for (auto& [name, tensor] : tensors) {
+      if (name == "blocks.1.attn.to_out.0.weight") tensor = at::zeros({12, 10});
+    }
+  });
+  for (bool parallel : {false, true}) {
+    EXPECT_THAT(
+        load_error(path, parallel),
+        HasSubstr(path + ": tensor 'blocks.1.attn.to_out.0.weight' has shape [12, 10], the model expects "
+                         "[12, 12]"));
+  }
+}
+
+TEST(TpPlanErrors, LoadValidatesThePlanBeforeReading) {
+  const std::string path = save_checkpoint("tp_plan_first", [](auto&) {});
+  const auto checkpoint = shardit::io::Checkpoint::open(path);
+  Model model;
+  LoadOptions options;
+  options.tensor_parallel = TensorParallelConfig(shardit::dist::Group::single());
+  const TpPlan bad = {{"blocks.*.norm", ShardStyle::Colwise}};
+  EXPECT_THAT(error_of([&] { shardit::parallel::load_weights(model, checkpoint, bad, options); }),
+              HasSubstr("without a weight to split"));
+  EXPECT_EQ(checkpoint.stats().bytes_read.load(), 0u);
+  // And a good load afterwards works.
+  shardit::parallel::load_weights(model, checkpoint, kPlan, options);
+  EXPECT_TRUE(model.is_materialized());
+}
+
+}  // namespace
