@@ -240,6 +240,20 @@ int run_forward(const BenchOptions& options) {
   world.group()->all_reduce(gemm_sum);
   const double gemm_machine = gemm_sum.item<double>();
 
+  // One all-reduce per rowwise layer: what the plan implies, to compare with what was counted.
+  // (Resolved before loading: a sharded model no longer knows its full shapes.)
+  const auto plan = model->resolve(tp);
+  int64_t expected_all_reduces = 0;
+  if (tp > 1) {
+    for (const auto& spec : plan.parameters) {
+      if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
+                         *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
+          spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
+        ++expected_all_reduces;
+      }
+    }
+  }
+
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
   load.dtype = dtype;
@@ -283,17 +297,6 @@ int run_forward(const BenchOptions& options) {
   const double all_gathers = stats.calls_by_op["all_gather"] / steps;
   const double collectives = (stats.collectives - barrier_calls) / steps;
   const double bytes_sent = stats.bytes_sent / steps;
-
-  int64_t expected_all_reduces = 0;
-  if (tp > 1) {
-    for (const auto& spec : model->resolve(tp).parameters) {
-      if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
-                         *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
-          spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
-        ++expected_all_reduces;
-      }
-    }
-  }
 
   std::vector<double> sorted = step_seconds;
   std::sort(sorted.begin(), sorted.end());
@@ -440,6 +443,9 @@ int main(int argc, char** argv) {
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
   app.require_subcommand(1);
+  // Common options may also follow the subcommand.
+  forward->fallthrough();
+  load->fallthrough();
   CLI11_PARSE(app, argc, argv);
   options.mode = forward->parsed() ? "forward" : "load";
 
