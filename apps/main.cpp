@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
     shardit::dist::World::init();
     return body ? body() : 0;
   } catch (const std::exception& e) {
+    // What the command printed so far goes out first (std::_Exit below flushes nothing).
+    std::fflush(stdout);
     const int rank = shardit::dist::World::initialized() ? shardit::dist::World::get().rank() : 0;
     std::fprintf(stderr, "shardit: error (rank %d): %s\n", rank, shardit::error_message(e).c_str());
     std::fflush(stderr);

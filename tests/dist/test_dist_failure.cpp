@@ -314,4 +314,26 @@ TEST(DistLauncher, KillsRanksThatIgnoreSigtermAfterTheGracePeriod) {
   EXPECT_THAT(err, HasSubstr("); stopping the other ranks"));
 }
 
+TEST(DistLauncher, ForwardsSigtermToEveryRank) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  std::string out, err;
+  shardit::dist::LocalLaunchOptions options;
+  options.nproc = 2;
+  // SIGTERM to the launcher (this process) once the ranks are up; its handler must forward it.
+  std::thread terminator([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    ::kill(::getpid(), SIGTERM);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const int code = launch_captured(
+      {"/bin/sh", "-c", "trap 'echo \"rank $RANK got TERM\"; exit 7' TERM; sleep 60 & wait"}, options, &out,
+      &err);
+  terminator.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(code, 0);
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_THAT(out, HasSubstr("[0] rank 0 got TERM"));
+  EXPECT_THAT(out, HasSubstr("[1] rank 1 got TERM"));
+}
+
 }  // namespace

@@ -277,7 +277,11 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
   }
 
   // 2. Lay out each matched layer and collect every size the degree must divide.
+  // The model's own constraints (head counts) come first: they explain a failure best.
   std::vector<Constraint> constraints;
+  for (const TpDivisor& divisor : divisors) {
+    constraints.push_back({divisor.value, "", divisor.what + " = " + std::to_string(divisor.value)});
+  }
   for (LayerMatch& layer : result.layers) {
     lay_out(layer);
     const std::string tensor = layer.path + ".weight";
@@ -294,9 +298,6 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
       }
       constraints.push_back({layer.blocks[b], layer.entry->pattern, what.str()});
     }
-  }
-  for (const TpDivisor& divisor : divisors) {
-    constraints.push_back({divisor.value, "", divisor.what + " = " + std::to_string(divisor.value)});
   }
 
   // 3. Validate the degree against all of them before anything moves.
