@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "shardit/core/error.h"
+#include "shardit/core/profile.h"
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
@@ -60,6 +61,7 @@ struct BenchOptions {
   std::string load_path = "shard-on-load";
   std::string json_out;
   std::string label;
+  bool profile = false;
 };
 
 double seconds_since(Clock::time_point start) {
@@ -283,6 +285,10 @@ int run_forward(const BenchOptions& options) {
   for (int i = 0; i < options.warmup; ++i) model->forward(inputs);
   world.group()->barrier();
   stats.reset();
+  if (options.profile) {
+    shardit::profile::enable(true);
+    shardit::profile::reset();
+  }
   std::vector<double> step_seconds;
   for (int i = 0; i < options.repeats; ++i) {
     world.group()->barrier();
@@ -290,6 +296,7 @@ int run_forward(const BenchOptions& options) {
     at::Tensor sample = model->forward(inputs);
     step_seconds.push_back(seconds_since(start));
   }
+  shardit::profile::enable(false);
   // The barriers between steps are collectives too; count only the forward's.
   const double steps = options.repeats;
   const double barrier_calls = static_cast<double>(stats.calls_by_op["barrier"]);
@@ -350,6 +357,7 @@ int run_forward(const BenchOptions& options) {
                 gemm_machine, all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 human_bytes(parameter_bytes).c_str(), human_bytes(peak_rss_bytes()).c_str());
   emit(options, result, row);
+  if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
   return 0;
 }
 
@@ -440,6 +448,7 @@ int main(int argc, char** argv) {
   forward->add_option("--batch", options.batch, "batch size");
   forward->add_option("--warmup", options.warmup, "untimed steps first");
   forward->add_option("--repeats", options.repeats, "timed steps");
+  forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
   app.require_subcommand(1);

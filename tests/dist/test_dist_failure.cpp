@@ -50,24 +50,6 @@ void write_file(const std::string& path, const std::string& text) {
   std::rename((path + ".tmp").c_str(), path.c_str());  // readers never see half a file
 }
 
-// A fresh folder, removed with everything in it when the test ends.
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / ("shardit-" + tag + "-XXXXXX")).string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed: " + pattern);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
@@ -136,8 +118,7 @@ TEST(DistFailure, RankKilledMidSequence) {
     if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/true);
     run_until_failure(dir);
   }
-  const TempDir temp("dist-kill");
-  const std::string& dir = temp.path();
+  const std::string dir = shardit::testing::make_temp_dir("dist-kill");
   const auto start = std::chrono::steady_clock::now();
   const int code = run_ranks(3, "DistFailure.RankKilledMidSequence",
                              {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
@@ -155,8 +136,7 @@ TEST(DistFailure, RankExitsSilentlyMidSequence) {
     if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/false);
     run_until_failure(dir);
   }
-  const TempDir temp("dist-exit");
-  const std::string& dir = temp.path();
+  const std::string dir = shardit::testing::make_temp_dir("dist-exit");
   const auto start = std::chrono::steady_clock::now();
   const int code = run_ranks(2, "DistFailure.RankExitsSilentlyMidSequence",
                              {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
@@ -184,8 +164,7 @@ TEST(DistFailure, RankThatNeverArrivesTimesOut) {
     write_file(dir + "/rank0", std::to_string(now_ms() - start) + "\n" + message);
     std::_Exit(1);
   }
-  const TempDir temp("dist-absent");
-  const std::string& dir = temp.path();
+  const std::string dir = shardit::testing::make_temp_dir("dist-absent");
   const int code = run_ranks(2, "DistFailure.RankThatNeverArrivesTimesOut",
                              {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
   EXPECT_NE(code, 0);
@@ -243,8 +222,7 @@ TEST(DistFailure, BadEnvironmentFailsInit) {
 // Runs launch_local with this process's stdout and stderr captured into files.
 int launch_captured(const std::vector<std::string>& argv, const shardit::dist::LocalLaunchOptions& options,
                     std::string* out, std::string* err) {
-  const TempDir temp("launch");
-  const std::string& dir = temp.path();
+  const std::string dir = shardit::testing::make_temp_dir("launch");
   std::fflush(stdout);
   std::fflush(stderr);
   const int saved_out = ::dup(1);

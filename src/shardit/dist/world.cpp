@@ -2,6 +2,7 @@
 // for CUDA tensors when LibTorch has it), and a heartbeat that lets a failed collective name the
 // rank that was lost.
 #include "shardit/dist/world.h"
+#include "shardit/core/profile.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -160,7 +161,10 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
   const std::vector<int>& global_ranks() const override { return global_ranks_; }
   const std::string& name() const override { return name_; }
 
-  void all_reduce(at::Tensor& tensor) override { all_reduce_async(tensor).wait(); }
+  void all_reduce(at::Tensor& tensor) override {
+    SHARDIT_PROFILE_SCOPE("all_reduce");
+    all_reduce_async(tensor).wait();
+  }
 
   Work all_reduce_async(at::Tensor& tensor) override {
     const int n = size();
@@ -186,6 +190,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
   }
 
   at::Tensor all_gather(const at::Tensor& tensor, int64_t dim) override {
+    SHARDIT_PROFILE_SCOPE("all_gather");
     dim = checked_dim(tensor, dim, "all_gather");
     const int n = size();
     count("all_gather", tensor_bytes(tensor) * (n - 1));

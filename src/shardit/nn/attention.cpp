@@ -1,4 +1,5 @@
 #include "shardit/nn/attention.h"
+#include "shardit/core/profile.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -62,6 +63,7 @@ at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::optional<at::Tensor>& mask, std::optional<double> scale) {
+  SHARDIT_PROFILE_SCOPE("attention");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "attention: q, k, v must be [B, H, S, D], got shapes ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),

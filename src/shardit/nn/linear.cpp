@@ -1,4 +1,5 @@
 #include "shardit/nn/linear.h"
+#include "shardit/core/profile.h"
 
 #include <c10/util/Exception.h>
 
@@ -40,6 +41,7 @@ Linear::Linear(const LinearOptions& options) : options_(options) {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) {
+  SHARDIT_PROFILE_SCOPE("Linear");
   // x: [..., in] (None, Colwise, ColwiseGather) or [..., in_local] (Rowwise)
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "Linear (", mode_name(mode_), "): input has ",
               x.size(-1), " features, the weight ", weight.sizes(), " expects ", weight.size(1));

@@ -1,4 +1,5 @@
 #include "shardit/models/flux/transformer_flux.h"
+#include "shardit/core/profile.h"
 
 #include <c10/util/Exception.h>
 
@@ -207,6 +208,7 @@ FluxAttention::FluxAttention(const FluxAttentionOptions& options) : options_(opt
 
 FluxAttention::Output FluxAttention::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                              const nn::RotaryEmbedding& rope) {
+  SHARDIT_PROFILE_SCOPE("FluxAttention");
   // hidden_states [B, N, D]; encoder_hidden_states [B, L, D] or undefined
   const int64_t head_dim = options_.dim_head;
   // [B, N, H_local, hd]
@@ -271,6 +273,7 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::forward(const at::Tensor
                                                                 const at::Tensor& encoder_hidden_states,
                                                                 const at::Tensor& temb, const nn::RotaryEmbedding& rope,
                                                                 const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("FluxTransformerBlock");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
   const AdaLayerNormZero::Output img = norm1->forward(hidden_states, temb);
   const AdaLayerNormZero::Output txt = norm1_context->forward(encoder_hidden_states, temb);
@@ -316,6 +319,7 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t num_
 
 at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, const at::Tensor& temb,
                                                const nn::RotaryEmbedding& rope, const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("FluxSingleTransformerBlock");
   // hidden_states [B, S, D], temb [B, D]
   const AdaLayerNormZeroSingle::Output normed = norm->forward(hidden_states, temb);
   if (record) record("norm.linear", normed.emb);
@@ -411,6 +415,7 @@ std::vector<parallel::TpDivisor> FluxTransformer2DModel::tp_divisors() const {
 
 at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs,
                                            const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("FluxTransformer2DModel");
   TORCH_CHECK(is_materialized(), "FluxTransformer2DModel: forward called before the weights were loaded");
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
