@@ -14,6 +14,7 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/builtin.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -38,8 +39,19 @@ at::ScalarType parse_dtype(const std::string& name) {
 }
 
 
-int run_transformer(const RunTransformerOptions& options) {
+int run_transformer(const RunTransformerOptions& given) {
   dist::World& world = dist::World::get();
+  RunTransformerOptions options = given;
+  if (options.model.empty()) {
+    // The built-in tiny model and its input case (written once; ranks share the folder).
+    TORCH_CHECK(options.inputs.empty(), "run-transformer: --inputs without --model; give both, or neither for the "
+                                        "built-in tiny model");
+    const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
+    options.model = builtin.pipeline;
+    options.inputs = builtin.inputs;
+    if (world.rank() == 0) fmt::print("(no --model given: running the built-in tiny model)\n");
+  }
+  TORCH_CHECK(!options.inputs.empty(), "run-transformer: --inputs is required with --model");
   const at::ScalarType dtype = parse_dtype(options.dtype);
 
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
@@ -93,9 +105,10 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<RunTransformerOptions>();
   CLI::App* command =
       app.add_subcommand("run-transformer", "run one transformer forward on a case folder and write `sample`");
-  command->add_option("--model", options->model, "transformer component folder (or pipeline folder)")->required();
-  command->add_option("--inputs", options->inputs, "case folder with inputs.safetensors (+ inputs.json), or the file")
-      ->required();
+  command->add_option("--model", options->model,
+                      "transformer component folder (or pipeline folder); default: the built-in tiny model");
+  command->add_option("--inputs", options->inputs,
+                      "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
   command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });

@@ -7,3 +7,4 @@ bash scripts/setup.sh
 bash scripts/build.sh
 BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
 "$BUILD_DIR/apps/shardit" inspect --plan --tp 2
+"$BUILD_DIR/apps/shardit" --nproc-per-node 2 run-transformer --out "$BUILD_DIR/builtin-sample.safetensors"
