@@ -158,4 +158,23 @@ TEST(TpFlux, CliRunTransformerAtTp2MatchesGolden) {
   EXPECT_TRUE(tensors_close("CLI sample at TP=2", written->read("sample"), golden->read("sample"), 1e-4, 1e-4));
 }
 
+TEST(TpFlux, CliRunsTheBuiltinModelWithoutArguments) {
+  // The quick start's forward: no --model means the built-in tiny model and its input case.
+  const std::string dir = shardit::testing::make_temp_dir("cli-builtin");
+  std::string output;
+  ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " run-transformer --out " + dir + "/tp1.safetensors",
+                                          &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("built-in tiny model"));
+  ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " --nproc-per-node 2 run-transformer --out " + dir +
+                                              "/tp2.safetensors",
+                                          &output),
+            0)
+      << output;
+  const at::Tensor tp1 = shardit::io::SafetensorsFile::open(dir + "/tp1.safetensors")->read("sample");
+  const at::Tensor tp2 = shardit::io::SafetensorsFile::open(dir + "/tp2.safetensors")->read("sample");
+  EXPECT_TRUE(tensors_close("built-in sample, TP=2 vs TP=1", tp2, tp1, kTpScaleTolerance * tp1.abs().max().item<double>(), 0.0));
+}
+
 }  // namespace
