@@ -11,6 +11,7 @@
 #include <string>
 
 #include "apps/commands.h"
+#include "shardit/core/dtype.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -32,13 +33,6 @@ struct RunTransformerOptions {
   std::string dtype = "f32";
 };
 
-at::ScalarType parse_dtype(const std::string& name) {
-  if (name == "f32" || name == "fp32" || name == "float32") return at::kFloat;
-  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  TORCH_CHECK(false, "--dtype '", name, "' is not supported; use f32 or bf16");
-}
-
-
 int run_transformer(const RunTransformerOptions& given) {
   dist::World& world = dist::World::get();
   RunTransformerOptions options = given;
@@ -52,7 +46,7 @@ int run_transformer(const RunTransformerOptions& given) {
     if (world.rank() == 0) fmt::print("(no --model given: running the built-in tiny model)\n");
   }
   TORCH_CHECK(!options.inputs.empty(), "run-transformer: --inputs is required with --model");
-  const at::ScalarType dtype = parse_dtype(options.dtype);
+  const at::ScalarType dtype = parse_compute_dtype(options.dtype);
 
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
 #include "shardit/dist/launcher.h"
@@ -81,12 +82,6 @@ int64_t current_rss_bytes() {
   int64_t pages_total = 0, pages_resident = 0;
   statm >> pages_total >> pages_resident;
   return pages_resident * sysconf(_SC_PAGESIZE);
-}
-
-at::ScalarType parse_dtype(const std::string& name) {
-  if (name == "f32" || name == "fp32" || name == "float32") return at::kFloat;
-  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  TORCH_CHECK(false, "--dtype must be f32 or bf16, got '", name, "'");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,16 +177,24 @@ double flux_forward_flops(const FluxTransformer2DModelConfig& config, int64_t ba
   const double l = static_cast<double>(text_tokens);
   const double s = n + l;
   const double mlp = 4.0 * d;
-  // Double block, per stream: q, k, v, out (4 d^2) and the MLP (2 d mlp), per token.
+  // Per token. Double block, each stream with its own weights: q, k, v, out (4 d^2) and the MLP
+  // (2 d mlp); single block: q, k, v (3 d^2), proj_mlp (d mlp), proj_out ((d + mlp) d). Both
+  // attend over the joint sequence: q k^T and p v, s^2 d each.
   const double double_block = 2.0 * s * (4.0 * d * d + 2.0 * d * mlp) + 2.0 * 2.0 * s * s * d;
-  // Single block, per token: q, k, v (3 d^2), proj_mlp (d mlp), proj_out ((d + mlp) d).
   const double single_block = 2.0 * s * (3.0 * d * d + d * mlp + (d + mlp) * d) + 2.0 * 2.0 * s * s * d;
   const double embed = 2.0 * (n * config.in_channels * d + l * config.joint_attention_dim * d) +
                        2.0 * n * d * config.patch_size * config.patch_size * config.resolved_out_channels();
-  return batch * (config.num_layers * double_block + config.num_single_layers * single_block + embed);
+  // Per sample: the AdaLN modulations (d -> 6d for each stream of a double block, d -> 3d per
+  // single block, d -> 2d in norm_out) and the conditioning embedders (256 -> d -> d for the
+  // timestep and the guidance, pooled -> d -> d for the text).
+  const double modulation = 2.0 * d * d * (12.0 * config.num_layers + 3.0 * config.num_single_layers + 2.0);
+  const double conditioning = 2.0 * ((256.0 * d + d * d) * (config.guidance_embeds ? 2.0 : 1.0) +
+                                     config.pooled_projection_dim * d + d * d);
+  return batch * (config.num_layers * double_block + config.num_single_layers * single_block + embed + modulation +
+                  conditioning);
 }
 
-/// GFLOP/s of an fp32 matmul shaped like the model's projections ([S, D] x [D, D]), measured with
+/// GFLOP/s of an fp32 matmul shaped like the model's projections ([B·S, D] x [D, D]), measured with
 /// this rank's threads.
 double measure_gemm_gflops(int64_t rows, int64_t dim, at::ScalarType dtype) {
   const at::Tensor a = at::randn({rows, dim}).to(dtype);
@@ -225,7 +228,7 @@ void emit(const BenchOptions& options, const nlohmann::json& result, const std::
 int run_forward(const BenchOptions& options) {
   auto& world = shardit::dist::World::init();
   const int tp = world.size();
-  const at::ScalarType dtype = parse_dtype(options.dtype);
+  const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
   const std::string folder_path = prepare_model_folder(options, world);
   const auto folder = shardit::io::open_component(folder_path, "transformer");
   auto module = shardit::models::create_transformer(folder);
@@ -237,7 +240,8 @@ int run_forward(const BenchOptions& options) {
   // this many ranks and threads each.
   world.group()->barrier();
   const int64_t image_tokens = static_cast<int64_t>(options.height / 16) * (options.width / 16);
-  const double gemm_rank = measure_gemm_gflops(image_tokens + options.text_tokens, config.inner_dim(), at::kFloat);
+  const double gemm_rank =
+      measure_gemm_gflops(options.batch * (image_tokens + options.text_tokens), config.inner_dim(), at::kFloat);
   at::Tensor gemm_sum = at::tensor({gemm_rank}, at::kDouble);
   world.group()->all_reduce(gemm_sum);
   const double gemm_machine = gemm_sum.item<double>();
@@ -274,7 +278,7 @@ int run_forward(const BenchOptions& options) {
   inputs.encoder_hidden_states = randn({b, options.text_tokens, config.joint_attention_dim});
   inputs.pooled_projections = randn({b, config.pooled_projection_dim});
   inputs.timestep = at::full({b}, 0.5, at::kFloat).to(dtype);
-  if (config.guidance_embeds) inputs.guidance = at::full({b}, 0.0035, at::kFloat).to(dtype);
+  if (config.guidance_embeds) inputs.guidance = at::full({b}, 3.5, at::kFloat).to(dtype);
   const int64_t grid_w = options.width / 16;
   const at::Tensor positions = at::arange(image_tokens, at::kLong);
   inputs.img_ids = at::stack({at::zeros({image_tokens}, at::kLong), positions.div(grid_w, "floor"),
@@ -364,7 +368,7 @@ int run_forward(const BenchOptions& options) {
 int run_load(const BenchOptions& options) {
   auto& world = shardit::dist::World::init();
   const int tp = world.size();
-  const at::ScalarType dtype = parse_dtype(options.dtype);
+  const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
   const std::string folder_path = prepare_model_folder(options, world);
   const auto folder = shardit::io::open_component(folder_path, "transformer");
   auto model = shardit::models::create_transformer(folder);

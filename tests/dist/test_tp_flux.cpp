@@ -145,6 +145,7 @@ TEST(TpFlux, DegreeThatDoesNotDivideHeadsIsRejectedBeforeLoading) {
 }
 
 TEST(TpFlux, CliRunTransformerAtTp2MatchesGolden) {
+  // Every rank loads its shard (TP degree = world size) and runs; rank 0 writes.
   const std::string out = shardit::testing::make_temp_dir("cli-tp2") + "/sample.safetensors";
   const std::string case_dir = golden_path("flux_b2_nonsquare");
   std::string output;
@@ -152,6 +153,7 @@ TEST(TpFlux, CliRunTransformerAtTp2MatchesGolden) {
                                                        case_dir + " --inputs " + case_dir + " --out " + out,
                                                    &output);
   ASSERT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("tp 2"));
   const auto written = shardit::io::SafetensorsFile::open(out);
   const auto golden = shardit::io::SafetensorsFile::open(case_dir + "/outputs.safetensors");
   // The golden tolerance of the README: 1e-4 + 1e-4 |expected| in fp32.

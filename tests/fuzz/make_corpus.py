@@ -26,7 +26,7 @@ def main():
     for name, size in sizes:
         header[name] = {"dtype": name, "shape": [1], "data_offsets": [offset, offset + size]}
         offset += size
-    write("valid_all_dtypes", 64, json.dumps(header))
+    write("valid_all_dtypes", offset, json.dumps(header))
     write("valid_empty", 0, "{}")
     write("valid_scalar_and_empty_tensor", 4,
           '{"s":{"dtype":"I32","shape":[],"data_offsets":[0,4]},'

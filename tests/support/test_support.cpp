@@ -81,6 +81,16 @@ std::string make_temp_dir(const std::string& tag) {
          << ", expected " << b.flatten()[first].item<double>();
 }
 
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  ADD_FAILURE() << "expected a c10::Error, none was thrown";
+  return "";
+}
+
 int run_command(const std::string& command_line, std::string* output) {
   std::string full = command_line + " 2>&1";
   FILE* pipe = popen(full.c_str(), "r");

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,10 @@ std::string make_temp_dir(const std::string& tag);
 /// names `what`, the shapes, the max difference and the first bad index with both values.
 ::testing::AssertionResult tensors_close(const std::string& what, const at::Tensor& actual,
                                          const at::Tensor& expected, double atol, double rtol);
+
+/// The message (without backtrace) of the c10::Error that `fn` throws; a test failure, and "",
+/// when it throws none.
+std::string error_of(const std::function<void()>& fn);
 
 /// Runs a shell command line, returns its exit status and fills `output` with stdout+stderr.
 int run_command(const std::string& command_line, std::string* output);

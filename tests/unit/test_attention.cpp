@@ -54,4 +54,13 @@ TEST(Attention, PerHeadAdditiveMaskFollowsItsHeads) {
                             reference_attention(q, k, v, bias), 1e-5, 1e-5));
 }
 
+TEST(Attention, PerHeadMaskWithoutBatchDimensionFollowsItsHeads) {
+  // [H, 1, S_kv] broadcasts over batch and queries; its heads are split with the head groups.
+  at::manual_seed(5);
+  const at::Tensor q = at::randn({2, 6, 4096, 8}), k = at::randn({2, 6, 4096, 8}), v = at::randn({2, 6, 4096, 8});
+  const at::Tensor bias = at::randn({6, 1, 4096});
+  EXPECT_TRUE(tensors_close("per-head bias without batch", shardit::nn::scaled_dot_product_attention(q, k, v, bias),
+                            reference_attention(q, k, v, bias), 1e-5, 1e-5));
+}
+
 }  // namespace

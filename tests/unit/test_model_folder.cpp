@@ -14,17 +14,8 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using shardit::testing::error_of;
 namespace fs = std::filesystem;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error, none was thrown";
-  return "";
-}
 
 void write_text(const std::string& path, const std::string& text) {
   fs::create_directories(fs::path(path).parent_path());

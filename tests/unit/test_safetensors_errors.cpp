@@ -15,17 +15,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-/// The message of the c10::Error thrown by `fn` (without backtrace), or a failure.
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error, none was thrown";
-  return "";
-}
+using shardit::testing::error_of;
 
 /// A file made of an 8-byte length, `header` and `data_size` zero bytes.
 std::string write_raw(const std::string& dir, const std::string& header, uint64_t data_size,
@@ -147,6 +137,20 @@ TEST(SafetensorsErrors, OverlappingRanges) {
   const std::string ok = R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
                          R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[2,2]}})";
   EXPECT_EQ(SafetensorsFile::parse_header("ok", ok.data(), ok.size(), 4, nullptr).size(), 2u);
+}
+
+TEST(SafetensorsErrors, HolesAndTrailingBytes) {
+  // The format requires the tensors to tile the data section: no gap, nothing after the last one.
+  EXPECT_THAT(open_error(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+                         R"("b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}})",
+                         10),
+              HasSubstr("tensor 'b' (data_offsets [6, 10]) leaves bytes [4, 6) of the data section "
+                        "unowned after tensor 'a'"));
+  EXPECT_THAT(open_error(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})", 6),
+              HasSubstr("tensor 'a' (data_offsets [2, 6]) leaves bytes [0, 2) of the data section unowned"));
+  EXPECT_THAT(open_error(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", 7),
+              HasSubstr("the data section is 7 bytes but its tensors end at byte 4; the 3 trailing bytes"));
+  EXPECT_THAT(open_error("{}", 1), HasSubstr("the data section is 1 bytes but its tensors end at byte 0"));
 }
 
 TEST(SafetensorsErrors, BadMetadata) {

@@ -30,6 +30,7 @@ using shardit::parallel::TpDivisor;
 using shardit::parallel::TpPlan;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using shardit::testing::error_of;
 
 std::shared_ptr<Linear> linear(int64_t in, int64_t out) {
   return std::make_shared<Linear>(LinearOptions(in, out));
@@ -84,18 +85,6 @@ const TpPlan kPlan = {
     {"blocks.*.attn.to_q", ShardStyle::Colwise},
     {"blocks.*.attn.to_out.0", ShardStyle::Rowwise},
 };
-
-// The message of the c10::Error `fn` throws (without the backtrace); fails if it does not throw.
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.msg();
-  }
-  ADD_FAILURE() << "expected a c10::Error";
-  return "";
-}
 
 std::string resolve_error(const TpPlan& plan, int degree, const std::vector<TpDivisor>& divisors = {}) {
   Model model;

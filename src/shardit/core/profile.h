@@ -20,7 +20,7 @@ void reset();
 /// so shares do not add up), sorted by total time.
 std::string report();
 
-/// Adds one timed call to `name` (a string literal: its address identifies the scope).
+/// Adds one timed call to the scope `name`.
 void add(const char* name, double seconds);
 
 class Scope {

@@ -12,15 +12,15 @@ void Work::wait() {
   wait_fn();
 }
 
-namespace {
-
-int64_t checked_dim(const at::Tensor& tensor, int64_t dim, const char* op) {
+int64_t Group::checked_dim(const at::Tensor& tensor, int64_t dim, const char* op) const {
   const int64_t ndim = tensor.dim();
-  TORCH_CHECK(ndim > 0, op, ": needs a tensor with at least one dimension, got a scalar");
-  TORCH_CHECK(dim >= -ndim && dim < ndim, op, ": dim ", dim, " is out of range for a tensor of shape ",
-              tensor.sizes());
+  TORCH_CHECK(ndim > 0, op, " on group '", name(), "': needs a tensor with at least one dimension, got a scalar");
+  TORCH_CHECK(dim >= -ndim && dim < ndim, op, " on group '", name(), "': dim ", dim,
+              " is out of range for a tensor of shape ", tensor.sizes());
   return dim < 0 ? dim + ndim : dim;
 }
+
+namespace {
 
 // Size 1: every collective is the identity. Calls are still counted (with no bytes) so code that
 // counts collectives behaves the same at any degree.
@@ -54,7 +54,8 @@ class SingleGroup final : public Group {
     return tensor;
   }
   void broadcast(at::Tensor& tensor, int root) override {
-    TORCH_CHECK(root == 0, "broadcast: root ", root, " is out of range for a group of size 1");
+    TORCH_CHECK(root == 0, "broadcast on group '", name_, "': root ", root,
+                " is out of range for a group of size 1");
     count("broadcast");
   }
   void barrier() override { count("barrier"); }

@@ -33,6 +33,8 @@ struct CommStats {
 };
 
 /// A pending collective. wait() rethrows the collective's error (naming the group and the op).
+/// The result is in the tensor only after wait() returns (half types are summed in a f32 copy
+/// and written back there); dropping a Work without waiting leaves the tensor unspecified.
 class Work {
  public:
   Work() = default;
@@ -77,6 +79,10 @@ class Group {
   static std::shared_ptr<Group> single();
 
  protected:
+  /// `dim` of `tensor` made non-negative; an error naming `op` and the group when the tensor is a
+  /// scalar or `dim` is out of range.
+  int64_t checked_dim(const at::Tensor& tensor, int64_t dim, const char* op) const;
+
   CommStats stats_;
 };
 

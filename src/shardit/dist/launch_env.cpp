@@ -154,13 +154,6 @@ LaunchEnv LaunchEnv::from_variables(const Vars& vars) {
   if (lookup(vars, "RANK") || lookup(vars, "WORLD_SIZE")) {
     env.source = LaunchSource::Torchrun;
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
-    env.world_size = required_int(vars, "WORLD_SIZE", "torchrun",
-                                  "RANK=" + lookup(vars, "RANK").value_or("") + " is set");
-    env.rank = required_int(vars, "RANK", "torchrun",
-                            "WORLD_SIZE=" + std::to_string(env.world_size) + " is set");
-    // Without the local variables, assume every rank runs on this node.
-    env.local_rank = optional_int(vars, "LOCAL_RANK").value_or(env.rank);
-    env.local_world_size = optional_int(vars, "LOCAL_WORLD_SIZE").value_or(env.world_size);
   } else if (lookup(vars, "OMPI_COMM_WORLD_RANK") || lookup(vars, "OMPI_COMM_WORLD_SIZE")) {
     env.source = LaunchSource::OpenMPI;
     names = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -175,21 +168,20 @@ LaunchEnv LaunchEnv::from_variables(const Vars& vars) {
     return env;  // no launcher: rank 0 of 1
   }
 
-  if (env.source != LaunchSource::Torchrun) {
-    const std::string launcher = launch_source_name(env.source);
-    env.world_size = required_int(vars, names.world_size, launcher,
-                                  names.rank + "=" + lookup(vars, names.rank).value_or("") + " is set");
-    env.rank = required_int(vars, names.rank, launcher,
-                            names.world_size + "=" + std::to_string(env.world_size) + " is set");
-    env.local_rank = optional_int(vars, names.local_rank).value_or(env.rank);
-    if (env.source == LaunchSource::Slurm && !lookup(vars, "SLURM_NTASKS_PER_NODE") &&
-        lookup(vars, "SLURM_TASKS_PER_NODE")) {
-      names.local_world_size = "SLURM_TASKS_PER_NODE";
-      env.local_world_size = slurm_tasks_on_node(*lookup(vars, "SLURM_TASKS_PER_NODE"),
-                                                 optional_int(vars, "SLURM_NODEID"));
-    } else {
-      env.local_world_size = optional_int(vars, names.local_world_size).value_or(env.world_size);
-    }
+  const std::string launcher = launch_source_name(env.source);
+  env.world_size = required_int(vars, names.world_size, launcher,
+                                names.rank + "=" + lookup(vars, names.rank).value_or("") + " is set");
+  env.rank = required_int(vars, names.rank, launcher,
+                          names.world_size + "=" + std::to_string(env.world_size) + " is set");
+  // Without the local variables, assume every rank runs on this node.
+  env.local_rank = optional_int(vars, names.local_rank).value_or(env.rank);
+  if (env.source == LaunchSource::Slurm && !lookup(vars, "SLURM_NTASKS_PER_NODE") &&
+      lookup(vars, "SLURM_TASKS_PER_NODE")) {
+    names.local_world_size = "SLURM_TASKS_PER_NODE";
+    env.local_world_size = slurm_tasks_on_node(*lookup(vars, "SLURM_TASKS_PER_NODE"),
+                                               optional_int(vars, "SLURM_NODEID"));
+  } else {
+    env.local_world_size = optional_int(vars, names.local_world_size).value_or(env.world_size);
   }
   validate(env, names);
   read_master(vars, env, /*port_required=*/env.source == LaunchSource::Torchrun);

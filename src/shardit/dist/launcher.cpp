@@ -157,9 +157,15 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
   for (int r = 0; r < nproc && spawn_error.empty(); ++r) {
     int out_pipe[2] = {-1, -1};
     int err_pipe[2] = {-1, -1};
+    const auto close_pipes = [&] {
+      for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) {
+        if (fd >= 0) ::close(fd);
+      }
+    };
     if (options.prefix_output &&
         (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
       spawn_error = std::string("pipe() failed: ") + std::strerror(errno);
+      close_pipes();
       break;
     }
     std::vector<char*> envp;
@@ -189,6 +195,7 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
     }
     if (pid < 0) {
       spawn_error = std::string("fork() failed: ") + std::strerror(errno);
+      close_pipes();
       break;
     }
     ::setpgid(pid, pid);  // also here, so signals sent before the child's own call reach it

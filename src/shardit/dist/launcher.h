@@ -22,10 +22,6 @@ int launch_local(const std::vector<std::string>& argv, const LocalLaunchOptions&
 /// The path of the running executable (/proc/self/exe).
 std::string current_executable();
 
-}  // namespace shardit::dist
-
-namespace shardit::dist {
-
 /// Re-runs the current command line (`argc`/`argv` of main) as `nproc` local ranks through
 /// launch_local, with the `option` flag and its value (`--nproc-per-node N` or
 /// `--nproc-per-node=N`) removed. Returns launch_local's exit code.

@@ -207,6 +207,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
   }
 
   at::Tensor reduce_scatter(const at::Tensor& tensor, int64_t dim) override {
+    SHARDIT_PROFILE_SCOPE("reduce_scatter");
     dim = checked_dim(tensor, dim, "reduce_scatter");
     const int n = size();
     check_divisible(tensor, dim, "reduce_scatter");
@@ -221,6 +222,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
   }
 
   at::Tensor all_to_all(const at::Tensor& tensor, int64_t scatter_dim, int64_t gather_dim) override {
+    SHARDIT_PROFILE_SCOPE("all_to_all");
     scatter_dim = checked_dim(tensor, scatter_dim, "all_to_all");
     gather_dim = checked_dim(tensor, gather_dim, "all_to_all");
     const int n = size();
@@ -231,6 +233,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
   }
 
   void broadcast(at::Tensor& tensor, int root) override {
+    SHARDIT_PROFILE_SCOPE("broadcast");
     const int n = size();
     TORCH_CHECK(root >= 0 && root < n, "broadcast on group '", name_, "': root ", root,
                 " is out of range for a group of size ", n);
@@ -269,14 +272,6 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
     ++stats_.collectives;
     ++stats_.calls_by_op[op];
     stats_.bytes_sent += bytes;
-  }
-
-  int64_t checked_dim(const at::Tensor& tensor, int64_t dim, const char* op) const {
-    const int64_t ndim = tensor.dim();
-    TORCH_CHECK(ndim > 0, op, " on group '", name_, "': needs a tensor with at least one dimension");
-    TORCH_CHECK(dim >= -ndim && dim < ndim, op, " on group '", name_, "': dim ", dim,
-                " is out of range for a tensor of shape ", tensor.sizes());
-    return dim < 0 ? dim + ndim : dim;
   }
 
   void check_divisible(const at::Tensor& tensor, int64_t dim, const char* op) const {

@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <torch/version.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,9 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
-#include <sstream>
 
 #include "shardit/core/error.h"
+#include "shardit/io/model_folder.h"
 
 // safetensors is little endian; the raw copies below assume the host is too.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "shardit's safetensors I/O needs a little-endian host");
@@ -37,14 +36,6 @@ struct Mapping {
     if (fd >= 0) close(fd);
   }
 };
-
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
 
 /// Reads exactly `size` bytes at `offset`, retrying short reads.
 void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::string& path,
@@ -207,7 +198,7 @@ at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
   int64_t total = 0;
   for (const Range& range : ranges) {
     TORCH_CHECK(range.begin >= 0 && range.begin <= range.end && range.end <= extent, path_,
-                ": tensor '", name, "' of shape ", shape_string(tensor.shape), ": range [",
+                ": tensor '", name, "' of shape ", at::IntArrayRef(tensor.shape), ": range [",
                 range.begin, ", ", range.end, ") along dim ", dim, " is out of bounds for size ",
                 extent);
     total += range.size();
@@ -353,20 +344,11 @@ Checkpoint Checkpoint::open(const std::string& path) {
   std::vector<std::string> file_paths;
   std::map<std::string, std::string> index_map;  // tensor -> file name, from the index
   if (ends_with(target, ".index.json")) {
-    nlohmann::json index;
-    {
-      std::ifstream in(target);
-      TORCH_CHECK(in, target, ": cannot open: ", std::strerror(errno));
-      try {
-        index = nlohmann::json::parse(in);
-      } catch (const nlohmann::json::exception& e) {
-        TORCH_CHECK(false, target, ": invalid JSON (", e.what(), ")");
-      }
-    }
-    TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+    const nlohmann::json index = read_json_file(target);
+    TORCH_CHECK(index.is_object() && index.contains("weight_map") && index.at("weight_map").is_object(),
                 target, ": expected an object with a \"weight_map\" object (tensor name -> file)");
     std::set<std::string> files;
-    for (const auto& [name, file] : index["weight_map"].items()) {
+    for (const auto& [name, file] : index.at("weight_map").items()) {
       TORCH_CHECK(file.is_string(), target, ": weight_map entry '", name, "' is not a file name");
       index_map[name] = file.get<std::string>();
       files.insert(file.get<std::string>());

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -42,14 +41,6 @@ const DtypeEntry& entry_of(StDtype dtype) {
 
 // The safetensors format caps the header at 100 MB; a larger length is a corrupt file.
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
 
 // A short rendering of a JSON value for error messages (never the whole header).
 std::string brief(const nlohmann::json& value) {
@@ -197,11 +188,11 @@ std::vector<TensorInfo> SafetensorsFile::parse_header(const std::string& file_la
         overflow = overflow || __builtin_mul_overflow(nonzero_product, dim, &nonzero_product);
       }
     }
-    TORCH_CHECK(!overflow, label, ": tensor '", name, "' has shape ", shape_string(info.shape),
+    TORCH_CHECK(!overflow, label, ": tensor '", name, "' has shape ", c10::IntArrayRef(info.shape),
                 " x ", st_dtype_name(info.dtype), ", whose byte size overflows 64 bits");
     TORCH_CHECK(needed == info.nbytes(), label, ": tensor '", name, "' has data_offsets [",
                 info.begin, ", ", info.end, "] (", info.nbytes(), " bytes) but shape ",
-                shape_string(info.shape), " x ", st_dtype_name(info.dtype), " needs ", needed,
+                c10::IntArrayRef(info.shape), " x ", st_dtype_name(info.dtype), " needs ", needed,
                 " bytes");
     tensors.push_back(std::move(info));
   }
@@ -209,8 +200,11 @@ std::vector<TensorInfo> SafetensorsFile::parse_header(const std::string& file_la
   std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  // Empty tensors occupy no bytes and cannot overlap anything.
+  // The format requires the tensors to cover the data section exactly, with no overlap, hole or
+  // trailing bytes (bytes no tensor owns could hide a second file format in the same file).
+  // Empty tensors occupy no bytes, so they can sit anywhere inside the section.
   const TensorInfo* previous = nullptr;
+  uint64_t covered = 0;  // end of the bytes owned so far
   for (const auto& info : tensors) {
     if (info.nbytes() == 0) continue;
     if (previous != nullptr) {
@@ -218,8 +212,17 @@ std::vector<TensorInfo> SafetensorsFile::parse_header(const std::string& file_la
                   "' (data_offsets [", previous->begin, ", ", previous->end, "]) and '", info.name,
                   "' (data_offsets [", info.begin, ", ", info.end, "]) overlap");
     }
+    TORCH_CHECK(info.begin == covered, label, ": tensor '", info.name, "' (data_offsets [",
+                info.begin, ", ", info.end, "]) leaves bytes [", covered, ", ", info.begin,
+                ") of the data section unowned",
+                previous ? " after tensor '" + previous->name + "'" : std::string(),
+                "; the format allows no holes between tensors");
+    covered = info.end;
     previous = &info;
   }
+  TORCH_CHECK(covered == data_size, label, ": the data section is ", data_size,
+              " bytes but its tensors end at byte ", covered, "; the ", data_size - covered,
+              " trailing bytes belong to no tensor (corrupt or concatenated file?)");
   return tensors;
 }
 

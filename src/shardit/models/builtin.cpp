@@ -41,7 +41,7 @@ void write_json(const fs::path& path, const nlohmann::json& json) {
 }  // namespace
 
 std::string default_builtin_model_root() {
-  return (fs::temp_directory_path() / "shardit-builtin-1").string();
+  return (fs::temp_directory_path() / "shardit-builtin-2").string();
 }
 
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
@@ -94,13 +94,13 @@ BuiltinModelPaths write_builtin_model(const std::string& root_path) {
                         {"timestep", at::tensor({0.75f, 0.25f})},
                         {"img_ids", img_ids},
                         {"txt_ids", at::zeros({text_len, 3}, at::kFloat)},
-                        {"guidance", at::tensor({0.0035f, 0.0035f})}});
+                        {"guidance", at::tensor({3.5f, 3.5f})}});
   write_json(staging / "inputs" / "inputs.json",
              {{"model_class", "FluxTransformer2DModel"},
               {"batch_size", batch},
               {"latent_token_grid", {{"height", grid_h}, {"width", grid_w}}},
               {"text_len", text_len},
-              {"notes", {"built-in tiny model input; timestep and guidance are t/1000 as the pipeline passes them"}}});
+              {"notes", {"built-in tiny model input; timestep is t/1000 and guidance the guidance scale, as the pipeline passes them"}}});
   std::ofstream(staging / ".complete") << "ok\n";
 
   std::error_code error;

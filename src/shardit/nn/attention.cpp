@@ -45,13 +45,14 @@ at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t bytes_per_head = q.size(0) * q.size(2) * k.size(2) * static_cast<int64_t>(sizeof(float));
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(heads, kScoresBudgetBytes / std::max<int64_t>(1, bytes_per_head)));
   if (group >= heads) return math_attention_heads(q, k, v, mask, scale);
-  // A mask broadcast over heads ([B or 1, 1, S_q, S_kv]) applies to every group as it is.
-  const bool mask_per_head = mask.has_value() && mask->defined() && mask->dim() == 4 && mask->size(1) > 1;
+  // The heads dimension of a mask is its third from last ([H, S_q, S_kv] or [B, H, S_q, S_kv]); a
+  // mask broadcast over heads (size 1 there, or fewer dimensions) applies to every group as it is.
+  const bool mask_per_head = mask.has_value() && mask->defined() && mask->dim() >= 3 && mask->size(-3) > 1;
   std::vector<at::Tensor> outputs;
   for (int64_t h = 0; h < heads; h += group) {
     const int64_t n = std::min(group, heads - h);
     std::optional<at::Tensor> group_mask = mask;
-    if (mask_per_head) group_mask = mask->narrow(1, h, n);
+    if (mask_per_head) group_mask = mask->narrow(mask->dim() - 3, h, n);
     outputs.push_back(math_attention_heads(q.narrow(1, h, n), k.narrow(1, h, n), v.narrow(1, h, n), group_mask, scale));
   }
   // [B, H, S_q, D]
@@ -82,7 +83,6 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
   return math_attention(q, k, v, mask, softmax_scale);
 #endif
 }
-
 
 GELU::GELU(int64_t dim_in, int64_t dim_out, bool approximate_tanh, bool bias)
     : approximate_tanh_(approximate_tanh) {

@@ -21,7 +21,6 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
                                         const std::optional<at::Tensor>& mask = std::nullopt,
                                         std::optional<double> scale = std::nullopt);
 
-
 /// diffusers' GELU module (attention.py's activation with a projection): act(proj(x)).
 class GELU : public Module {
  public:

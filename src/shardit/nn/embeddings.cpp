@@ -19,35 +19,19 @@ at::Tensor timestep_frequencies(int64_t num_channels, double downscale_freq_shif
   return at::exp(exponent);
 }
 
-namespace {
-
-at::Tensor sinusoid(const at::Tensor& timesteps, const at::Tensor& freqs, int64_t num_channels,
-                    bool flip_sin_to_cos, double scale) {
-  TORCH_CHECK(timesteps.dim() == 1, "timestep embedding: timesteps must be 1-D [B], got shape ",
-              timesteps.sizes());
-  // [B, C/2]
-  at::Tensor arg = timesteps.to(at::kFloat).unsqueeze(1) * freqs.to(timesteps.device()).unsqueeze(0);
-  if (scale != 1.0) arg = arg * scale;
-  at::Tensor emb = flip_sin_to_cos ? at::cat({at::cos(arg), at::sin(arg)}, -1)
-                                   : at::cat({at::sin(arg), at::cos(arg)}, -1);
-  // [B, C]
-  if (num_channels % 2 == 1) emb = at::constant_pad_nd(emb, {0, 1});
-  return emb;
-}
-
-}  // namespace
-
-at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t num_channels, bool flip_sin_to_cos,
-                              double downscale_freq_shift, double scale, double max_period) {
-  return sinusoid(timesteps, timestep_frequencies(num_channels, downscale_freq_shift, max_period),
-                  num_channels, flip_sin_to_cos, scale);
-}
-
 Timesteps::Timesteps(const TimestepsOptions& options)
     : options_(options), freqs_(timestep_frequencies(options.num_channels, options.downscale_freq_shift)) {}
 
 at::Tensor Timesteps::forward(const at::Tensor& timesteps) const {
-  return sinusoid(timesteps, freqs_, options_.num_channels, options_.flip_sin_to_cos, options_.scale);
+  TORCH_CHECK(timesteps.dim() == 1, "Timesteps: timesteps must be 1-D [B], got shape ", timesteps.sizes());
+  // [B, C/2]
+  at::Tensor arg = timesteps.to(at::kFloat).unsqueeze(1) * freqs_.to(timesteps.device()).unsqueeze(0);
+  if (options_.scale != 1.0) arg = arg * options_.scale;
+  // [B, C]
+  at::Tensor emb = options_.flip_sin_to_cos ? at::cat({at::cos(arg), at::sin(arg)}, -1)
+                                            : at::cat({at::sin(arg), at::cos(arg)}, -1);
+  if (options_.num_channels % 2 == 1) emb = at::constant_pad_nd(emb, {0, 1});
+  return emb;
 }
 
 at::Tensor activate(const at::Tensor& x, Activation act_fn) {

@@ -10,14 +10,8 @@
 
 namespace shardit::nn {
 
-/// diffusers' get_timestep_embedding: for k < C/2, freqs[k] = exp(-ln(max_period) * k /
-/// (C/2 - downscale_freq_shift)) in fp32, arg = scale * (t * freqs[k]) in fp32, and the result is
-/// [sin(arg), cos(arg)], or [cos(arg), sin(arg)] with flip_sin_to_cos. An odd C is zero padded.
-/// timesteps [B] (any real dtype; used as fp32) -> [B, C] fp32.
-at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t num_channels, bool flip_sin_to_cos,
-                              double downscale_freq_shift, double scale = 1.0, double max_period = 10000.0);
-
-/// The fp32 frequency table of timestep_embedding ([C/2]).
+/// The fp32 frequency table of diffusers' get_timestep_embedding: for k < C/2,
+/// freqs[k] = exp(-ln(max_period) * k / (C/2 - downscale_freq_shift)) ([C/2]).
 at::Tensor timestep_frequencies(int64_t num_channels, double downscale_freq_shift,
                                 double max_period = 10000.0);
 
@@ -30,11 +24,13 @@ struct TimestepsOptions {
   double scale = 1.0;
 };
 
-/// diffusers' Timesteps: the parameter-free sinusoidal projection (timestep_embedding).
+/// diffusers' Timesteps (get_timestep_embedding), parameter free: arg = scale * (t * freqs[k]) in
+/// fp32, and the result is [sin(arg), cos(arg)], or [cos(arg), sin(arg)] with flip_sin_to_cos; an
+/// odd C is zero padded.
 class Timesteps {
  public:
   explicit Timesteps(const TimestepsOptions& options);
-  /// [B] -> [B, num_channels] fp32.
+  /// timesteps [B] (any real dtype; used as fp32) -> [B, num_channels] fp32.
   at::Tensor forward(const at::Tensor& timesteps) const;
 
  private:

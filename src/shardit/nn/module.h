@@ -54,6 +54,9 @@ class Module {
   void register_parameter(const std::string& name, at::Tensor* slot, at::IntArrayRef shape);
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    for (const auto& child : children_) {
+      TORCH_INTERNAL_ASSERT(child.first != name, "module '", name, "' registered twice");
+    }
     children_.emplace_back(name, module);
     return module;
   }

@@ -1,6 +1,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <iomanip>
@@ -40,21 +41,11 @@ std::string join_path(const std::vector<std::string>& segments, size_t count) {
   return out;
 }
 
-std::string shape_string(c10::IntArrayRef shape) {
-  std::ostringstream out;
-  out << shape;
-  return out.str();
-}
-
 std::string join_names(const std::vector<std::string>& names, size_t limit) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
   if (names.size() > limit) out += ", ... (" + std::to_string(names.size() - limit) + " more)";
   return out;
-}
-
-int64_t product(c10::IntArrayRef shape) {
-  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
 }
 
 /// A matched layer: the Linear a plan entry applies to.
@@ -288,10 +279,10 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
     const int64_t full = layer.linear->weight.size(layer.weight_dim);
     for (size_t b = 0; b < layer.blocks.size(); ++b) {
       std::ostringstream what;
-      what << "tensor '" << tensor << "' " << shape_string(layer.linear->weight.sizes()) << " dim "
+      what << "tensor '" << tensor << "' " << layer.linear->weight.sizes() << " dim "
            << layer.weight_dim;
       if (layer.blocks.size() > 1) {
-        what << " block " << b << " of " << layer.blocks.size() << " " << shape_string(layer.blocks)
+        what << " block " << b << " of " << layer.blocks.size() << " " << c10::IntArrayRef(layer.blocks)
              << " has size " << layer.blocks[b];
       } else {
         what << " has size " << full;
@@ -405,7 +396,7 @@ std::vector<int64_t> ShardSpec::local_shape(int tp_rank) const {
 int64_t ResolvedPlan::replicated_bytes() const {
   int64_t total = 0;
   for (const ShardSpec& spec : parameters) {
-    if (!spec.is_sharded()) total += product(spec.full_shape) * element_size;
+    if (!spec.is_sharded()) total += c10::multiply_integers(spec.full_shape) * element_size;
   }
   return total;
 }
@@ -413,7 +404,7 @@ int64_t ResolvedPlan::replicated_bytes() const {
 int64_t ResolvedPlan::sharded_bytes() const {
   int64_t total = 0;
   for (const ShardSpec& spec : parameters) {
-    if (spec.is_sharded()) total += product(spec.full_shape) * element_size;
+    if (spec.is_sharded()) total += c10::multiply_integers(spec.full_shape) * element_size;
   }
   return total;
 }
@@ -422,7 +413,7 @@ int64_t ResolvedPlan::bytes_on_rank(int tp_rank) const {
   TORCH_CHECK(tp_rank >= 0 && tp_rank < tp_degree, "bytes_on_rank: tp_rank ", tp_rank, " out of range [0, ",
               tp_degree, ")");
   int64_t total = 0;
-  for (const ShardSpec& spec : parameters) total += product(spec.local_shape(tp_rank)) * element_size;
+  for (const ShardSpec& spec : parameters) total += c10::multiply_integers(spec.local_shape(tp_rank)) * element_size;
   return total;
 }
 
@@ -442,8 +433,8 @@ std::string ResolvedPlan::to_table() const {
     std::string style = spec.style ? shard_style_name(*spec.style) : "replicated";
     if (spec.is_sharded()) style += " (dim " + std::to_string(spec.dim) + ")";
     const auto local = spec.local_shape(0);
-    rows.push_back({spec.parameter, style, shape_string(spec.full_shape), shape_string(local),
-                    std::to_string(product(local) * element_size)});
+    rows.push_back({spec.parameter, style, c10::str(c10::IntArrayRef(spec.full_shape)),
+                    c10::str(c10::IntArrayRef(local)), std::to_string(c10::multiply_integers(local) * element_size)});
   }
   size_t widths[4] = {0, 0, 0, 0};
   for (const Row& row : rows) {

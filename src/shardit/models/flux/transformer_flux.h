@@ -192,7 +192,7 @@ struct FluxTransformer2DModelInputs {
   at::Tensor timestep;               ///< [B] (or a scalar), t/1000; the model multiplies by 1000
   at::Tensor img_ids;                ///< [N, 3] (a [B, N, 3] tensor is accepted; [0] is used)
   at::Tensor txt_ids;                ///< [L, 3] (likewise)
-  std::optional<at::Tensor> guidance;  ///< [B], t-style (/1000); required iff guidance_embeds
+  std::optional<at::Tensor> guidance;  ///< [B] guidance scale (e.g. 3.5), also x1000 inside; required iff guidance_embeds
 
   /// Reads the tensors named as the keyword arguments (`guidance` optional) from a file.
   static FluxTransformer2DModelInputs read(const io::SafetensorsFile& file);
