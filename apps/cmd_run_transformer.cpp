@@ -16,7 +16,6 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
-#include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
 
@@ -73,13 +72,7 @@ int run_transformer(const RunTransformerOptions& given) {
   model->load(component.weights(), load_options);
   const auto forward_start = std::chrono::steady_clock::now();
 
-  at::Tensor sample;
-  if (auto flux = std::dynamic_pointer_cast<models::FluxTransformer2DModel>(model)) {
-    sample = flux->forward(models::FluxTransformer2DModelInputs::read(*inputs_file));
-  } else {
-    TORCH_CHECK(false, "run-transformer: no input reader for '", model->type_name(),
-                "' yet; supported: FluxTransformer2DModel");
-  }
+  const at::Tensor sample = models::forward_from_file(*model, *inputs_file);
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {

@@ -1,6 +1,7 @@
 #pragma once
 // diffusers-format model folders: model_index.json naming components, each component a folder
 // with config.json and its safetensors weights (single or sharded).
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <string>
@@ -46,6 +47,18 @@ class ModelFolder {
 /// The component `name` ("transformer") of the pipeline folder at `path`, or the folder itself
 /// when `path` is a component folder (a `transformer/` folder given directly, a test case).
 ComponentFolder open_component(const std::string& path, const std::string& name);
+
+/// `config[key]` as a T, or `fallback` when the key is absent or null (diffusers' defaults).
+/// A value of the wrong type is an error naming `source` (the config file), the key and the value.
+template <class T>
+T config_value(const nlohmann::json& config, const char* key, T fallback, const std::string& source) {
+  if (!config.contains(key) || config.at(key).is_null()) return fallback;
+  try {
+    return config.at(key).get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", config.at(key).dump(), "): ", e.what());
+  }
+}
 
 /// Reads a JSON file with an error naming the file on any problem.
 nlohmann::json read_json_file(const std::string& path);

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/flux2/transformer_flux2.h"
 
 namespace shardit::models {
 
@@ -14,36 +15,76 @@ namespace {
 
 using Factory =
     std::function<std::shared_ptr<parallel::TensorParallelModule>(const nlohmann::json& config, const std::string& source)>;
+/// Reads the forward's keyword arguments from a file and runs the forward.
+using FileForward = std::function<at::Tensor(parallel::TensorParallelModule& model, const io::SafetensorsFile& inputs,
+                                             const IntermediateRecorder& record)>;
+
+struct TransformerClass {
+  std::string name;
+  Factory create;
+  FileForward forward_from_file;
+};
+
+/// The forward of `Model`, with its inputs read by `Model`'s input struct.
+template <class Model, class Inputs>
+FileForward file_forward() {
+  return [](parallel::TensorParallelModule& model, const io::SafetensorsFile& inputs, const IntermediateRecorder& record) {
+    auto* typed = dynamic_cast<Model*>(&model);
+    TORCH_INTERNAL_ASSERT(typed != nullptr, "forward_from_file: model is a ", model.type_name());
+    return typed->forward(Inputs::read(inputs), record);
+  };
+}
 
 /// One entry per supported diffusers transformer class.
-const std::vector<std::pair<std::string, Factory>>& factories() {
-  static const std::vector<std::pair<std::string, Factory>> table = {
+const std::vector<TransformerClass>& classes() {
+  static const std::vector<TransformerClass> table = {
       {"FluxTransformer2DModel",
        [](const nlohmann::json& config, const std::string& source) {
          return std::make_shared<FluxTransformer2DModel>(FluxTransformer2DModelConfig::from_json(config, source));
-       }},
+       },
+       file_forward<FluxTransformer2DModel, FluxTransformer2DModelInputs>()},
+      {"Flux2Transformer2DModel",
+       [](const nlohmann::json& config, const std::string& source) {
+         return std::make_shared<Flux2Transformer2DModel>(Flux2Transformer2DModelConfig::from_json(config, source));
+       },
+       file_forward<Flux2Transformer2DModel, Flux2Transformer2DModelInputs>()},
   };
   return table;
 }
 
 }  // namespace
 
+IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix) {
+  if (!record) return {};
+  return [record, prefix = std::move(prefix)](const std::string& name, const at::Tensor& value) {
+    record(prefix + name, value);
+  };
+}
+
 std::vector<std::string> supported_transformer_classes() {
   std::vector<std::string> names;
-  for (const auto& [name, factory] : factories()) names.push_back(name);
+  for (const auto& entry : classes()) names.push_back(entry.name);
   return names;
 }
 
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder) {
   const std::string source = folder.dir + "/config.json";
   const std::string class_name = folder.class_name();
-  for (const auto& [name, factory] : factories()) {
-    if (name == class_name) return factory(folder.config, source);
+  for (const auto& entry : classes()) {
+    if (entry.name == class_name) return entry.create(folder.config, source);
   }
   std::ostringstream supported;
   for (const auto& name : supported_transformer_classes()) supported << (supported.tellp() > 0 ? ", " : "") << name;
   TORCH_CHECK(false, source, ": unsupported transformer class '", class_name.empty() ? "(no _class_name)" : class_name,
               "'; supported: ", supported.str());
+}
+
+at::Tensor forward_from_file(parallel::TensorParallelModule& model, const io::SafetensorsFile& inputs,
+                             const IntermediateRecorder& record) {
+  for (const auto& entry : classes()) {
+    if (entry.name == model.type_name()) return entry.forward_from_file(model, inputs, record);
+  }
+  TORCH_CHECK(false, inputs.path(), ": no input reader for '", model.type_name(), "'");
 }
 
 }  // namespace shardit::models

@@ -62,6 +62,11 @@ at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
+at::Tensor split_heads(const at::Tensor& x, int64_t head_dim) {
+  TORCH_CHECK(x.size(-1) % head_dim == 0, "split_heads: width ", x.size(-1), " is not a multiple of head_dim ", head_dim);
+  return x.unflatten(-1, {x.size(-1) / head_dim, head_dim});
+}
+
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::optional<at::Tensor>& mask, std::optional<double> scale) {
   SHARDIT_PROFILE_SCOPE("attention");

@@ -13,6 +13,10 @@
 
 namespace shardit::nn {
 
+/// [B, S, H * D] -> [B, S, H, D] with H taken from the width: under tensor parallelism a
+/// colwise projection's output holds the local heads, whatever their number.
+at::Tensor split_heads(const at::Tensor& x, int64_t head_dim);
+
 /// softmax(q k^T * scale + mask) v. q [B, H, S_q, D], k and v [B, H, S_kv, D]; mask (optional)
 /// broadcastable to [B, H, S_q, S_kv], additive (float) or boolean (true = attend). scale
 /// defaults to 1/sqrt(D). The softmax runs in fp32 for bf16/fp16 inputs. Uses LibTorch's fused

@@ -44,9 +44,10 @@ at::Tensor activate(const at::Tensor& x, Activation act_fn) {
   TORCH_INTERNAL_ASSERT(false, "unknown activation");
 }
 
-TimestepEmbedding::TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim) {
-  linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_channels, time_embed_dim)));
-  linear_2 = register_module("linear_2", std::make_shared<Linear>(LinearOptions(time_embed_dim, time_embed_dim)));
+TimestepEmbedding::TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim, bool bias) {
+  linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_channels, time_embed_dim).with_bias(bias)));
+  linear_2 =
+      register_module("linear_2", std::make_shared<Linear>(LinearOptions(time_embed_dim, time_embed_dim).with_bias(bias)));
 }
 
 at::Tensor TimestepEmbedding::forward(const at::Tensor& sample) {

@@ -38,10 +38,11 @@ class Timesteps {
   at::Tensor freqs_;  // [num_channels / 2] fp32, computed once
 };
 
-/// diffusers' TimestepEmbedding with act_fn "silu": linear_2(silu(linear_1(x))).
+/// diffusers' TimestepEmbedding with act_fn "silu": linear_2(silu(linear_1(x))). `bias`:
+/// diffusers' sample_proj_bias (FLUX.2 has none).
 class TimestepEmbedding : public Module {
  public:
-  TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim);
+  TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim, bool bias = true);
   std::string type_name() const override { return "TimestepEmbedding"; }
   /// [B, in_channels] -> [B, time_embed_dim].
   at::Tensor forward(const at::Tensor& sample);

@@ -1,5 +1,7 @@
 #include "shardit/nn/norms.h"
 
+#include <vector>
+
 #include <c10/util/Exception.h>
 
 namespace shardit::nn {
@@ -50,6 +52,28 @@ at::Tensor RMSNorm::forward(const at::Tensor& x) const {
   if (!options_.elementwise_affine) return y.to(x.scalar_type());
   if (is_reduced_float(weight.scalar_type())) return y.to(weight.scalar_type()).mul_(weight);
   return y.mul_(weight).to(x.scalar_type());
+}
+
+at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale) {
+  return normed.mul_(1 + scale.unsqueeze(1)).add_(shift.unsqueeze(1));
+}
+
+at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
+  return at::addcmul(residual, gate.unsqueeze(1), update);
+}
+
+AdaLayerNormContinuous::AdaLayerNormContinuous(const AdaLayerNormContinuousOptions& options) : eps_(options.eps) {
+  linear = register_module("linear", std::make_shared<Linear>(LinearOptions(options.conditioning_embedding_dim,
+                                                                            2 * options.embedding_dim)
+                                                                  .with_bias(options.bias)));
+}
+
+at::Tensor AdaLayerNormContinuous::forward(const at::Tensor& x, const at::Tensor& conditioning, at::Tensor* emb_out) {
+  // [B, 2D] = [scale | shift]
+  const at::Tensor emb = linear->forward(at::silu(conditioning).to(x.scalar_type()));
+  if (emb_out != nullptr) *emb_out = emb;
+  const std::vector<at::Tensor> chunks = emb.chunk(2, 1);
+  return modulate(layer_norm(x, eps_), /*shift=*/chunks[1], /*scale=*/chunks[0]);
 }
 
 }  // namespace shardit::nn

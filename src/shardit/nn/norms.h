@@ -3,8 +3,10 @@
 // input dtype, as PyTorch does for bf16/fp16 inputs.
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 
+#include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
 
 namespace shardit::nn {
@@ -67,6 +69,42 @@ class RMSNorm : public Module {
 
  private:
   RMSNormOptions options_;
+};
+
+/// AdaLN modulation: normed * (1 + scale) + shift with per-sample [B, D] values broadcast over the
+/// sequence of normed [B, S, D], in place on the freshly normalised tensor (the reference's two
+/// ops, same roundings).
+at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale);
+
+/// residual + gate * update with a per-sample [B, D] gate over [B, S, D], in one pass.
+at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update);
+
+struct AdaLayerNormContinuousOptions {
+  AdaLayerNormContinuousOptions(int64_t embedding_dim, int64_t conditioning_embedding_dim)
+      : embedding_dim(embedding_dim), conditioning_embedding_dim(conditioning_embedding_dim) {}
+  int64_t embedding_dim;
+  int64_t conditioning_embedding_dim;
+  double eps = 1e-6;
+  bool bias = true;
+
+  AdaLayerNormContinuousOptions& with_eps(double value) { eps = value; return *this; }
+  AdaLayerNormContinuousOptions& with_bias(bool value) { bias = value; return *this; }
+};
+
+/// diffusers' AdaLayerNormContinuous (LayerNorm without affine): linear(silu(c)) -> [scale, shift]
+/// (this order), LN(x) * (1 + scale) + shift. The final norm of the FLUX family.
+class AdaLayerNormContinuous : public Module {
+ public:
+  explicit AdaLayerNormContinuous(const AdaLayerNormContinuousOptions& options);
+  std::string type_name() const override { return "AdaLayerNormContinuous"; }
+  /// x [B, S, D], conditioning [B, C] -> [B, S, D]. `emb_out` (optional) receives the linear's
+  /// output [B, 2D].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& conditioning, at::Tensor* emb_out = nullptr);
+
+  std::shared_ptr<Linear> linear;  ///< C -> 2D
+
+ private:
+  double eps_;
 };
 
 }  // namespace shardit::nn

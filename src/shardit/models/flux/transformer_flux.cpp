@@ -12,40 +12,6 @@ namespace {
 
 constexpr double kNormEps = 1e-6;
 
-template <class T>
-T json_value(const nlohmann::json& json, const char* key, T fallback, const std::string& source) {
-  if (!json.contains(key) || json.at(key).is_null()) return fallback;
-  try {
-    return json.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", json.at(key).dump(), "): ", e.what());
-  }
-}
-
-/// normed * (1 + scale) + shift with per-sample [B, D] modulation broadcast over the sequence,
-/// in place on the freshly normalised tensor (same roundings as the reference's two ops).
-at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale) {
-  return normed.mul_(1 + scale.unsqueeze(1)).add_(shift.unsqueeze(1));
-}
-
-/// residual + gate * update with a per-sample [B, D] gate, one pass.
-at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
-  return at::addcmul(residual, gate.unsqueeze(1), update);
-}
-
-/// A recorder that prefixes every name; empty when `record` is.
-IntermediateRecorder prefixed(const IntermediateRecorder& record, std::string prefix) {
-  if (!record) return {};
-  return [record, prefix = std::move(prefix)](const std::string& name, const at::Tensor& value) {
-    record(prefix + name, value);
-  };
-}
-
-/// [B, S, H * D] -> [B, S, H, D] with H taken from the width (the local heads under TP).
-at::Tensor split_heads(const at::Tensor& x, int64_t head_dim) {
-  return x.unflatten(-1, {x.size(-1) / head_dim, head_dim});
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -55,19 +21,19 @@ FluxTransformer2DModelConfig FluxTransformer2DModelConfig::from_json(const nlohm
                                                                      const std::string& source) {
   TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
   FluxTransformer2DModelConfig config;
-  config.patch_size = json_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = json_value(json, "in_channels", config.in_channels, source);
+  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
+  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
   if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
-    config.out_channels = json_value<int64_t>(json, "out_channels", 0, source);
+    config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
   }
-  config.num_layers = json_value(json, "num_layers", config.num_layers, source);
-  config.num_single_layers = json_value(json, "num_single_layers", config.num_single_layers, source);
-  config.attention_head_dim = json_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = json_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = json_value(json, "joint_attention_dim", config.joint_attention_dim, source);
-  config.pooled_projection_dim = json_value(json, "pooled_projection_dim", config.pooled_projection_dim, source);
-  config.guidance_embeds = json_value(json, "guidance_embeds", config.guidance_embeds, source);
-  config.axes_dims_rope = json_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
+  config.num_single_layers = io::config_value(json, "num_single_layers", config.num_single_layers, source);
+  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
+  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
+  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
+  config.pooled_projection_dim = io::config_value(json, "pooled_projection_dim", config.pooled_projection_dim, source);
+  config.guidance_embeds = io::config_value(json, "guidance_embeds", config.guidance_embeds, source);
+  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
 
   const auto positive = [&](const char* key, int64_t value) {
     TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
@@ -109,7 +75,7 @@ AdaLayerNormZero::Output AdaLayerNormZero::forward(const at::Tensor& x, const at
   out.shift_mlp = chunks[3];
   out.scale_mlp = chunks[4];
   out.gate_mlp = chunks[5];
-  out.hidden_states = modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  out.hidden_states = nn::modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
   return out;
 }
 
@@ -124,21 +90,8 @@ AdaLayerNormZeroSingle::Output AdaLayerNormZeroSingle::forward(const at::Tensor&
   out.emb = linear->forward(at::silu(emb));
   const std::vector<at::Tensor> chunks = out.emb.chunk(3, 1);
   out.gate = chunks[2];
-  out.hidden_states = modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  out.hidden_states = nn::modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
   return out;
-}
-
-AdaLayerNormContinuous::AdaLayerNormContinuous(int64_t embedding_dim, int64_t conditioning_embedding_dim) {
-  linear = register_module("linear", std::make_shared<nn::Linear>(
-                                         nn::LinearOptions(conditioning_embedding_dim, 2 * embedding_dim)));
-}
-
-at::Tensor AdaLayerNormContinuous::forward(const at::Tensor& x, const at::Tensor& conditioning, at::Tensor* emb_out) {
-  // [B, 2D] = [scale | shift]
-  const at::Tensor emb = linear->forward(at::silu(conditioning).to(x.scalar_type()));
-  if (emb_out != nullptr) *emb_out = emb;
-  const std::vector<at::Tensor> chunks = emb.chunk(2, 1);
-  return modulate(nn::layer_norm(x, kNormEps), /*shift=*/chunks[1], /*scale=*/chunks[0]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -212,9 +165,9 @@ FluxAttention::Output FluxAttention::forward(const at::Tensor& hidden_states, co
   // hidden_states [B, N, D]; encoder_hidden_states [B, L, D] or undefined
   const int64_t head_dim = options_.dim_head;
   // [B, N, H_local, hd]
-  at::Tensor query = norm_q->forward(split_heads(to_q->forward(hidden_states), head_dim));
-  at::Tensor key = norm_k->forward(split_heads(to_k->forward(hidden_states), head_dim));
-  at::Tensor value = split_heads(to_v->forward(hidden_states), head_dim);
+  at::Tensor query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim));
+  at::Tensor key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim));
+  at::Tensor value = nn::split_heads(to_v->forward(hidden_states), head_dim);
 
   int64_t text_len = 0;
   if (encoder_hidden_states.defined()) {
@@ -222,10 +175,10 @@ FluxAttention::Output FluxAttention::forward(const at::Tensor& hidden_states, co
     text_len = encoder_hidden_states.size(1);
     // [B, L, H_local, hd]
     const at::Tensor encoder_query =
-        norm_added_q->forward(split_heads(add_q_proj->forward(encoder_hidden_states), head_dim));
+        norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim));
     const at::Tensor encoder_key =
-        norm_added_k->forward(split_heads(add_k_proj->forward(encoder_hidden_states), head_dim));
-    const at::Tensor encoder_value = split_heads(add_v_proj->forward(encoder_hidden_states), head_dim);
+        norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim));
+    const at::Tensor encoder_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim);
     // [B, L + N, H_local, hd]: text first
     query = at::cat({encoder_query, query}, 1);
     key = at::cat({encoder_key, key}, 1);
@@ -289,17 +242,17 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::forward(const at::Tensor
   }
 
   // Image stream. [B, N, D]
-  at::Tensor image = gated_residual(hidden_states, img.gate_msa, attention.hidden_states);
-  const at::Tensor ff_output = ff->forward(modulate(nn::layer_norm(image, kNormEps), img.shift_mlp, img.scale_mlp));
+  at::Tensor image = nn::gated_residual(hidden_states, img.gate_msa, attention.hidden_states);
+  const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, kNormEps), img.shift_mlp, img.scale_mlp));
   if (record) record("ff", ff_output);
-  image = gated_residual(image, img.gate_mlp, ff_output);
+  image = nn::gated_residual(image, img.gate_mlp, ff_output);
 
   // Text stream. [B, L, D]
-  at::Tensor text = gated_residual(encoder_hidden_states, txt.gate_msa, attention.encoder_hidden_states);
+  at::Tensor text = nn::gated_residual(encoder_hidden_states, txt.gate_msa, attention.encoder_hidden_states);
   const at::Tensor ff_context_output =
-      ff_context->forward(modulate(nn::layer_norm(text, kNormEps), txt.shift_mlp, txt.scale_mlp));
+      ff_context->forward(nn::modulate(nn::layer_norm(text, kNormEps), txt.shift_mlp, txt.scale_mlp));
   if (record) record("ff_context", ff_context_output);
-  text = gated_residual(text, txt.gate_mlp, ff_context_output);
+  text = nn::gated_residual(text, txt.gate_mlp, ff_context_output);
   return {text, image};
 }
 
@@ -332,7 +285,7 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
   if (record) record("attn", attention);
   // [B, S, D_local + 4D_local] -> [B, S, D]
   const at::Tensor projected = proj_out->forward(at::cat({attention, mlp}, 2));
-  return gated_residual(hidden_states, normed.gate, projected);
+  return nn::gated_residual(hidden_states, normed.gate, projected);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -370,7 +323,7 @@ FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfi
     single_transformer_blocks->push_back(
         std::make_shared<FluxSingleTransformerBlock>(inner_dim, config.num_attention_heads, config.attention_head_dim));
   }
-  norm_out = register_module("norm_out", std::make_shared<AdaLayerNormContinuous>(inner_dim, inner_dim));
+  norm_out = register_module("norm_out", std::make_shared<nn::AdaLayerNormContinuous>(nn::AdaLayerNormContinuousOptions(inner_dim, inner_dim).with_eps(kNormEps)));
   proj_out = register_module("proj_out", std::make_shared<nn::Linear>(nn::LinearOptions(
                                              inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
 }
@@ -497,7 +450,7 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
   for (size_t i = 0; i < transformer_blocks->size(); ++i) {
     const std::string name = "transformer_blocks." + std::to_string(i);
     std::tie(encoder_hidden_states, hidden_states) = (*transformer_blocks)[i].forward(
-        hidden_states, encoder_hidden_states, temb, rope, prefixed(record, "debug." + name + "."));
+        hidden_states, encoder_hidden_states, temb, rope, prefixed_recorder(record, "debug." + name + "."));
     if (record) {
       record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
       record("block." + name + ".hidden_states", hidden_states);
@@ -509,7 +462,7 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
   for (size_t i = 0; i < single_transformer_blocks->size(); ++i) {
     const std::string name = "single_transformer_blocks." + std::to_string(i);
     hidden_states = (*single_transformer_blocks)[i].forward(hidden_states, temb, rope,
-                                                             prefixed(record, "debug." + name + "."));
+                                                             prefixed_recorder(record, "debug." + name + "."));
     if (record) {
       record("block." + name + ".encoder_hidden_states", hidden_states.slice(1, 0, text_len));
       record("block." + name + ".hidden_states", hidden_states.slice(1, text_len));

@@ -77,19 +77,6 @@ class AdaLayerNormZeroSingle : public nn::Module {
   std::shared_ptr<nn::Linear> linear;  ///< D -> 3D
 };
 
-/// normalization.py AdaLayerNormContinuous (no affine LN): linear(silu(c)) -> [scale, shift]
-/// (this order), LN(x) * (1 + scale) + shift.
-class AdaLayerNormContinuous : public nn::Module {
- public:
-  AdaLayerNormContinuous(int64_t embedding_dim, int64_t conditioning_embedding_dim);
-  std::string type_name() const override { return "AdaLayerNormContinuous"; }
-  /// x [B, S, D], conditioning [B, C] -> [B, S, D]. `emb_out` (optional) receives the linear's
-  /// output [B, 2D].
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& conditioning, at::Tensor* emb_out = nullptr);
-
-  std::shared_ptr<nn::Linear> linear;  ///< C -> 2D
-};
-
 /// embeddings.py CombinedTimestepTextProjEmbeddings (FLUX.1 [schnell]) and
 /// CombinedTimestepGuidanceTextProjEmbeddings (FLUX.1 [dev], `with_guidance`):
 /// timestep_embedder(proj(t)) [+ guidance_embedder(proj(g))] + text_embedder(pooled).
@@ -223,7 +210,7 @@ class FluxTransformer2DModel : public parallel::TensorParallelModule {
   std::shared_ptr<nn::Linear> x_embedder;
   std::shared_ptr<nn::ModuleList<FluxTransformerBlock>> transformer_blocks;
   std::shared_ptr<nn::ModuleList<FluxSingleTransformerBlock>> single_transformer_blocks;
-  std::shared_ptr<AdaLayerNormContinuous> norm_out;
+  std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;
   std::shared_ptr<nn::Linear> proj_out;
 };
 

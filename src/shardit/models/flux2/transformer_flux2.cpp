@@ -1,0 +1,513 @@
+#include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/core/profile.h"
+
+#include <c10/util/Exception.h>
+
+#include <numeric>
+#include <utility>
+
+namespace shardit::models {
+
+namespace {
+
+std::shared_ptr<nn::Linear> linear_no_bias(int64_t in, int64_t out) {
+  return std::make_shared<nn::Linear>(nn::LinearOptions(in, out).with_bias(false));
+}
+
+/// The local sizes of a fused layer's declared blocks when its local width is `local_total`:
+/// packed sharding keeps every block's proportion, so each block shrinks by the same factor.
+std::vector<int64_t> local_blocks(const std::vector<int64_t>& declared, int64_t local_total) {
+  const int64_t total = std::accumulate(declared.begin(), declared.end(), int64_t{0});
+  std::vector<int64_t> local;
+  for (const int64_t block : declared) {
+    TORCH_INTERNAL_ASSERT((block * local_total) % total == 0, "fused block ", block, " of ", total,
+                          " does not scale to local width ", local_total);
+    local.push_back(block * local_total / total);
+  }
+  return local;
+}
+
+/// silu(gate) * up for [..., gate M | up M].
+at::Tensor swiglu(const at::Tensor& x) {
+  const std::vector<at::Tensor> halves = x.chunk(2, -1);
+  return at::silu(halves[0]).mul_(halves[1]);
+}
+
+/// Joint attention over q, k, v [B, S, H_local, hd] -> [B, S, H_local * hd].
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const nn::RotaryEmbedding& rope) {
+  const at::Tensor q = nn::apply_rotary_emb(query, rope);
+  const at::Tensor k = nn::apply_rotary_emb(key, rope);
+  // [B, H_local, S, hd]
+  const at::Tensor attended =
+      nn::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), value.transpose(1, 2));
+  // [B, S, H_local * hd]
+  return attended.transpose(1, 2).flatten(2).to(q.scalar_type());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+Flux2Transformer2DModelConfig Flux2Transformer2DModelConfig::from_json(const nlohmann::json& json,
+                                                                       const std::string& source) {
+  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  Flux2Transformer2DModelConfig config;
+  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
+  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
+  if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
+    config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
+  }
+  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
+  config.num_single_layers = io::config_value(json, "num_single_layers", config.num_single_layers, source);
+  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
+  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
+  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
+  config.timestep_guidance_channels =
+      io::config_value(json, "timestep_guidance_channels", config.timestep_guidance_channels, source);
+  config.mlp_ratio = io::config_value(json, "mlp_ratio", config.mlp_ratio, source);
+  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+  config.rope_theta = io::config_value(json, "rope_theta", config.rope_theta, source);
+  config.eps = io::config_value(json, "eps", config.eps, source);
+  config.guidance_embeds = io::config_value(json, "guidance_embeds", config.guidance_embeds, source);
+
+  const auto positive = [&](const char* key, int64_t value) {
+    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
+  };
+  positive("patch_size", config.patch_size);
+  positive("in_channels", config.in_channels);
+  positive("out_channels", config.resolved_out_channels());
+  positive("attention_head_dim", config.attention_head_dim);
+  positive("num_attention_heads", config.num_attention_heads);
+  positive("joint_attention_dim", config.joint_attention_dim);
+  positive("timestep_guidance_channels", config.timestep_guidance_channels);
+  TORCH_CHECK(config.timestep_guidance_channels % 2 == 0, source, ": 'timestep_guidance_channels' must be even, got ",
+              config.timestep_guidance_channels);
+  TORCH_CHECK(config.mlp_ratio > 0 && config.mlp_hidden_dim() > 0, source, ": 'mlp_ratio' must be positive, got ",
+              config.mlp_ratio);
+  TORCH_CHECK(config.rope_theta > 0 && config.eps > 0, source, ": 'rope_theta' and 'eps' must be positive, got ",
+              config.rope_theta, " and ", config.eps);
+  TORCH_CHECK(config.num_layers >= 0 && config.num_single_layers >= 0, source,
+              ": num_layers and num_single_layers must be >= 0, got ", config.num_layers, " and ",
+              config.num_single_layers);
+  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
+  TORCH_CHECK(!config.axes_dims_rope.empty() && rope_dim == config.attention_head_dim, source,
+              ": axes_dims_rope must sum to attention_head_dim (", config.attention_head_dim, "), got sum ",
+              rope_dim);
+  for (int64_t d : config.axes_dims_rope) {
+    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
+  }
+  return config;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modulation and embeddings
+
+Flux2Modulation::Flux2Modulation(int64_t dim, int64_t mod_param_sets) : mod_param_sets_(mod_param_sets) {
+  linear = register_module("linear", linear_no_bias(dim, dim * 3 * mod_param_sets));
+}
+
+Flux2Modulation::Output Flux2Modulation::forward(const at::Tensor& temb) {
+  Output out;
+  // [B, 3 * sets * D], gathered to full width under TP
+  out.emb = linear->forward(at::silu(temb));
+  const std::vector<at::Tensor> chunks = out.emb.chunk(3 * mod_param_sets_, 1);
+  for (int64_t i = 0; i < mod_param_sets_; ++i) {
+    out.sets.push_back({chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]});
+  }
+  return out;
+}
+
+Flux2TimestepGuidanceEmbeddings::Flux2TimestepGuidanceEmbeddings(int64_t in_channels, int64_t embedding_dim,
+                                                                 bool with_guidance)
+    : time_proj(nn::TimestepsOptions(in_channels, /*flip_sin_to_cos=*/true, /*downscale_freq_shift=*/0)) {
+  timestep_embedder = register_module("timestep_embedder",
+                                      std::make_shared<nn::TimestepEmbedding>(in_channels, embedding_dim, false));
+  if (with_guidance) {
+    guidance_embedder = register_module("guidance_embedder",
+                                        std::make_shared<nn::TimestepEmbedding>(in_channels, embedding_dim, false));
+  }
+}
+
+at::Tensor Flux2TimestepGuidanceEmbeddings::forward(const at::Tensor& timestep, const std::optional<at::Tensor>& guidance,
+                                                    at::ScalarType dtype, const IntermediateRecorder& record) {
+  // [B, C] fp32
+  const at::Tensor timesteps_proj = time_proj.forward(timestep);
+  if (record) record("temb.timestep_proj", timesteps_proj);
+  // [B, D]
+  at::Tensor temb = timestep_embedder->forward(timesteps_proj.to(dtype));
+  if (record) record("temb.timestep_emb", temb);
+  if (guidance_embedder) {
+    TORCH_INTERNAL_ASSERT(guidance.has_value(), "guidance missing for a guidance-embedding model");
+    const at::Tensor guidance_proj = time_proj.forward(*guidance);
+    if (record) record("temb.guidance_proj", guidance_proj);
+    const at::Tensor guidance_emb = guidance_embedder->forward(guidance_proj.to(dtype));
+    if (record) record("temb.guidance_emb", guidance_emb);
+    temb = temb + guidance_emb;
+  }
+  return temb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Feed-forward and attention
+
+Flux2FeedForward::Flux2FeedForward(int64_t dim, int64_t inner_dim) {
+  // Output [gate M | up M]: packed colwise sharding keeps each rank's gate and up columns paired.
+  linear_in = register_module(
+      "linear_in", std::make_shared<nn::Linear>(
+                       nn::LinearOptions(dim, 2 * inner_dim).with_bias(false).with_out_blocks({inner_dim, inner_dim})));
+  linear_out = register_module("linear_out", linear_no_bias(inner_dim, dim));
+}
+
+at::Tensor Flux2FeedForward::forward(const at::Tensor& x) {
+  // [..., 2M_local] -> [..., M_local] -> [..., D]
+  return linear_out->forward(swiglu(linear_in->forward(x)));
+}
+
+Flux2Attention::Flux2Attention(int64_t query_dim, int64_t heads, int64_t dim_head, int64_t added_kv_proj_dim,
+                               double eps)
+    : head_dim_(dim_head) {
+  const int64_t inner_dim = heads * dim_head;
+  const auto rms = [&] { return std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(dim_head).with_eps(eps)); };
+  to_q = register_module("to_q", linear_no_bias(query_dim, inner_dim));
+  to_k = register_module("to_k", linear_no_bias(query_dim, inner_dim));
+  to_v = register_module("to_v", linear_no_bias(query_dim, inner_dim));
+  norm_q = register_module("norm_q", rms());
+  norm_k = register_module("norm_k", rms());
+  to_out = register_module("to_out", std::make_shared<nn::ModuleList<nn::Linear>>());
+  to_out->push_back(linear_no_bias(inner_dim, query_dim));
+  norm_added_q = register_module("norm_added_q", rms());
+  norm_added_k = register_module("norm_added_k", rms());
+  add_q_proj = register_module("add_q_proj", linear_no_bias(added_kv_proj_dim, inner_dim));
+  add_k_proj = register_module("add_k_proj", linear_no_bias(added_kv_proj_dim, inner_dim));
+  add_v_proj = register_module("add_v_proj", linear_no_bias(added_kv_proj_dim, inner_dim));
+  to_add_out = register_module("to_add_out", linear_no_bias(inner_dim, query_dim));
+}
+
+std::pair<at::Tensor, at::Tensor> Flux2Attention::forward(const at::Tensor& hidden_states,
+                                                          const at::Tensor& encoder_hidden_states,
+                                                          const nn::RotaryEmbedding& rope) {
+  SHARDIT_PROFILE_SCOPE("Flux2Attention");
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
+  const int64_t text_len = encoder_hidden_states.size(1);
+  // [B, N, H_local, hd]
+  const at::Tensor query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim_));
+  const at::Tensor key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim_));
+  const at::Tensor value = nn::split_heads(to_v->forward(hidden_states), head_dim_);
+  // [B, L, H_local, hd]
+  const at::Tensor encoder_query =
+      norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim_));
+  const at::Tensor encoder_key =
+      norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim_));
+  const at::Tensor encoder_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim_);
+
+  // [B, L + N, H_local * hd], text first
+  const at::Tensor attended = attend(at::cat({encoder_query, query}, 1), at::cat({encoder_key, key}, 1),
+                                     at::cat({encoder_value, value}, 1), rope);
+  // [B, N, D] and [B, L, D]
+  return {(*to_out)[0].forward(attended.slice(1, text_len)), to_add_out->forward(attended.slice(1, 0, text_len))};
+}
+
+Flux2ParallelSelfAttention::Flux2ParallelSelfAttention(int64_t query_dim, int64_t heads, int64_t dim_head,
+                                                       int64_t mlp_hidden_dim, double eps)
+    : head_dim_(dim_head) {
+  const int64_t inner_dim = heads * dim_head;
+  // Output [q D | k D | v D | gate M | up M]; input of to_out [attn D | mlp M]. Packed sharding
+  // splits each block on its own, so a rank keeps its heads' q/k/v and its MLP columns.
+  to_qkv_mlp_proj = register_module(
+      "to_qkv_mlp_proj",
+      std::make_shared<nn::Linear>(nn::LinearOptions(query_dim, 3 * inner_dim + 2 * mlp_hidden_dim)
+                                       .with_bias(false)
+                                       .with_out_blocks({inner_dim, inner_dim, inner_dim, mlp_hidden_dim, mlp_hidden_dim})));
+  norm_q = register_module("norm_q", std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(dim_head).with_eps(eps)));
+  norm_k = register_module("norm_k", std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(dim_head).with_eps(eps)));
+  to_out = register_module("to_out", std::make_shared<nn::Linear>(nn::LinearOptions(inner_dim + mlp_hidden_dim, query_dim)
+                                                                      .with_bias(false)
+                                                                      .with_in_blocks({inner_dim, mlp_hidden_dim})));
+}
+
+at::Tensor Flux2ParallelSelfAttention::forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope,
+                                               const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("Flux2ParallelSelfAttention");
+  // hidden_states [B, S, D] -> [B, S, 3D_local + 2M_local]
+  const at::Tensor projected = to_qkv_mlp_proj->forward(hidden_states);
+  if (record) record("to_qkv_mlp_proj", projected);
+  // The local block sizes follow from the local width and the declared proportions.
+  const std::vector<int64_t> blocks = local_blocks(to_qkv_mlp_proj->options().out_blocks, projected.size(-1));
+  const std::vector<at::Tensor> parts = projected.split_with_sizes({blocks[0], blocks[1], blocks[2], blocks[3] + blocks[4]}, -1);
+  // [B, S, H_local, hd]
+  const at::Tensor query = norm_q->forward(nn::split_heads(parts[0], head_dim_));
+  const at::Tensor key = norm_k->forward(nn::split_heads(parts[1], head_dim_));
+  const at::Tensor value = nn::split_heads(parts[2], head_dim_);
+  // [B, S, D_local]
+  const at::Tensor attended = attend(query, key, value, rope);
+  // [B, S, M_local]
+  const at::Tensor mlp = swiglu(parts[3]);
+  // [B, S, D_local + M_local] -> [B, S, D]
+  return to_out->forward(at::cat({attended, mlp}, -1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Blocks
+
+Flux2TransformerBlock::Flux2TransformerBlock(int64_t dim, int64_t num_attention_heads, int64_t attention_head_dim,
+                                             double mlp_ratio, double eps)
+    : eps_(eps) {
+  const auto mlp_hidden_dim = static_cast<int64_t>(static_cast<double>(dim) * mlp_ratio);
+  attn = register_module("attn", std::make_shared<Flux2Attention>(dim, num_attention_heads, attention_head_dim, dim, eps));
+  ff = register_module("ff", std::make_shared<Flux2FeedForward>(dim, mlp_hidden_dim));
+  ff_context = register_module("ff_context", std::make_shared<Flux2FeedForward>(dim, mlp_hidden_dim));
+}
+
+std::pair<at::Tensor, at::Tensor> Flux2TransformerBlock::forward(const at::Tensor& hidden_states,
+                                                                 const at::Tensor& encoder_hidden_states,
+                                                                 const std::vector<Flux2ModulationParams>& mod_img,
+                                                                 const std::vector<Flux2ModulationParams>& mod_txt,
+                                                                 const nn::RotaryEmbedding& rope,
+                                                                 const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("Flux2TransformerBlock");
+  TORCH_INTERNAL_ASSERT(mod_img.size() == 2 && mod_txt.size() == 2, "double block needs two modulation sets");
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
+  const at::Tensor norm_hidden_states =
+      nn::modulate(nn::layer_norm(hidden_states, eps_), mod_img[0].shift, mod_img[0].scale);
+  const at::Tensor norm_encoder_hidden_states =
+      nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), mod_txt[0].shift, mod_txt[0].scale);
+
+  const auto [attn_output, context_attn_output] = attn->forward(norm_hidden_states, norm_encoder_hidden_states, rope);
+  if (record) {
+    record("attn.hidden_states", attn_output);
+    record("attn.encoder_hidden_states", context_attn_output);
+  }
+
+  // Image stream. [B, N, D]
+  at::Tensor image = nn::gated_residual(hidden_states, mod_img[0].gate, attn_output);
+  const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, eps_), mod_img[1].shift, mod_img[1].scale));
+  if (record) record("ff", ff_output);
+  image = nn::gated_residual(image, mod_img[1].gate, ff_output);
+
+  // Text stream. [B, L, D]
+  at::Tensor text = nn::gated_residual(encoder_hidden_states, mod_txt[0].gate, context_attn_output);
+  const at::Tensor ff_context_output =
+      ff_context->forward(nn::modulate(nn::layer_norm(text, eps_), mod_txt[1].shift, mod_txt[1].scale));
+  if (record) record("ff_context", ff_context_output);
+  text = nn::gated_residual(text, mod_txt[1].gate, ff_context_output);
+  return {text, image};
+}
+
+Flux2SingleTransformerBlock::Flux2SingleTransformerBlock(int64_t dim, int64_t num_attention_heads,
+                                                         int64_t attention_head_dim, double mlp_ratio, double eps)
+    : eps_(eps) {
+  const auto mlp_hidden_dim = static_cast<int64_t>(static_cast<double>(dim) * mlp_ratio);
+  attn = register_module("attn", std::make_shared<Flux2ParallelSelfAttention>(dim, num_attention_heads,
+                                                                              attention_head_dim, mlp_hidden_dim, eps));
+}
+
+at::Tensor Flux2SingleTransformerBlock::forward(const at::Tensor& hidden_states, const Flux2ModulationParams& mod,
+                                                const nn::RotaryEmbedding& rope, const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("Flux2SingleTransformerBlock");
+  // hidden_states [B, S, D]
+  const at::Tensor normed = nn::modulate(nn::layer_norm(hidden_states, eps_), mod.shift, mod.scale);
+  const at::Tensor attn_output = attn->forward(normed, rope, prefixed_recorder(record, "attn."));
+  if (record) record("attn", attn_output);
+  return nn::gated_residual(hidden_states, mod.gate, attn_output);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model
+
+Flux2Transformer2DModelInputs Flux2Transformer2DModelInputs::read(const io::SafetensorsFile& file) {
+  Flux2Transformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  inputs.timestep = file.read("timestep");
+  inputs.img_ids = file.read("img_ids");
+  inputs.txt_ids = file.read("txt_ids");
+  if (file.contains("guidance")) inputs.guidance = file.read("guidance");
+  return inputs;
+}
+
+Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelConfig& config)
+    : config(config), pos_embed(config.rope_theta, config.axes_dims_rope) {
+  const int64_t inner_dim = config.inner_dim();
+  time_guidance_embed = register_module(
+      "time_guidance_embed", std::make_shared<Flux2TimestepGuidanceEmbeddings>(config.timestep_guidance_channels,
+                                                                               inner_dim, config.guidance_embeds));
+  double_stream_modulation_img =
+      register_module("double_stream_modulation_img", std::make_shared<Flux2Modulation>(inner_dim, 2));
+  double_stream_modulation_txt =
+      register_module("double_stream_modulation_txt", std::make_shared<Flux2Modulation>(inner_dim, 2));
+  single_stream_modulation = register_module("single_stream_modulation", std::make_shared<Flux2Modulation>(inner_dim, 1));
+  x_embedder = register_module("x_embedder", linear_no_bias(config.in_channels, inner_dim));
+  context_embedder = register_module("context_embedder", linear_no_bias(config.joint_attention_dim, inner_dim));
+  transformer_blocks = register_module("transformer_blocks", std::make_shared<nn::ModuleList<Flux2TransformerBlock>>());
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    transformer_blocks->push_back(std::make_shared<Flux2TransformerBlock>(
+        inner_dim, config.num_attention_heads, config.attention_head_dim, config.mlp_ratio, config.eps));
+  }
+  single_transformer_blocks =
+      register_module("single_transformer_blocks", std::make_shared<nn::ModuleList<Flux2SingleTransformerBlock>>());
+  for (int64_t i = 0; i < config.num_single_layers; ++i) {
+    single_transformer_blocks->push_back(std::make_shared<Flux2SingleTransformerBlock>(
+        inner_dim, config.num_attention_heads, config.attention_head_dim, config.mlp_ratio, config.eps));
+  }
+  norm_out = register_module("norm_out", std::make_shared<nn::AdaLayerNormContinuous>(
+                                         nn::AdaLayerNormContinuousOptions(inner_dim, inner_dim).with_eps(config.eps).with_bias(false)));
+  proj_out = register_module(
+      "proj_out", linear_no_bias(inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels()));
+}
+
+const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
+  using parallel::ShardStyle;
+  // diffusers' FLUX.2 plan: q/k/v (image and text) and the FF linear_in split colwise, closed by
+  // rowwise to_out.0 / to_add_out / linear_out (one all-reduce each). linear_in's output is
+  // [gate M | up M] and the single block's fused to_qkv_mlp_proj is [q | k | v | gate | up]:
+  // packed colwise, each declared block split on its own. The single block's to_out reads
+  // [attn D | mlp M]: packed rowwise. Our addition: the three shared modulation linears
+  // (D -> 6D, 6D, 3D) split colwise and all-gathered instead of held whole on every rank.
+  // Replicated (not listed): embedders, norm_out and proj_out (small), the per-head RMSNorms.
+  static const parallel::TpPlan plan = {
+      {"double_stream_modulation_img.linear", ShardStyle::ColwiseGather},
+      {"double_stream_modulation_txt.linear", ShardStyle::ColwiseGather},
+      {"single_stream_modulation.linear", ShardStyle::ColwiseGather},
+      {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
+      {"transformer_blocks.*.attn.add_q_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
+      {"transformer_blocks.*.ff.linear_in", ShardStyle::PackedColwise},
+      {"transformer_blocks.*.ff.linear_out", ShardStyle::Rowwise},
+      {"transformer_blocks.*.ff_context.linear_in", ShardStyle::PackedColwise},
+      {"transformer_blocks.*.ff_context.linear_out", ShardStyle::Rowwise},
+      {"single_transformer_blocks.*.attn.to_qkv_mlp_proj", ShardStyle::PackedColwise},
+      {"single_transformer_blocks.*.attn.to_out", ShardStyle::PackedRowwise},
+  };
+  return plan;
+}
+
+std::vector<parallel::TpDivisor> Flux2Transformer2DModel::tp_divisors() const {
+  // Heads are the unit of the attention split: a rank must hold whole heads.
+  return {{"num_attention_heads", config.num_attention_heads}};
+}
+
+at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs& inputs,
+                                            const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("Flux2Transformer2DModel");
+  TORCH_CHECK(is_materialized(), "Flux2Transformer2DModel: forward called before the weights were loaded");
+  const at::ScalarType dtype = this->dtype();
+  const at::Device device = this->device();
+  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
+  const auto shape_of = [](const at::Tensor& t) { return t.defined() ? t.sizes() : at::IntArrayRef{}; };
+
+  const at::Tensor& hidden_states_in = inputs.hidden_states;
+  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
+              "Flux2Transformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
+              shape_of(hidden_states_in));
+  const int64_t batch = hidden_states_in.size(0);
+  const int64_t image_len = hidden_states_in.size(1);
+  TORCH_CHECK(inputs.encoder_hidden_states.defined() && inputs.encoder_hidden_states.dim() == 3 &&
+                  inputs.encoder_hidden_states.size(0) == batch &&
+                  inputs.encoder_hidden_states.size(2) == config.joint_attention_dim,
+              "Flux2Transformer2DModel: encoder_hidden_states must be [", batch, ", L, ", config.joint_attention_dim,
+              "], got ", shape_of(inputs.encoder_hidden_states));
+  const int64_t text_len = inputs.encoder_hidden_states.size(1);
+
+  // Per-sample scalars as fp32 [B]; a single value is broadcast to the batch.
+  const auto per_sample = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined() && (t.numel() == batch || t.numel() == 1), "Flux2Transformer2DModel: ", name,
+                " must hold one value per sample ([", batch, "]), got shape ", shape_of(t));
+    return t.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
+  };
+  // The model's own scaling of the pipeline's t/1000, in fp32.
+  const at::Tensor timestep = per_sample(inputs.timestep, "timestep") * 1000;
+  std::optional<at::Tensor> guidance;
+  if (config.guidance_embeds) {
+    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(),
+                "Flux2Transformer2DModel: this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
+    guidance = per_sample(*inputs.guidance, "guidance") * 1000;
+  } else {
+    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(),
+                "Flux2Transformer2DModel: this model has no guidance embedder (guidance_embeds=false); pass no "
+                "`guidance`");
+  }
+
+  // Position ids [B, S, n_axes] (or [S, n_axes]); all samples share positions, [0] is used.
+  const int64_t n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
+  const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
+    TORCH_CHECK(ids.defined() && (ids.dim() == 2 || ids.dim() == 3), "Flux2Transformer2DModel: ", name, " must be [B, ",
+                len, ", ", n_axes, "], got ", shape_of(ids));
+    at::Tensor flat = ids.dim() == 3 ? ids.select(0, 0) : ids;
+    TORCH_CHECK(flat.size(0) == len && flat.size(1) == n_axes, "Flux2Transformer2DModel: ", name, " has shape ",
+                ids.sizes(), ", expected [B, ", len, ", ", n_axes, "]");
+    return flat.to(device);
+  };
+  const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
+  const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
+
+  // [B, D]
+  const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, dtype, record);
+  if (record) record("temb", temb);
+
+  const Flux2Modulation::Output mod_img = double_stream_modulation_img->forward(temb);
+  const Flux2Modulation::Output mod_txt = double_stream_modulation_txt->forward(temb);
+  const Flux2Modulation::Output mod_single = single_stream_modulation->forward(temb);
+  if (record) {
+    record("mod.double_stream_img", mod_img.emb);
+    record("mod.double_stream_txt", mod_txt.emb);
+    record("mod.single_stream", mod_single.emb);
+  }
+
+  // [B, N, D] and [B, L, D]
+  at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
+  if (record) record("x_embedder", hidden_states);
+  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
+  if (record) record("context_embedder", encoder_hidden_states);
+
+  // [N, hd] and [L, hd] fp32, joined text first
+  const nn::RotaryEmbedding image_rope = pos_embed.forward(img_ids);
+  const nn::RotaryEmbedding text_rope = pos_embed.forward(txt_ids);
+  const nn::RotaryEmbedding rope{at::cat({text_rope.cos, image_rope.cos}, 0), at::cat({text_rope.sin, image_rope.sin}, 0)};
+  if (record) {
+    record("rope.img.cos", image_rope.cos);
+    record("rope.img.sin", image_rope.sin);
+    record("rope.txt.cos", text_rope.cos);
+    record("rope.txt.sin", text_rope.sin);
+    record("rope.cos", rope.cos);
+    record("rope.sin", rope.sin);
+  }
+
+  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
+    const std::string name = "transformer_blocks." + std::to_string(i);
+    std::tie(encoder_hidden_states, hidden_states) = (*transformer_blocks)[i].forward(
+        hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope, prefixed_recorder(record, "debug." + name + "."));
+    if (record) {
+      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
+      record("block." + name + ".hidden_states", hidden_states);
+    }
+  }
+
+  // [B, L + N, D]
+  hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
+  for (size_t i = 0; i < single_transformer_blocks->size(); ++i) {
+    const std::string name = "single_transformer_blocks." + std::to_string(i);
+    hidden_states = (*single_transformer_blocks)[i].forward(hidden_states, mod_single.sets[0], rope,
+                                                             prefixed_recorder(record, "debug." + name + "."));
+    if (record) record("block." + name + ".hidden_states", hidden_states);
+  }
+  // [B, N, D]
+  hidden_states = hidden_states.slice(1, text_len);
+
+  at::Tensor norm_out_emb;
+  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
+  if (record) {
+    record("norm_out.linear", norm_out_emb);
+    record("norm_out", hidden_states);
+  }
+  // [B, N, patch^2 * out_channels]
+  return proj_out->forward(hidden_states);
+}
+
+}  // namespace shardit::models

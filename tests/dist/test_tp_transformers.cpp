@@ -1,0 +1,240 @@
+// The transformers under real tensor parallelism: ranks at TP=N (separate processes on this host)
+// must give the single-rank output, through both load paths (shard while loading; load whole,
+// then enable_parallelism). The golden models have 4 heads (TP=2, 4); the built-in tiny model has
+// 12 (TP=3, a degree that is not a power of two). FLUX.2's fused projections
+// (to_qkv_mlp_proj [q|k|v|gate|up], FF linear_in [gate|up], the single block's to_out over
+// [attn|mlp]) are packed: a wrong local split moves values by O(scale).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <iostream>
+#include <string>
+
+#include "shardit/dist/world.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/builtin.h"
+#include "shardit/models/registry.h"
+#include "shardit/parallel/tensor_parallel.h"
+#include "support/multiprocess.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::parallel::LoadOptions;
+using shardit::parallel::ShardStyle;
+using shardit::parallel::TensorParallelConfig;
+using shardit::parallel::TensorParallelModule;
+using shardit::testing::env_or;
+using shardit::testing::golden_path;
+using shardit::testing::is_worker;
+using shardit::testing::run_ranks;
+using shardit::testing::tensors_close;
+using ::testing::HasSubstr;
+
+// The TP=N sample may differ from TP=1 only by the order of fp32 sums (each rowwise layer adds N
+// partial products instead of one dot product), an error that scales with the activations, not
+// with each output element: ~1e-7 to 1e-6 of the output's scale. 1e-5 of max|reference| leaves
+// room for that and fails on any sharding error, which moves values by O(scale).
+constexpr double kTpScaleTolerance = 1e-5;
+
+std::shared_ptr<TensorParallelModule> create(const std::string& model_dir) {
+  return shardit::models::create_transformer(shardit::io::open_component(model_dir, "transformer"));
+}
+
+/// Loads the transformer of `model_dir`; `path` is "whole", "shard-on-load" or
+/// "enable-parallelism" (load whole, then shard in memory).
+std::shared_ptr<TensorParallelModule> load(const std::string& model_dir, const std::string& path) {
+  const auto folder = shardit::io::open_component(model_dir, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  const int world_size = shardit::dist::World::get().size();
+  LoadOptions options;
+  if (path == "shard-on-load") options.tensor_parallel = TensorParallelConfig::from_degree(world_size);
+  model->load(folder.weights(), options);
+  if (path == "enable-parallelism") model->enable_parallelism(TensorParallelConfig::from_degree(world_size));
+  return model;
+}
+
+at::Tensor run_case(TensorParallelModule& model, const std::string& inputs_dir) {
+  return shardit::models::forward_from_file(model, *shardit::io::SafetensorsFile::open(inputs_dir + "/inputs.safetensors"));
+}
+
+/// Worker body: load through `SHARDIT_TP_PATH`, run, compare with the reference written by the
+/// parent (TP=1 in this same build), and check each rank holds exactly its share of the bytes.
+void tp_worker() {
+  auto& world = shardit::dist::World::init();
+  const std::string model_dir = env_or("SHARDIT_TP_MODEL");
+  const std::string path = env_or("SHARDIT_TP_PATH");
+  auto model = load(model_dir, path);
+  const at::Tensor sample = run_case(*model, env_or("SHARDIT_TP_INPUTS"));
+  const at::Tensor expected = shardit::io::SafetensorsFile::open(env_or("SHARDIT_TP_REFERENCE"))->read("sample");
+  const double scale = expected.abs().max().item<double>();
+  const auto result = tensors_close(model->type_name() + " sample at TP=" + std::to_string(world.size()) + " (" + path + ")",
+                                    sample, expected, kTpScaleTolerance * scale, 0.0);
+  EXPECT_TRUE(result);
+  if (world.rank() == 0) std::cout << result.message() << " (scale " << scale << ")\n";
+  // The plan is resolved on a fresh, unloaded model: a sharded one no longer knows its full shapes.
+  const auto plan = create(model_dir)->resolve(world.size());
+  EXPECT_EQ(model->parameter_bytes(), plan.bytes_on_rank(world.rank()));
+  EXPECT_LT(plan.bytes_on_rank(world.rank()), plan.replicated_bytes() + plan.sharded_bytes());
+}
+
+/// Parent: the TP=1 reference, computed in this process and written for the workers. Where the
+/// case has golden outputs, the reference must match them, so every comparison is anchored to
+/// diffusers.
+std::string write_reference(const std::string& model_dir, const std::string& inputs_dir) {
+  auto model = load(model_dir, "whole");
+  const at::Tensor sample = run_case(*model, inputs_dir);
+  const std::string golden = inputs_dir + "/outputs.safetensors";
+  if (std::filesystem::exists(golden)) {
+    EXPECT_TRUE(tensors_close("sample at TP=1", sample, shardit::io::SafetensorsFile::open(golden)->read("sample"),
+                              1e-4, 1e-4));
+  }
+  const std::string path = shardit::testing::make_temp_dir("tp-reference") + "/reference.safetensors";
+  shardit::io::save_safetensors(path, {{"sample", sample}});
+  return path;
+}
+
+/// Runs this test (`test_name`) as `nproc` ranks for each load path; each rank runs tp_worker().
+void expect_tp_matches(int nproc, const std::string& test_name, const std::string& model_dir,
+                       const std::string& inputs_dir) {
+  const std::string reference = write_reference(model_dir, inputs_dir);
+  for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
+    EXPECT_EQ(run_ranks(nproc, test_name,
+                        {{"SHARDIT_TP_MODEL", model_dir},
+                         {"SHARDIT_TP_INPUTS", inputs_dir},
+                         {"SHARDIT_TP_PATH", path},
+                         {"SHARDIT_TP_REFERENCE", reference}}),
+              0)
+        << "TP=" << nproc << " through " << path;
+  }
+}
+
+void expect_golden_tp_matches(int nproc, const std::string& test_name, const std::string& golden_case) {
+  expect_tp_matches(nproc, test_name, golden_path(golden_case), golden_path(golden_case));
+}
+
+// ---------------------------------------------------------------------------------------------
+// FLUX.1
+
+TEST(TpFlux, GoldenTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "TpFlux.GoldenTp2MatchesTp1", "flux_b2_nonsquare");
+}
+
+TEST(TpFlux, GoldenTp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "TpFlux.GoldenTp4MatchesTp1", "flux_b1_square");
+}
+
+TEST(TpFlux, SchnellTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "TpFlux.SchnellTp2MatchesTp1", "flux_schnell_b2_nonsquare");
+}
+
+TEST(TpFlux, BuiltinTp3MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  const auto paths = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
+  expect_tp_matches(3, "TpFlux.BuiltinTp3MatchesTp1", paths.pipeline, paths.inputs);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FLUX.2
+
+TEST(TpFlux2, GoldenTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "TpFlux2.GoldenTp2MatchesTp1", "flux2_b2_nonsquare");
+}
+
+TEST(TpFlux2, GoldenTp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "TpFlux2.GoldenTp4MatchesTp1", "flux2_b1_square");
+}
+
+TEST(TpFlux2, KleinTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "TpFlux2.KleinTp2MatchesTp1", "flux2_klein_b2_nonsquare");
+}
+
+TEST(TpFlux2, KleinTp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "TpFlux2.KleinTp4MatchesTp1", "flux2_klein_b2_nonsquare");
+}
+
+TEST(TpFlux2, FusedProjectionsAreSplitBlockByBlock) {
+  // At TP=2 each rank holds half of every declared block of the fused layers.
+  const auto plan = create(golden_path("flux2_b1_square"))->resolve(2);
+  const auto& qkv_mlp = plan.spec("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight");
+  ASSERT_TRUE(qkv_mlp.style.has_value());
+  EXPECT_EQ(*qkv_mlp.style, ShardStyle::PackedColwise);
+  ASSERT_EQ(qkv_mlp.ranges_per_rank.size(), 2u);
+  EXPECT_EQ(qkv_mlp.ranges_per_rank[1].size(), 5u);  // one range per block: q, k, v, gate, up
+  EXPECT_EQ(qkv_mlp.local_shape(1), (std::vector<int64_t>{288, 64}));
+  const auto& to_out = plan.spec("single_transformer_blocks.0.attn.to_out.weight");
+  EXPECT_EQ(to_out.dim, 1);
+  EXPECT_EQ(to_out.ranges_per_rank[0].size(), 2u);  // attn, mlp
+  const auto& linear_in = plan.spec("transformer_blocks.0.ff.linear_in.weight");
+  EXPECT_EQ(linear_in.ranges_per_rank[1].size(), 2u);  // gate, up
+  const auto& modulation = plan.spec("double_stream_modulation_img.linear.weight");
+  ASSERT_TRUE(modulation.style.has_value());
+  EXPECT_EQ(*modulation.style, ShardStyle::ColwiseGather);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and the CLI, for every golden model family
+
+class TpGoldenModel : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TpGoldenModel, DegreeThatDoesNotDivideHeadsIsRejectedBeforeLoading) {
+  // 4 heads: TP=3 cannot split them; the error names the constraint and the degrees that work.
+  auto model = create(golden_path(GetParam()));
+  try {
+    model->resolve(3);
+    FAIL() << "TP=3 on a 4-head " << model->type_name() << " was accepted";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_THAT(message, HasSubstr("num_attention_heads = 4, which does not divide by tp_degree 3"));
+    EXPECT_THAT(message, HasSubstr("1, 2, 4"));
+  }
+  EXPECT_FALSE(model->is_materialized());
+}
+
+TEST_P(TpGoldenModel, CliRunTransformerAtTp2MatchesGolden) {
+  // Every rank loads its shard (TP degree = world size) and runs; rank 0 writes.
+  const std::string out = shardit::testing::make_temp_dir("cli-tp2") + "/sample.safetensors";
+  const std::string case_dir = golden_path(GetParam());
+  std::string output;
+  const int status = shardit::testing::run_command(shardit::testing::cli_path() +
+                                                       " --nproc-per-node 2 run-transformer --model " + case_dir +
+                                                       " --inputs " + case_dir + " --out " + out,
+                                                   &output);
+  ASSERT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("tp 2"));
+  const at::Tensor got = shardit::io::SafetensorsFile::open(out)->read("sample");
+  const at::Tensor golden = shardit::io::SafetensorsFile::open(case_dir + "/outputs.safetensors")->read("sample");
+  // The golden tolerance of the README: 1e-4 + 1e-4 |expected| in fp32.
+  EXPECT_TRUE(tensors_close("CLI sample at TP=2", got, golden, 1e-4, 1e-4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TpGoldenModel, ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare"));
+
+TEST(TpFlux, CliRunsTheBuiltinModelWithoutArguments) {
+  // The quick start's forward: no --model means the built-in tiny model and its input case.
+  const std::string dir = shardit::testing::make_temp_dir("cli-builtin");
+  const std::string cli = shardit::testing::cli_path();
+  std::string output;
+  ASSERT_EQ(shardit::testing::run_command(cli + " run-transformer --out " + dir + "/tp1.safetensors", &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("built-in tiny model"));
+  ASSERT_EQ(shardit::testing::run_command(cli + " --nproc-per-node 2 run-transformer --out " + dir + "/tp2.safetensors",
+                                          &output),
+            0)
+      << output;
+  const at::Tensor tp1 = shardit::io::SafetensorsFile::open(dir + "/tp1.safetensors")->read("sample");
+  const at::Tensor tp2 = shardit::io::SafetensorsFile::open(dir + "/tp2.safetensors")->read("sample");
+  EXPECT_TRUE(tensors_close("built-in sample, TP=2 vs TP=1", tp2, tp1, kTpScaleTolerance * tp1.abs().max().item<double>(),
+                            0.0));
+}
+
+}  // namespace
