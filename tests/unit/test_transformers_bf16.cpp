@@ -1,5 +1,5 @@
-// FluxTransformer2DModel in bf16 (weights and activations; norms, softmax and RoPE in fp32)
-// against the fp32 golden sample of diffusers.
+// The transformers in bf16 (weights and activations; norms, softmax and RoPE in fp32) against the
+// fp32 golden sample of diffusers.
 //
 // bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per operation): every weight is
 // rounded once, and the roundings of ~60 activations along the residual stream add up. Measured on
@@ -8,6 +8,9 @@
 //   flux_b1_square             max 1.39e-2, rms 1.31e-2
 //   flux_b2_nonsquare          max 1.28e-2, rms 1.10e-2
 //   flux_schnell_b2_nonsquare  max 0.90e-2, rms 0.81e-2
+//   flux2_b1_square            max 1.22e-2, rms 0.92e-2
+//   flux2_b2_nonsquare         max 0.68e-2, rms 0.74e-2
+//   flux2_klein_b2_nonsquare   max 0.87e-2, rms 0.63e-2
 // (reordering equivalent bf16 ops moves these by ~15%).
 // The bounds below (5e-2 and 4e-2) leave about 3x margin for other seeds and shapes while still
 // failing on a real error (a wrong modulation order, a dropped gate, a misplaced RoPE pair), which
@@ -19,7 +22,6 @@
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
 #include "support/test_support.h"
 
@@ -29,20 +31,21 @@ namespace {
 constexpr double kMaxRelToPeak = 5e-2;
 constexpr double kRmsRel = 4e-2;
 
-class FluxBf16 : public ::testing::TestWithParam<std::string> {};
+class TransformerBf16 : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(FluxBf16, StaysCloseToTheFp32Golden) {
+TEST_P(TransformerBf16, StaysCloseToTheFp32Golden) {
   const std::string dir = testing::golden_path(GetParam());
-  const io::ComponentFolder folder = io::ModelFolder::open(dir).component("");
-  auto model = std::dynamic_pointer_cast<models::FluxTransformer2DModel>(models::create_transformer(folder));
-  ASSERT_TRUE(model);
+  const io::ComponentFolder folder = io::open_component(dir, "transformer");
+  auto model = models::create_transformer(folder);
   parallel::LoadOptions options;
   options.dtype = at::kBFloat16;
   model->load(folder.weights(), options);
-  ASSERT_EQ(model->dtype(), at::kBFloat16);
+  for (const auto& parameter : model->named_parameters()) {
+    ASSERT_EQ(parameter.tensor->scalar_type(), at::kBFloat16) << parameter.name;
+  }
 
-  const auto inputs = models::FluxTransformer2DModelInputs::read(*io::SafetensorsFile::open(dir + "/inputs.safetensors"));
-  const at::Tensor sample = model->forward(inputs);
+  const at::Tensor sample =
+      models::forward_from_file(*model, *io::SafetensorsFile::open(dir + "/inputs.safetensors"));
   EXPECT_EQ(sample.scalar_type(), at::kBFloat16);
 
   const at::Tensor expected = io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample").to(at::kDouble);
@@ -59,8 +62,9 @@ TEST_P(FluxBf16, StaysCloseToTheFp32Golden) {
   EXPECT_GT(rms_rel, 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, FluxBf16,
-                         ::testing::Values("flux_b1_square", "flux_b2_nonsquare", "flux_schnell_b2_nonsquare"));
+INSTANTIATE_TEST_SUITE_P(Golden, TransformerBf16,
+                         ::testing::Values("flux_b1_square", "flux_b2_nonsquare", "flux_schnell_b2_nonsquare",
+                                           "flux2_b1_square", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare"));
 
 }  // namespace
 }  // namespace shardit
