@@ -162,6 +162,19 @@ TEST(TpFlux2, KleinTp4MatchesTp1) {
   expect_golden_tp_matches(4, "TpFlux2.KleinTp4MatchesTp1", "flux2_klein_b2_nonsquare");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Qwen-Image (the b2 case has padded text tokens: the key mask must survive the head split)
+
+TEST(TpQwenImage, GoldenTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "TpQwenImage.GoldenTp2MatchesTp1", "qwenimage_b2_nonsquare");
+}
+
+TEST(TpQwenImage, GoldenTp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "TpQwenImage.GoldenTp4MatchesTp1", "qwenimage_b1_square");
+}
+
 TEST(TpFlux2, FusedProjectionsAreSplitBlockByBlock) {
   // At TP=2 each rank holds half of every declared block of the fused layers.
   const auto plan = create(golden_path("flux2_b1_square"))->resolve(2);
@@ -217,7 +230,8 @@ TEST_P(TpGoldenModel, CliRunTransformerAtTp2MatchesGolden) {
   EXPECT_TRUE(tensors_close("CLI sample at TP=2", got, golden, 1e-4, 1e-4));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, TpGoldenModel, ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare"));
+INSTANTIATE_TEST_SUITE_P(Families, TpGoldenModel, ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare",
+                                                                    "qwenimage_b2_nonsquare"));
 
 TEST(TpFlux, CliRunsTheBuiltinModelWithoutArguments) {
   // The quick start's forward: no --model means the built-in tiny model and its input case.

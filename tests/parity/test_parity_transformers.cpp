@@ -90,7 +90,8 @@ TEST_P(TransformerParity, ParametersAreExactlyTheCheckpointKeys) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, TransformerParity,
                          ::testing::Values("flux_b1_square", "flux_b2_nonsquare", "flux_schnell_b2_nonsquare",
-                                           "flux2_b1_square", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare"));
+                                           "flux2_b1_square", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
+                                           "qwenimage_b1_square", "qwenimage_b2_nonsquare"));
 
 }  // namespace
 }  // namespace shardit

@@ -8,6 +8,7 @@
 
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/models/qwen_image/transformer_qwenimage.h"
 
 namespace shardit::models {
 
@@ -48,6 +49,11 @@ const std::vector<TransformerClass>& classes() {
          return std::make_shared<Flux2Transformer2DModel>(Flux2Transformer2DModelConfig::from_json(config, source));
        },
        file_forward<Flux2Transformer2DModel, Flux2Transformer2DModelInputs>()},
+      {"QwenImageTransformer2DModel",
+       [](const nlohmann::json& config, const std::string& source) {
+         return std::make_shared<QwenImageTransformer2DModel>(QwenImageTransformer2DModelConfig::from_json(config, source));
+       },
+       file_forward<QwenImageTransformer2DModel, QwenImageTransformer2DModelInputs>()},
   };
   return table;
 }

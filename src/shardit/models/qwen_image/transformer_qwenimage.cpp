@@ -1,0 +1,508 @@
+#include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/core/profile.h"
+
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <utility>
+
+namespace shardit::models {
+
+namespace {
+
+constexpr double kNormEps = 1e-6;
+
+/// The Timesteps scale of Qwen-Image: it multiplies t * freq (not t) by 1000.
+constexpr double kTimestepScale = 1000.0;
+
+std::string format_shapes(const std::vector<QwenImageShape>& shapes) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    out << (i ? ", " : "") << "(" << shapes[i][0] << ", " << shapes[i][1] << ", " << shapes[i][2] << ")";
+  }
+  out << "]";
+  return out.str();
+}
+
+/// Centred positions of an axis of n tokens: -(n - n/2) .. -1, 0 .. n/2 - 1 (fp32 [n]).
+at::Tensor centred_positions(int64_t n) {
+  return at::arange(n, at::TensorOptions().dtype(at::kFloat)) - static_cast<double>(n - n / 2);
+}
+
+/// The directory part of a file path ("." when there is none).
+std::string parent_dir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+/// img_shapes from an int64 tensor [B, K, 3] or [B, 3].
+std::vector<std::vector<QwenImageShape>> shapes_from_tensor(const at::Tensor& tensor, const std::string& source) {
+  TORCH_CHECK((tensor.dim() == 2 || tensor.dim() == 3) && tensor.size(-1) == 3, source,
+              ": img_shapes must be [B, 3] or [B, K, 3] (frame, height, width), got ", tensor.sizes());
+  const at::Tensor values = (tensor.dim() == 2 ? tensor.unsqueeze(1) : tensor).to(at::kLong).contiguous();
+  std::vector<std::vector<QwenImageShape>> shapes(values.size(0));
+  const auto acc = values.accessor<int64_t, 3>();
+  for (int64_t b = 0; b < values.size(0); ++b) {
+    for (int64_t k = 0; k < values.size(1); ++k) shapes[b].push_back({acc[b][k][0], acc[b][k][1], acc[b][k][2]});
+  }
+  return shapes;
+}
+
+/// img_shapes from inputs.json's non_tensor_kwargs: [[[f, h, w], ...], ...].
+std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& json_path) {
+  std::ifstream in(json_path);
+  TORCH_CHECK(in.good(), json_path, ": cannot open; QwenImageTransformer2DModel needs img_shapes (the (frame, ",
+              "height, width) token grid of each sample): put an `img_shapes` int64 tensor [B, K, 3] in the inputs ",
+              "file or `non_tensor_kwargs.img_shapes` in an inputs.json next to it");
+  nlohmann::json json;
+  try {
+    in >> json;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, json_path, ": not valid JSON (", e.what(), ")");
+  }
+  TORCH_CHECK(json.is_object() && json.contains("non_tensor_kwargs") && json["non_tensor_kwargs"].is_object() &&
+                  json["non_tensor_kwargs"].contains("img_shapes"),
+              json_path, ": no non_tensor_kwargs.img_shapes; QwenImageTransformer2DModel needs the token grid of ",
+              "each sample as [[[frame, height, width], ...], ...]");
+  const nlohmann::json& value = json["non_tensor_kwargs"]["img_shapes"];
+  TORCH_CHECK(value.is_array(), json_path, ": non_tensor_kwargs.img_shapes must be a list per sample");
+  std::vector<std::vector<QwenImageShape>> shapes;
+  for (const auto& sample : value) {
+    TORCH_CHECK(sample.is_array(), json_path, ": each img_shapes entry must be a list of [frame, height, width]");
+    std::vector<QwenImageShape> grids;
+    for (const auto& grid : sample) {
+      TORCH_CHECK(grid.is_array() && grid.size() == 3 && grid[0].is_number_integer() && grid[1].is_number_integer() &&
+                      grid[2].is_number_integer(),
+                  json_path, ": each grid of img_shapes must be [frame, height, width] integers, got ", grid.dump());
+      grids.push_back({grid[0].get<int64_t>(), grid[1].get<int64_t>(), grid[2].get<int64_t>()});
+    }
+    shapes.push_back(std::move(grids));
+  }
+  return shapes;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+QwenImageTransformer2DModelConfig QwenImageTransformer2DModelConfig::from_json(const nlohmann::json& json,
+                                                                               const std::string& source) {
+  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  QwenImageTransformer2DModelConfig config;
+  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
+  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
+  if (json.contains("out_channels")) {
+    if (json.at("out_channels").is_null()) {
+      config.out_channels.reset();
+    } else {
+      config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
+    }
+  }
+  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
+  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
+  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
+  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
+  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+  for (const char* key : {"guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"}) {
+    TORCH_CHECK(!io::config_value(json, key, false, source), source, ": '", key,
+                "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
+                "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
+  }
+
+  const auto positive = [&](const char* key, int64_t value) {
+    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
+  };
+  positive("patch_size", config.patch_size);
+  positive("in_channels", config.in_channels);
+  positive("out_channels", config.resolved_out_channels());
+  positive("attention_head_dim", config.attention_head_dim);
+  positive("num_attention_heads", config.num_attention_heads);
+  positive("joint_attention_dim", config.joint_attention_dim);
+  TORCH_CHECK(config.num_layers >= 0, source, ": num_layers must be >= 0, got ", config.num_layers);
+  TORCH_CHECK(config.axes_dims_rope.size() == 3, source,
+              ": axes_dims_rope must have 3 entries (frame, height, width), got ", config.axes_dims_rope.size());
+  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
+  TORCH_CHECK(rope_dim == config.attention_head_dim, source, ": axes_dims_rope must sum to attention_head_dim (",
+              config.attention_head_dim, "), got sum ", rope_dim);
+  for (int64_t d : config.axes_dims_rope) {
+    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
+  }
+  return config;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+QwenEmbedRope::QwenEmbedRope(double theta, std::vector<int64_t> axes_dim)
+    : theta_(theta), axes_dim_(std::move(axes_dim)) {}
+
+at::Tensor QwenEmbedRope::angles(const std::vector<at::Tensor>& axis_positions) const {
+  TORCH_INTERNAL_ASSERT(axis_positions.size() == axes_dim_.size());
+  std::vector<at::Tensor> parts;
+  for (size_t a = 0; a < axes_dim_.size(); ++a) {
+    const at::Tensor& pos = axis_positions[a];
+    // fp32 as the reference: 1 / theta^(fl32(2j) / d), then fl32(pos * freq).
+    const at::Tensor exponent = at::arange(0, axes_dim_[a], 2, pos.options()).div(static_cast<double>(axes_dim_[a]));
+    const at::Tensor freqs = at::reciprocal(at::pow(theta_, exponent));
+    parts.push_back(at::outer(pos, freqs));
+  }
+  // [S, head_dim / 2]
+  return at::cat(parts, 1);
+}
+
+QwenEmbedRope::Tables QwenEmbedRope::forward(const std::vector<QwenImageShape>& shapes, int64_t text_len,
+                                             at::Device device) const {
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+  std::vector<at::Tensor> frame_pos, height_pos, width_pos;
+  int64_t max_vid_index = 0;
+  for (size_t idx = 0; idx < shapes.size(); ++idx) {
+    const auto [frames, height, width] = shapes[idx];
+    const std::vector<int64_t> grid = {frames, height, width};
+    // [F, H, W] each, flattened row-major (frame outer, width inner)
+    const at::Tensor f = (at::arange(frames, f32) + static_cast<double>(idx)).view({frames, 1, 1}).expand(grid);
+    const at::Tensor h = centred_positions(height).view({1, height, 1}).expand(grid);
+    const at::Tensor w = centred_positions(width).view({1, 1, width}).expand(grid);
+    frame_pos.push_back(f.reshape({-1}));
+    height_pos.push_back(h.reshape({-1}));
+    width_pos.push_back(w.reshape({-1}));
+    max_vid_index = std::max({max_vid_index, height / 2, width / 2});
+  }
+  Tables tables;
+  tables.img_angles = angles({at::cat(frame_pos), at::cat(height_pos), at::cat(width_pos)}).to(device);
+  const at::Tensor text_pos = at::arange(text_len, f32) + static_cast<double>(max_vid_index);
+  tables.txt_angles = angles({text_pos, text_pos, text_pos}).to(device);
+  return tables;
+}
+
+namespace {
+
+/// Real cos/sin tables [S, head_dim] (each pair's angle repeated) from angles [S, head_dim / 2].
+nn::RotaryEmbedding rotary_from_angles(const at::Tensor& angles) {
+  return {at::cos(angles).repeat_interleave(2, 1), at::sin(angles).repeat_interleave(2, 1)};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Conditioning and modulation
+
+QwenTimestepProjEmbeddings::QwenTimestepProjEmbeddings(int64_t embedding_dim)
+    : time_proj([] {
+        nn::TimestepsOptions options(256, /*flip_sin_to_cos=*/true, /*downscale_freq_shift=*/0);
+        options.scale = kTimestepScale;
+        return options;
+      }()) {
+  timestep_embedder = register_module("timestep_embedder", std::make_shared<nn::TimestepEmbedding>(256, embedding_dim));
+}
+
+at::Tensor QwenTimestepProjEmbeddings::forward(const at::Tensor& timestep, at::ScalarType dtype,
+                                               const IntermediateRecorder& record) {
+  // [B, 256] fp32
+  const at::Tensor timesteps_proj = time_proj.forward(timestep);
+  if (record) record("temb.timestep_proj", timesteps_proj);
+  // [B, D]
+  const at::Tensor timesteps_emb = timestep_embedder->forward(timesteps_proj.to(dtype));
+  if (record) record("temb.timestep_emb", timesteps_emb);
+  return timesteps_emb;
+}
+
+QwenModulation::QwenModulation(int64_t dim) {
+  // "0" is the parameter-free SiLU.
+  linear = register_module("1", std::make_shared<nn::Linear>(nn::LinearOptions(dim, 6 * dim)));
+}
+
+at::Tensor QwenModulation::forward(const at::Tensor& temb) { return linear->forward(at::silu(temb)); }
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+QwenDoubleStreamAttention::QwenDoubleStreamAttention(int64_t dim, int64_t heads, int64_t dim_head, double eps)
+    : head_dim_(dim_head) {
+  const int64_t inner_dim = heads * dim_head;
+  const auto rms = [&] { return std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(dim_head).with_eps(eps)); };
+  const auto linear = [](int64_t in, int64_t out) { return std::make_shared<nn::Linear>(nn::LinearOptions(in, out)); };
+  to_q = register_module("to_q", linear(dim, inner_dim));
+  to_k = register_module("to_k", linear(dim, inner_dim));
+  to_v = register_module("to_v", linear(dim, inner_dim));
+  norm_q = register_module("norm_q", rms());
+  norm_k = register_module("norm_k", rms());
+  to_out = register_module("to_out", std::make_shared<nn::ModuleList<nn::Linear>>());
+  to_out->push_back(linear(inner_dim, dim));
+  add_q_proj = register_module("add_q_proj", linear(dim, inner_dim));
+  add_k_proj = register_module("add_k_proj", linear(dim, inner_dim));
+  add_v_proj = register_module("add_v_proj", linear(dim, inner_dim));
+  norm_added_q = register_module("norm_added_q", rms());
+  norm_added_k = register_module("norm_added_k", rms());
+  to_add_out = register_module("to_add_out", linear(inner_dim, dim));
+}
+
+std::pair<at::Tensor, at::Tensor> QwenDoubleStreamAttention::forward(const at::Tensor& hidden_states,
+                                                                     const at::Tensor& encoder_hidden_states,
+                                                                     const nn::RotaryEmbedding& img_rope,
+                                                                     const nn::RotaryEmbedding& txt_rope,
+                                                                     const std::optional<at::Tensor>& key_mask) {
+  SHARDIT_PROFILE_SCOPE("QwenDoubleStreamAttention");
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
+  const int64_t text_len = encoder_hidden_states.size(1);
+  // [B, N, H_local, hd]
+  at::Tensor img_query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim_));
+  at::Tensor img_key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim_));
+  const at::Tensor img_value = nn::split_heads(to_v->forward(hidden_states), head_dim_);
+  // [B, L, H_local, hd]
+  at::Tensor txt_query = norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim_));
+  at::Tensor txt_key = norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim_));
+  const at::Tensor txt_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim_);
+
+  img_query = nn::apply_rotary_emb(img_query, img_rope);
+  img_key = nn::apply_rotary_emb(img_key, img_rope);
+  txt_query = nn::apply_rotary_emb(txt_query, txt_rope);
+  txt_key = nn::apply_rotary_emb(txt_key, txt_rope);
+
+  // [B, H_local, L + N, hd]: text first
+  const at::Tensor query = at::cat({txt_query, img_query}, 1).transpose(1, 2);
+  const at::Tensor key = at::cat({txt_key, img_key}, 1).transpose(1, 2);
+  const at::Tensor value = at::cat({txt_value, img_value}, 1).transpose(1, 2);
+  at::Tensor attended = nn::scaled_dot_product_attention(query, key, value, key_mask);
+  // [B, L + N, H_local * hd]
+  attended = attended.transpose(1, 2).flatten(2).to(query.scalar_type());
+
+  at::Tensor image = (*to_out)[0].forward(attended.slice(1, text_len));
+  at::Tensor text = to_add_out->forward(attended.slice(1, 0, text_len));
+  return {image, text};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block
+
+QwenImageTransformerBlock::QwenImageTransformerBlock(int64_t dim, int64_t num_attention_heads,
+                                                     int64_t attention_head_dim, double eps)
+    : eps_(eps) {
+  img_mod = register_module("img_mod", std::make_shared<QwenModulation>(dim));
+  attn = register_module("attn",
+                         std::make_shared<QwenDoubleStreamAttention>(dim, num_attention_heads, attention_head_dim, eps));
+  img_mlp = register_module("img_mlp", std::make_shared<nn::FeedForward>(nn::FeedForwardOptions(dim).with_dim_out(dim)));
+  txt_mod = register_module("txt_mod", std::make_shared<QwenModulation>(dim));
+  txt_mlp = register_module("txt_mlp", std::make_shared<nn::FeedForward>(nn::FeedForwardOptions(dim).with_dim_out(dim)));
+}
+
+std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
+    const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states, const at::Tensor& temb,
+    const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope, const std::optional<at::Tensor>& key_mask,
+    const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("QwenImageTransformerBlock");
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
+  // [B, 6D] each: [shift, scale, gate] (attention), [shift, scale, gate] (MLP)
+  const at::Tensor img_params = img_mod->forward(temb);
+  const at::Tensor txt_params = txt_mod->forward(temb);
+  if (record) {
+    record("img_mod", img_params);
+    record("txt_mod", txt_params);
+  }
+  const std::vector<at::Tensor> img = img_params.chunk(6, 1);
+  const std::vector<at::Tensor> txt = txt_params.chunk(6, 1);
+
+  const at::Tensor img_modulated = nn::modulate(nn::layer_norm(hidden_states, eps_), img[0], img[1]);
+  const at::Tensor txt_modulated = nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), txt[0], txt[1]);
+
+  const auto [img_attn, txt_attn] = attn->forward(img_modulated, txt_modulated, img_rope, txt_rope, key_mask);
+  if (record) {
+    record("attn.hidden_states", img_attn);
+    record("attn.encoder_hidden_states", txt_attn);
+  }
+
+  // Image stream. [B, N, D]
+  at::Tensor image = nn::gated_residual(hidden_states, img[2], img_attn);
+  const at::Tensor img_mlp_out = img_mlp->forward(nn::modulate(nn::layer_norm(image, eps_), img[3], img[4]));
+  if (record) record("img_mlp", img_mlp_out);
+  image = nn::gated_residual(image, img[5], img_mlp_out);
+
+  // Text stream. [B, L, D]
+  at::Tensor text = nn::gated_residual(encoder_hidden_states, txt[2], txt_attn);
+  const at::Tensor txt_mlp_out = txt_mlp->forward(nn::modulate(nn::layer_norm(text, eps_), txt[3], txt[4]));
+  if (record) record("txt_mlp", txt_mlp_out);
+  text = nn::gated_residual(text, txt[5], txt_mlp_out);
+
+  if (image.scalar_type() == at::kHalf) {
+    // The reference clips fp16 streams to the finite range.
+    image = image.clamp(-65504, 65504);
+    text = text.clamp(-65504, 65504);
+  }
+  return {text, image};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model
+
+QwenImageTransformer2DModelInputs QwenImageTransformer2DModelInputs::read(const io::SafetensorsFile& file) {
+  QwenImageTransformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  if (file.contains("encoder_hidden_states_mask")) inputs.encoder_hidden_states_mask = file.read("encoder_hidden_states_mask");
+  inputs.timestep = file.read("timestep");
+  if (file.contains("img_shapes")) {
+    inputs.img_shapes = shapes_from_tensor(file.read("img_shapes"), file.path());
+  } else {
+    inputs.img_shapes = shapes_from_json(parent_dir(file.path()) + "/inputs.json");
+  }
+  return inputs;
+}
+
+QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransformer2DModelConfig& config)
+    : config(config), pos_embed(10000.0, config.axes_dims_rope) {
+  const int64_t inner_dim = config.inner_dim();
+  time_text_embed = register_module("time_text_embed", std::make_shared<QwenTimestepProjEmbeddings>(inner_dim));
+  txt_norm = register_module(
+      "txt_norm", std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(config.joint_attention_dim).with_eps(kNormEps)));
+  img_in = register_module("img_in", std::make_shared<nn::Linear>(nn::LinearOptions(config.in_channels, inner_dim)));
+  txt_in = register_module("txt_in",
+                           std::make_shared<nn::Linear>(nn::LinearOptions(config.joint_attention_dim, inner_dim)));
+  transformer_blocks =
+      register_module("transformer_blocks", std::make_shared<nn::ModuleList<QwenImageTransformerBlock>>());
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    transformer_blocks->push_back(std::make_shared<QwenImageTransformerBlock>(inner_dim, config.num_attention_heads,
+                                                                              config.attention_head_dim, kNormEps));
+  }
+  norm_out = register_module("norm_out", std::make_shared<nn::AdaLayerNormContinuous>(
+                                             nn::AdaLayerNormContinuousOptions(inner_dim, inner_dim).with_eps(kNormEps)));
+  proj_out = register_module("proj_out", std::make_shared<nn::Linear>(nn::LinearOptions(
+                                             inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
+}
+
+const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
+  using parallel::ShardStyle;
+  // diffusers' Qwen-Image plan: q/k/v (image and text) split by heads (colwise), the output
+  // projections back to D split by rows (rowwise, one all-reduce each), and the GELU FFs split
+  // colwise / rowwise. Our addition: the modulation linears (D -> 6D, a third of the weights) are
+  // split colwise and all-gathered. Replicated (not listed): embedders, txt_norm, norm_out,
+  // proj_out (small), and the per-head RMSNorms.
+  static const parallel::TpPlan plan = {
+      {"transformer_blocks.*.img_mod.1", ShardStyle::ColwiseGather},
+      {"transformer_blocks.*.txt_mod.1", ShardStyle::ColwiseGather},
+      {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_q_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
+      {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
+      {"transformer_blocks.*.img_mlp.net.0.proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.img_mlp.net.2", ShardStyle::Rowwise},
+      {"transformer_blocks.*.txt_mlp.net.0.proj", ShardStyle::Colwise},
+      {"transformer_blocks.*.txt_mlp.net.2", ShardStyle::Rowwise},
+  };
+  return plan;
+}
+
+std::vector<parallel::TpDivisor> QwenImageTransformer2DModel::tp_divisors() const {
+  // Heads are the unit of the attention split: a rank must hold whole heads.
+  return {{"num_attention_heads", config.num_attention_heads}};
+}
+
+at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs,
+                                                const IntermediateRecorder& record) {
+  SHARDIT_PROFILE_SCOPE("QwenImageTransformer2DModel");
+  TORCH_CHECK(is_materialized(), "QwenImageTransformer2DModel: forward called before the weights were loaded");
+  const at::ScalarType dtype = this->dtype();
+  const at::Device device = this->device();
+  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
+
+  const at::Tensor& hidden_states_in = inputs.hidden_states;
+  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
+              "QwenImageTransformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
+              hidden_states_in.defined() ? hidden_states_in.sizes() : at::IntArrayRef{});
+  const int64_t batch = hidden_states_in.size(0);
+  const int64_t image_len = hidden_states_in.size(1);
+  const at::Tensor& text_in = inputs.encoder_hidden_states;
+  TORCH_CHECK(text_in.defined() && text_in.dim() == 3 && text_in.size(0) == batch &&
+                  text_in.size(2) == config.joint_attention_dim,
+              "QwenImageTransformer2DModel: encoder_hidden_states must be [", batch, ", L, ",
+              config.joint_attention_dim, "], got ", text_in.defined() ? text_in.sizes() : at::IntArrayRef{});
+  const int64_t text_len = text_in.size(1);
+  TORCH_CHECK(inputs.timestep.defined() && (inputs.timestep.numel() == batch || inputs.timestep.numel() == 1),
+              "QwenImageTransformer2DModel: timestep must hold one value per sample ([", batch, "]), got shape ",
+              inputs.timestep.defined() ? inputs.timestep.sizes() : at::IntArrayRef{});
+  const at::Tensor timestep = inputs.timestep.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
+
+  // The grids of the image tokens: diffusers uses the first sample's list for all.
+  TORCH_CHECK(!inputs.img_shapes.empty() && !inputs.img_shapes[0].empty(),
+              "QwenImageTransformer2DModel: img_shapes is empty; pass the (frame, height, width) token grid(s) of ",
+              "each sample, e.g. [[(1, h, w)]] * B");
+  const std::vector<QwenImageShape>& shapes = inputs.img_shapes[0];
+  for (size_t b = 1; b < inputs.img_shapes.size(); ++b) {
+    TORCH_CHECK(inputs.img_shapes[b] == shapes, "QwenImageTransformer2DModel: img_shapes differ within the batch (",
+                format_shapes(shapes), " vs ", format_shapes(inputs.img_shapes[b]), " for sample ", b,
+                "); all samples must share one token grid");
+  }
+  int64_t grid_tokens = 0;
+  for (const auto& shape : shapes) {
+    TORCH_CHECK(shape[0] > 0 && shape[1] > 0 && shape[2] > 0,
+                "QwenImageTransformer2DModel: img_shapes entries must be positive, got ", format_shapes(shapes));
+    grid_tokens += shape[0] * shape[1] * shape[2];
+  }
+  TORCH_CHECK(grid_tokens == image_len, "QwenImageTransformer2DModel: img_shapes ", format_shapes(shapes), " hold ",
+              grid_tokens, " tokens but hidden_states has ", image_len, " (N = sum of frame * height * width)");
+
+  // Key mask over [text; image], true = attend: padded text tokens are hidden.
+  std::optional<at::Tensor> key_mask;
+  if (inputs.encoder_hidden_states_mask.has_value() && inputs.encoder_hidden_states_mask->defined()) {
+    const at::Tensor& mask = *inputs.encoder_hidden_states_mask;
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == batch && mask.size(1) == text_len,
+                "QwenImageTransformer2DModel: encoder_hidden_states_mask must be [", batch, ", ", text_len,
+                "] (batch, text length), got ", mask.sizes());
+    const at::Tensor text_mask = mask.to(device).to(at::kBool);
+    const at::Tensor image_mask = at::ones({batch, image_len}, text_mask.options());
+    key_mask = at::cat({text_mask, image_mask}, 1).view({batch, 1, 1, text_len + image_len});
+  }
+
+  // [B, N, D]
+  at::Tensor hidden_states = img_in->forward(to_model(hidden_states_in));
+  if (record) record("img_in", hidden_states);
+
+  // [B, L, C] -> [B, L, D]
+  const at::Tensor text_normed = txt_norm->forward(to_model(text_in));
+  if (record) record("txt_norm", text_normed);
+  at::Tensor encoder_hidden_states = txt_in->forward(text_normed);
+  if (record) record("txt_in", encoder_hidden_states);
+
+  // [B, D]
+  const at::Tensor temb = time_text_embed->forward(timestep, dtype, record);
+  if (record) record("temb", temb);
+
+  const QwenEmbedRope::Tables tables = pos_embed.forward(shapes, text_len, device);
+  if (record) {
+    record("rope.img.real", at::cos(tables.img_angles));
+    record("rope.img.imag", at::sin(tables.img_angles));
+    record("rope.txt.real", at::cos(tables.txt_angles));
+    record("rope.txt.imag", at::sin(tables.txt_angles));
+  }
+  const nn::RotaryEmbedding img_rope = rotary_from_angles(tables.img_angles);
+  const nn::RotaryEmbedding txt_rope = rotary_from_angles(tables.txt_angles);
+
+  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
+    const std::string name = "transformer_blocks." + std::to_string(i);
+    std::tie(encoder_hidden_states, hidden_states) =
+        (*transformer_blocks)[i].forward(hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask,
+                                         prefixed_recorder(record, "debug." + name + "."));
+    if (record) {
+      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
+      record("block." + name + ".hidden_states", hidden_states);
+    }
+  }
+
+  at::Tensor norm_out_emb;
+  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
+  if (record) {
+    record("norm_out.linear", norm_out_emb);
+    record("norm_out", hidden_states);
+  }
+  // [B, N, patch^2 * out_channels]
+  return proj_out->forward(hidden_states);
+}
+
+}  // namespace shardit::models
