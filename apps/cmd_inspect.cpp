@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "apps/commands.h"
+#include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -27,6 +30,7 @@ struct InspectOptions {
   std::string path;
   bool plan = false;
   int tp = 1;
+  std::string dtype;  ///< byte counts of --plan in this dtype; "": the checkpoint's
 };
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -69,13 +73,38 @@ void print_tensor_table(const io::Checkpoint& checkpoint) {
              total_elements, total_bytes, human_bytes(total_bytes), checkpoint.files().size());
 }
 
+/// The dtype the checkpoint stores its floating-point weights in (the most bytes), fp32 when it
+/// has none or the weights cannot be opened.
+at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
+  try {
+    const io::Checkpoint weights = component.weights();
+    std::map<at::ScalarType, uint64_t> bytes;
+    for (const auto& name : weights.names()) {
+      const io::TensorInfo& info = weights.info(name);
+      const at::ScalarType type = io::to_scalar_type(info.dtype);
+      if (at::isFloatingType(type)) bytes[type] += info.nbytes();
+    }
+    at::ScalarType best = at::kFloat;
+    uint64_t most = 0;
+    for (const auto& [type, count] : bytes) {
+      if (count > most) std::tie(best, most) = std::make_pair(type, count);
+    }
+    return best;
+  } catch (const std::exception&) {
+    return at::kFloat;
+  }
+}
+
 /// The tensor-parallel plan of the component's model class, resolved at `tp` (errors, such as a
-/// degree that does not divide the heads, are the resolver's own).
-void print_plan(const std::optional<io::ComponentFolder>& component, int tp) {
+/// degree that does not divide the heads, are the resolver's own), bytes in `--dtype` or the
+/// checkpoint's dtype.
+void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
   const auto model = models::create_transformer(*component);
-  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), tp, model->resolve(tp).to_table());
+  const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
+  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), options.tp,
+             model->resolve(options.tp, dtype).to_table());
 }
 
 void print_component(const io::ComponentFolder& component, const InspectOptions& options,
@@ -95,9 +124,9 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
     print_tensor_table(component.weights());
   }
   // In a pipeline only the transformer has a plan; a component folder given directly must.
-  const auto supported = models::supported_transformer_classes();
+  const auto supported = models::supported_classes(models::ComponentKind::Transformer);
   const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
-  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options.tp);
+  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options);
 }
 
 int run_inspect(const InspectOptions& options) {
@@ -118,7 +147,7 @@ int run_inspect(const InspectOptions& options) {
       for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", key, value);
     }
     print_tensor_table(checkpoint);
-    if (options.plan) print_plan(std::nullopt, options.tp);
+    if (options.plan) print_plan(std::nullopt, options);
     return 0;
   }
 
@@ -151,6 +180,8 @@ void register_inspect(CLI::App& app, CommandBody& body) {
   command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
   command->add_option("--tp", options->tp, "tensor-parallel degree for --plan")->check(CLI::PositiveNumber);
+  command->add_option("--dtype", options->dtype,
+                      "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
   command->callback([&body, options] {
     body = [options] {
       const int status = run_inspect(*options);

@@ -17,6 +17,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::apps {
@@ -30,6 +31,7 @@ struct RunTransformerOptions {
   std::string inputs;
   std::string out;
   std::string dtype = "f32";
+  int tp = 0;  ///< 0: the world size
 };
 
 int run_transformer(const RunTransformerOptions& given) {
@@ -66,21 +68,22 @@ int run_transformer(const RunTransformerOptions& given) {
   parallel::LoadOptions load_options;
   load_options.dtype = dtype;
   load_options.device = world.device();
-  if (world.size() > 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world.size());
+  const int tp = options.tp > 0 ? options.tp : world.size();
+  if (world.size() > 1 || tp != 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
 
   const auto load_start = std::chrono::steady_clock::now();
   model->load(component.weights(), load_options);
   const auto forward_start = std::chrono::steady_clock::now();
 
-  const at::Tensor sample = models::forward_from_file(*model, *inputs_file);
+  const at::Tensor sample = verify::forward_from_file(*model, *inputs_file);
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {
     // Written as float32 whatever the compute dtype (bf16 -> f32 is exact).
     io::save_safetensors(options.out, {{"sample", sample.to(at::kCPU, at::kFloat).contiguous()}});
     const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-    fmt::print("{} ({}, tp {}): sample {} in {:.3f} s (load {:.3f} s) -> {}\n", model->type_name(), options.dtype,
-               world.size(), fmt::join(sample.sizes(), "x"), seconds(forward_start, end),
+    fmt::print("{} ({}, tp {} of {} ranks): sample {} in {:.3f} s (load {:.3f} s) -> {}\n", model->type_name(),
+               options.dtype, tp, world.size(), fmt::join(sample.sizes(), "x"), seconds(forward_start, end),
                seconds(load_start, forward_start), options.out);
   }
   return 0;
@@ -98,6 +101,10 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
                       "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
+  command->add_option("--tp", options->tp,
+                      "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
+                      "ranks hold replicas")
+      ->check(CLI::PositiveNumber);
   command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });
 }
 
