@@ -1,10 +1,9 @@
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/io/file.h"
 #include "shardit/core/profile.h"
 
 #include <c10/util/Exception.h>
 
-#include <fstream>
-#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -39,31 +38,45 @@ std::string parent_dir(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+/// One (frame, height, width) grid read from a file, bounded so that the token counts of up to
+/// kMaxConfigLayers grids can never wrap around (which would pass the token-count check).
+QwenImageShape checked_grid(int64_t frame, int64_t height, int64_t width, const std::string& source) {
+  for (const int64_t value : {frame, height, width}) {
+    TORCH_CHECK(value >= 1 && value <= io::kMaxConfigDim, source, ": img_shapes grid (", frame, ", ", height, ", ",
+                width, ") has an entry out of the accepted range [1, ", io::kMaxConfigDim, "]");
+  }
+  // Each entry is at most 2^20, so the product fits 64 bits.
+  TORCH_CHECK(frame * height * width <= io::kMaxConfigDim * io::kMaxConfigDim, source, ": img_shapes grid (", frame,
+              ", ", height, ", ", width, ") holds more tokens than any image can");
+  return {frame, height, width};
+}
+
 /// img_shapes from an int64 tensor [B, K, 3] or [B, 3].
 std::vector<std::vector<QwenImageShape>> shapes_from_tensor(const at::Tensor& tensor, const std::string& source) {
   TORCH_CHECK((tensor.dim() == 2 || tensor.dim() == 3) && tensor.size(-1) == 3, source,
               ": img_shapes must be [B, 3] or [B, K, 3] (frame, height, width), got ", tensor.sizes());
+  TORCH_CHECK(!at::isFloatingType(tensor.scalar_type()) && tensor.scalar_type() != at::kBool, source,
+              ": img_shapes must be an integer tensor, got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.dim() == 2 || tensor.size(1) <= io::kMaxConfigLayers, source, ": img_shapes lists ",
+              tensor.size(1), " grids per sample, more than ", io::kMaxConfigLayers);
   const at::Tensor values = (tensor.dim() == 2 ? tensor.unsqueeze(1) : tensor).to(at::kLong).contiguous();
   std::vector<std::vector<QwenImageShape>> shapes(values.size(0));
   const auto acc = values.accessor<int64_t, 3>();
   for (int64_t b = 0; b < values.size(0); ++b) {
-    for (int64_t k = 0; k < values.size(1); ++k) shapes[b].push_back({acc[b][k][0], acc[b][k][1], acc[b][k][2]});
+    for (int64_t k = 0; k < values.size(1); ++k) {
+      shapes[b].push_back(checked_grid(acc[b][k][0], acc[b][k][1], acc[b][k][2], source));
+    }
   }
   return shapes;
 }
 
 /// img_shapes from inputs.json's non_tensor_kwargs: [[[f, h, w], ...], ...].
 std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& json_path) {
-  std::ifstream in(json_path);
-  TORCH_CHECK(in.good(), json_path, ": cannot open; QwenImageTransformer2DModel needs img_shapes (the (frame, ",
-              "height, width) token grid of each sample): put an `img_shapes` int64 tensor [B, K, 3] in the inputs ",
-              "file or `non_tensor_kwargs.img_shapes` in an inputs.json next to it");
-  nlohmann::json json;
-  try {
-    in >> json;
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, json_path, ": not valid JSON (", e.what(), ")");
-  }
+  TORCH_CHECK(io::regular_file_problem(json_path).empty(), io::regular_file_problem(json_path),
+              "; QwenImageTransformer2DModel needs img_shapes (the (frame, height, width) token grid of each sample): ",
+              "put an `img_shapes` int64 tensor [B, K, 3] in the inputs file or `non_tensor_kwargs.img_shapes` in an ",
+              "inputs.json next to it");
+  const nlohmann::json json = io::read_json_file(json_path);
   TORCH_CHECK(json.is_object() && json.contains("non_tensor_kwargs") && json["non_tensor_kwargs"].is_object() &&
                   json["non_tensor_kwargs"].contains("img_shapes"),
               json_path, ": no non_tensor_kwargs.img_shapes; QwenImageTransformer2DModel needs the token grid of ",
@@ -72,13 +85,14 @@ std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& jso
   TORCH_CHECK(value.is_array(), json_path, ": non_tensor_kwargs.img_shapes must be a list per sample");
   std::vector<std::vector<QwenImageShape>> shapes;
   for (const auto& sample : value) {
-    TORCH_CHECK(sample.is_array(), json_path, ": each img_shapes entry must be a list of [frame, height, width]");
+    TORCH_CHECK(sample.is_array() && sample.size() <= static_cast<size_t>(io::kMaxConfigLayers), json_path,
+                ": each img_shapes entry must be a list of at most ", io::kMaxConfigLayers, " [frame, height, width]");
     std::vector<QwenImageShape> grids;
     for (const auto& grid : sample) {
       TORCH_CHECK(grid.is_array() && grid.size() == 3 && grid[0].is_number_integer() && grid[1].is_number_integer() &&
                       grid[2].is_number_integer(),
                   json_path, ": each grid of img_shapes must be [frame, height, width] integers, got ", grid.dump());
-      grids.push_back({grid[0].get<int64_t>(), grid[1].get<int64_t>(), grid[2].get<int64_t>()});
+      grids.push_back(checked_grid(grid[0].get<int64_t>(), grid[1].get<int64_t>(), grid[2].get<int64_t>(), json_path));
     }
     shapes.push_back(std::move(grids));
   }
@@ -92,46 +106,24 @@ std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& jso
 
 QwenImageTransformer2DModelConfig QwenImageTransformer2DModelConfig::from_json(const nlohmann::json& json,
                                                                                const std::string& source) {
-  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  const io::ConfigReader reader(json, source);
   QwenImageTransformer2DModelConfig config;
-  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
-  if (json.contains("out_channels")) {
-    if (json.at("out_channels").is_null()) {
-      config.out_channels.reset();
-    } else {
-      config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
-    }
-  }
-  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
-  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
-  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+  config.patch_size = reader.integer("patch_size", config.patch_size, 1, io::kMaxConfigDim);
+  config.in_channels = reader.integer("in_channels", config.in_channels, 1, io::kMaxConfigDim);
+  // diffusers' default is 16; an explicit null means in_channels.
+  if (reader.contains("out_channels")) config.out_channels = reader.optional_integer("out_channels", 1, io::kMaxConfigDim);
+  config.num_layers = reader.integer("num_layers", config.num_layers, 0, io::kMaxConfigLayers);
+  config.attention_head_dim = reader.integer("attention_head_dim", config.attention_head_dim, 1, io::kMaxConfigDim);
+  config.num_attention_heads = reader.integer("num_attention_heads", config.num_attention_heads, 1, io::kMaxConfigDim);
+  config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
+  config.axes_dims_rope = reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim",
+                                           config.attention_head_dim, /*count=*/3);
   for (const char* key : {"guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"}) {
-    TORCH_CHECK(!io::config_value(json, key, false, source), source, ": '", key,
-                "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
-                "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
+    reader.require(!reader.boolean(key, false), "'", key,
+                   "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
+                   "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
   }
-
-  const auto positive = [&](const char* key, int64_t value) {
-    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
-  };
-  positive("patch_size", config.patch_size);
-  positive("in_channels", config.in_channels);
-  positive("out_channels", config.resolved_out_channels());
-  positive("attention_head_dim", config.attention_head_dim);
-  positive("num_attention_heads", config.num_attention_heads);
-  positive("joint_attention_dim", config.joint_attention_dim);
-  TORCH_CHECK(config.num_layers >= 0, source, ": num_layers must be >= 0, got ", config.num_layers);
-  TORCH_CHECK(config.axes_dims_rope.size() == 3, source,
-              ": axes_dims_rope must have 3 entries (frame, height, width), got ", config.axes_dims_rope.size());
-  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
-  TORCH_CHECK(rope_dim == config.attention_head_dim, source, ": axes_dims_rope must sum to attention_head_dim (",
-              config.attention_head_dim, "), got sum ", rope_dim);
-  for (int64_t d : config.axes_dims_rope) {
-    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
-  }
+  reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
   return config;
 }
 
