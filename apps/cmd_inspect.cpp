@@ -15,6 +15,7 @@
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
+#include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
@@ -136,7 +137,7 @@ int run_inspect(const InspectOptions& options) {
     fmt::print("(no path given: inspecting the built-in tiny model)\n");
     return run_inspect(builtin);
   }
-  TORCH_CHECK(fs::exists(options.path), options.path, ": no such file or directory");
+  TORCH_CHECK(fs::exists(fs::symlink_status(options.path)), options.path, ": no such file or directory");
 
   if (!fs::is_directory(options.path)) {
     const io::Checkpoint checkpoint = io::Checkpoint::open(options.path);
@@ -144,7 +145,8 @@ int run_inspect(const InspectOptions& options) {
     for (const auto& file : checkpoint.files()) {
       if (file->metadata().empty()) continue;
       fmt::print("metadata of {}:\n", file->path());
-      for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", key, value);
+      // Metadata is free text from the file: shown quoted, control characters escaped.
+      for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", io::quoted(key), io::quoted(value));
     }
     print_tensor_table(checkpoint);
     if (options.plan) print_plan(std::nullopt, options);
@@ -179,11 +181,16 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
   command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
-  command->add_option("--tp", options->tp, "tensor-parallel degree for --plan")->check(CLI::PositiveNumber);
+  command->add_option("--tp", options->tp, "tensor-parallel degree for --plan (1 to 4096)")
+      ->check(CLI::Range(1, 4096))
+      ->needs("--plan");
   command->add_option("--dtype", options->dtype,
                       "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
   command->callback([&body, options] {
     body = [options] {
+      // inspect reads files and prints; it needs no peers. Under a multi-rank launch only rank 0
+      // runs it, so the report is printed once.
+      if (dist::World::get().rank() != 0) return 0;
       const int status = run_inspect(*options);
       std::fflush(stdout);
       return status;

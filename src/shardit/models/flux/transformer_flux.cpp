@@ -4,7 +4,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <numeric>
 #include <string>
 #include <utility>
 
@@ -21,42 +20,21 @@ constexpr double kNormEps = 1e-6;
 
 FluxTransformer2DModelConfig FluxTransformer2DModelConfig::from_json(const nlohmann::json& json,
                                                                      const std::string& source) {
-  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  const io::ConfigReader reader(json, source);
   FluxTransformer2DModelConfig config;
-  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
-  if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
-    config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
-  }
-  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
-  config.num_single_layers = io::config_value(json, "num_single_layers", config.num_single_layers, source);
-  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
-  config.pooled_projection_dim = io::config_value(json, "pooled_projection_dim", config.pooled_projection_dim, source);
-  config.guidance_embeds = io::config_value(json, "guidance_embeds", config.guidance_embeds, source);
-  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
-
-  const auto positive = [&](const char* key, int64_t value) {
-    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
-  };
-  positive("patch_size", config.patch_size);
-  positive("in_channels", config.in_channels);
-  positive("out_channels", config.resolved_out_channels());
-  positive("attention_head_dim", config.attention_head_dim);
-  positive("num_attention_heads", config.num_attention_heads);
-  positive("joint_attention_dim", config.joint_attention_dim);
-  positive("pooled_projection_dim", config.pooled_projection_dim);
-  TORCH_CHECK(config.num_layers >= 0 && config.num_single_layers >= 0, source,
-              ": num_layers and num_single_layers must be >= 0, got ", config.num_layers, " and ",
-              config.num_single_layers);
-  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
-  TORCH_CHECK(!config.axes_dims_rope.empty() && rope_dim == config.attention_head_dim, source,
-              ": axes_dims_rope must sum to attention_head_dim (", config.attention_head_dim, "), got sum ",
-              rope_dim);
-  for (int64_t d : config.axes_dims_rope) {
-    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
-  }
+  config.patch_size = reader.integer("patch_size", config.patch_size, 1, io::kMaxConfigDim);
+  config.in_channels = reader.integer("in_channels", config.in_channels, 1, io::kMaxConfigDim);
+  config.out_channels = reader.optional_integer("out_channels", 1, io::kMaxConfigDim);
+  config.num_layers = reader.integer("num_layers", config.num_layers, 0, io::kMaxConfigLayers);
+  config.num_single_layers = reader.integer("num_single_layers", config.num_single_layers, 0, io::kMaxConfigLayers);
+  config.attention_head_dim = reader.integer("attention_head_dim", config.attention_head_dim, 1, io::kMaxConfigDim);
+  config.num_attention_heads = reader.integer("num_attention_heads", config.num_attention_heads, 1, io::kMaxConfigDim);
+  config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
+  config.pooled_projection_dim = reader.integer("pooled_projection_dim", config.pooled_projection_dim, 1, io::kMaxConfigDim);
+  config.guidance_embeds = reader.boolean("guidance_embeds", config.guidance_embeds);
+  config.axes_dims_rope =
+      reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim", config.attention_head_dim);
+  reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
   return config;
 }
 
