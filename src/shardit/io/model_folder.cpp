@@ -48,15 +48,29 @@ std::string folder_name(const std::string& path) {
 
 }  // namespace
 
-nlohmann::json read_json_file(const std::string& path) {
+nlohmann::json read_json_file(const std::string& path, std::uintmax_t max_bytes, int max_depth) {
   TORCH_CHECK(fs::exists(path), path, ": no such file");
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  TORCH_CHECK(!ec, path, ": cannot read its size: ", ec.message());
+  TORCH_CHECK(size <= max_bytes, path, ": ", size, " bytes, more than the ", max_bytes,
+              " a JSON file here may have; is it the right file?");
   std::ifstream in(path);
   TORCH_CHECK(in, path, ": cannot open: ", std::strerror(errno));
+  bool too_deep = false;
+  const nlohmann::json::parser_callback_t limit_depth = [&](int depth, nlohmann::json::parse_event_t,
+                                                             nlohmann::json&) {
+    if (depth > max_depth) too_deep = true;
+    return !too_deep;
+  };
+  nlohmann::json value;
   try {
-    return nlohmann::json::parse(in);
+    value = nlohmann::json::parse(in, limit_depth);
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, path, ": invalid JSON (", e.what(), ")");
   }
+  TORCH_CHECK(!too_deep, path, ": JSON nested deeper than ", max_depth, " levels");
+  return value;
 }
 
 std::string ComponentFolder::class_name() const {

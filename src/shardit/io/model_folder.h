@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -60,7 +61,8 @@ T config_value(const nlohmann::json& config, const char* key, T fallback, const 
   }
 }
 
-/// Reads a JSON file with an error naming the file on any problem.
-nlohmann::json read_json_file(const std::string& path);
+/// Reads a JSON file with an error naming the file on any problem, including a file larger than
+/// `max_bytes` or nested deeper than `max_depth`.
+nlohmann::json read_json_file(const std::string& path, std::uintmax_t max_bytes = 64ull << 20, int max_depth = 64);
 
 }  // namespace shardit::io
