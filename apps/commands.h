@@ -14,5 +14,7 @@ using CommandBody = std::function<int()>;
 void register_inspect(CLI::App& app, CommandBody& body);
 /// Adds `run-transformer` (one forward of a transformer on a golden-style case folder).
 void register_run_transformer(CLI::App& app, CommandBody& body);
+/// Adds `tokenize` (prompt ids as JSON, or a check of a tokenizer cases file).
+void register_tokenize(CLI::App& app, CommandBody& body);
 
 }  // namespace shardit::apps
