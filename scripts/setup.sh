@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian package shardit needs to build, test and benchmark.
+# Installs every Debian package shardit needs to build, test and benchmark (bench/ uses only
+# shardit itself and CLI11).
 # Idempotent: re-running only installs what is missing. Needs root (or sudo).
 set -euo pipefail
 
@@ -11,11 +12,11 @@ packages=(
   # fast BLAS for LibTorch; without it Debian's reference BLAS is ~40x slower
   libopenblas0-openmp
   # libraries
-  nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libpng-dev
+  nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev
   # tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping)
   libsentencepiece-dev libpcre2-dev libicu-dev
-  # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # tests
+  libgtest-dev libgmock-dev
   # multi-process launcher tests
   openmpi-bin libopenmpi-dev
   # fuzzing (libFuzzer ships with clang's runtime)

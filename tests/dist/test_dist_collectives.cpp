@@ -27,10 +27,10 @@ namespace {
 using shardit::dist::DeviceMesh;
 using shardit::dist::Group;
 using shardit::dist::World;
+using shardit::testing::error_of;
 using shardit::testing::is_worker;
 using shardit::testing::run_ranks;
 using shardit::testing::tensors_close;
-using ::testing::HasSubstr;
 
 // What rank `r` holds: integers in [-8, 8] scaled by 1/4 are exact in bf16 and f16, and their sums
 // over <= 4 ranks too, so the sums compare exactly whatever order the backend adds in. The random
@@ -194,15 +194,16 @@ void check_world(int expected_size) {
   check_stats(*group);
 
   // Errors are found before any communication, identically on every rank.
-  try {
-    group->reduce_scatter(at::ones({expected_size + 1}), 0);
-    ADD_FAILURE() << "reduce_scatter of an indivisible dim did not throw";
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("which the group size " + std::to_string(expected_size) + " does not divide"));
-  }
-  EXPECT_THROW(group->all_gather(at::ones({2}), 3), c10::Error);
+  const std::string n = std::to_string(expected_size);
+  const std::string n1 = std::to_string(expected_size + 1);
+  EXPECT_EQ(error_of([&] { group->reduce_scatter(at::ones({expected_size + 1}), 0); }),
+            "reduce_scatter on group 'world': dim 0 of shape [" + n1 + "] has size " + n1 +
+                ", which the group size " + n + " does not divide");
+  EXPECT_EQ(error_of([&] { group->all_gather(at::ones({2}), 3); }),
+            "all_gather on group 'world': dim 3 is out of range for a tensor of shape [2]");
   at::Tensor one = at::ones({1});
-  EXPECT_THROW(group->broadcast(one, expected_size), c10::Error);
+  EXPECT_EQ(error_of([&] { group->broadcast(one, expected_size); }),
+            "broadcast on group 'world': root " + n + " is out of range for a group of size " + n);
 
   // A sub-group of the first and last rank; the others get nullptr.
   auto ends = world.new_group({0, expected_size - 1});
@@ -230,12 +231,12 @@ void check_world(int expected_size) {
 
 TEST(DistCollectives, TwoRanks) {
   if (is_worker()) return check_world(2);
-  EXPECT_EQ(run_ranks(2, "DistCollectives.TwoRanks"), 0);
+  EXPECT_EQ(run_ranks(2), 0);
 }
 
 TEST(DistCollectives, ThreeRanks) {
   if (is_worker()) return check_world(3);
-  EXPECT_EQ(run_ranks(3, "DistCollectives.ThreeRanks"), 0);
+  EXPECT_EQ(run_ranks(3), 0);
 }
 
 TEST(DistCollectives, FourRanksAndMesh) {
@@ -261,13 +262,9 @@ TEST(DistCollectives, FourRanksAndMesh) {
     at::Tensor y = at::full({2}, static_cast<float>(world.rank()));
     mesh.group("cp")->all_reduce(y);
     EXPECT_EQ(y[1].item<float>(), static_cast<float>(tp + tp + 2));
-    try {
-      mesh.size("dp");
-      ADD_FAILURE() << "unknown mesh dimension did not throw";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("DeviceMesh cp=2 x tp=2 has no dimension 'dp'"));
-    }
-    EXPECT_THROW(DeviceMesh(world, {{"cp", 3}, {"tp", 2}}), c10::Error);
+    EXPECT_EQ(error_of([&] { mesh.size("dp"); }), "DeviceMesh cp=2 x tp=2 has no dimension 'dp'");
+    EXPECT_EQ(error_of([&] { DeviceMesh(world, {{"cp", 3}, {"tp", 2}}); }),
+              "DeviceMesh cp=3 x tp=2 holds 6 ranks but the world has 4; choose sizes whose product is 4");
 
     // A mesh with a size-1 dimension, and a 1-D mesh.
     DeviceMesh flat(world, {{"cp", 1}, {"tp", 4}});
@@ -280,7 +277,7 @@ TEST(DistCollectives, FourRanksAndMesh) {
     world.group()->barrier();
     return;
   }
-  EXPECT_EQ(run_ranks(4, "DistCollectives.FourRanksAndMesh"), 0);
+  EXPECT_EQ(run_ranks(4), 0);
 }
 
 TEST(DistCollectives, SingleProcessWorldIsTheIdentity) {
@@ -320,26 +317,25 @@ int free_port() {
 
 // The same two-rank checks under OpenMPI's launcher (OMPI_COMM_WORLD_* variables).
 TEST(DistCollectives, TwoRanksUnderMpirun) {
-  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  if (is_worker()) return check_world(2);
   std::string mpirun_path;
   if (shardit::testing::run_command("command -v mpirun", &mpirun_path) != 0) {
     GTEST_SKIP() << "mpirun is not installed (OpenMPI's launcher), so the mpirun convention "
                     "cannot be exercised here";
   }
+  const shardit::testing::WorkerRecord record;
+  std::string command = "mpirun -np 2 --oversubscribe --allow-run-as-root";
+  auto env = record.env();
+  env["SHARDIT_TEST_EXPECT_SOURCE"] = "openmpi";
+  env["MASTER_ADDR"] = "127.0.0.1";
+  env["MASTER_PORT"] = std::to_string(free_port());
+  for (const auto& [name, value] : env) command += " -x " + name + "=" + value;
+  command += " " + shardit::dist::current_executable() +
+             " --gtest_color=no --gtest_filter=" + shardit::testing::current_test_name() + " 2>&1";
   std::string output;
-  const std::string command =
-      "mpirun -np 2 --oversubscribe --allow-run-as-root -x SHARDIT_TEST_WORKER=1 "
-      "-x SHARDIT_TEST_EXPECT_SOURCE=openmpi -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + std::to_string(free_port()) + " " +
-      shardit::dist::current_executable() + " --gtest_color=no --gtest_filter=DistCollectives.TwoRanks 2>&1";
   const int code = shardit::testing::run_command(command, &output);
   EXPECT_EQ(code, 0) << command << "\n" << output;
-  // Both ranks ran the test (and did not skip it).
-  size_t passed = 0;
-  for (size_t at = output.find("[       OK ] DistCollectives.TwoRanks"); at != std::string::npos;
-       at = output.find("[       OK ] DistCollectives.TwoRanks", at + 1)) {
-    ++passed;
-  }
-  EXPECT_EQ(passed, 2u) << output;
+  record.expect_ran(2);
 }
 
 }  // namespace

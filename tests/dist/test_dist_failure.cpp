@@ -120,8 +120,8 @@ TEST(DistFailure, RankKilledMidSequence) {
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-kill");
   const auto start = std::chrono::steady_clock::now();
-  const int code = run_ranks(3, "DistFailure.RankKilledMidSequence",
-                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+  const int code =
+      run_ranks(3, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(code, 0);
   EXPECT_LT(seconds, 20.0);
@@ -138,8 +138,8 @@ TEST(DistFailure, RankExitsSilentlyMidSequence) {
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-exit");
   const auto start = std::chrono::steady_clock::now();
-  const int code = run_ranks(2, "DistFailure.RankExitsSilentlyMidSequence",
-                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+  const int code =
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(code, 0) << "rank 0 should have failed after rank 1 left";
   EXPECT_LT(seconds, 20.0);
@@ -165,8 +165,8 @@ TEST(DistFailure, RankThatNeverArrivesTimesOut) {
     std::_Exit(1);
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-absent");
-  const int code = run_ranks(2, "DistFailure.RankThatNeverArrivesTimesOut",
-                             {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
+  const int code =
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
   EXPECT_NE(code, 0);
   const std::string report = read_file(dir + "/rank0");
   ASSERT_FALSE(report.empty());

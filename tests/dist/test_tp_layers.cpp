@@ -185,27 +185,27 @@ void worker() {
 
 TEST(TpLayers, VocabParallelEmbeddingTp2) {
   if (is_worker()) return worker();
-  EXPECT_EQ(run_ranks(2, "TpLayers.VocabParallelEmbeddingTp2", case_env(prepare("vocab", 11), "vocab")), 0);
+  EXPECT_EQ(run_ranks(2, case_env(prepare("vocab", 11), "vocab")), 0);
 }
 
 TEST(TpLayers, VocabParallelEmbeddingTp3Uneven) {
   if (is_worker()) return worker();
-  EXPECT_EQ(run_ranks(3, "TpLayers.VocabParallelEmbeddingTp3Uneven", case_env(prepare("vocab", 12), "vocab")), 0);
+  EXPECT_EQ(run_ranks(3, case_env(prepare("vocab", 12), "vocab")), 0);
 }
 
 TEST(TpLayers, ColwiseGatherEmbeddingTp3) {
   if (is_worker()) return worker();
-  EXPECT_EQ(run_ranks(3, "TpLayers.ColwiseGatherEmbeddingTp3", case_env(prepare("gather", 13), "gather")), 0);
+  EXPECT_EQ(run_ranks(3, case_env(prepare("gather", 13), "gather")), 0);
 }
 
 TEST(TpLayers, ColwiseEmbeddingTp2) {
   if (is_worker()) return worker();
-  EXPECT_EQ(run_ranks(2, "TpLayers.ColwiseEmbeddingTp2", case_env(prepare("colwise", 14), "colwise")), 0);
+  EXPECT_EQ(run_ranks(2, case_env(prepare("colwise", 14), "colwise")), 0);
 }
 
 TEST(TpLayers, GqaEightQueryTwoKeyValueHeadsTp2) {
   if (is_worker()) return worker();
-  EXPECT_EQ(run_ranks(2, "TpLayers.GqaEightQueryTwoKeyValueHeadsTp2", case_env(prepare("gqa", 15), "gqa")), 0);
+  EXPECT_EQ(run_ranks(2, case_env(prepare("gqa", 15), "gqa")), 0);
 }
 
 TEST(TpLayers, GqaTp4IsRefusedListingDegrees) {
@@ -266,7 +266,7 @@ TEST(TpLayers, BuiltinModelTp2InsideFourRanks) {
   shardit::io::save_safetensors(
       reference, {{"sample", shardit::verify::forward_from_file(
                                  *model, *shardit::io::SafetensorsFile::open(builtin.inputs + "/inputs.safetensors"))}});
-  EXPECT_EQ(run_ranks(4, "TpLayers.BuiltinModelTp2InsideFourRanks",
+  EXPECT_EQ(run_ranks(4, 
                       {{"TP_LAYERS_MODEL", builtin.pipeline},
                        {"TP_LAYERS_INPUTS", builtin.inputs},
                        {"TP_LAYERS_REFERENCE", reference}}),

@@ -2,6 +2,7 @@
 // [txt; img], MLPs, a fused packed q|k|v, a packed rowwise proj_out over cat([attn, mlp]) and
 // AdaLN modulations (ColwiseGather, one of them packed). A single-rank reference, then ranks at
 // TP=2, 3, 4 through both load paths (load whole then shard in memory; shard while loading).
+// And a rowwise Linear's bias at TP=2 and 3, where adding it before the all-reduce would show.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -409,32 +410,32 @@ TEST(TpToy, CountsMatchThePlan) {
 TEST(TpToy, SixHeadsTp2) {
   if (is_worker()) return run_worker();
   const ToyConfig config{6, 8};
-  EXPECT_EQ(run_ranks(2, "TpToy.SixHeadsTp2", toy_env(config, prepare(config, 101))), 0);
+  EXPECT_EQ(run_ranks(2, toy_env(config, prepare(config, 101))), 0);
 }
 
 TEST(TpToy, SixHeadsTp3) {
   if (is_worker()) return run_worker();
   const ToyConfig config{6, 8};
-  EXPECT_EQ(run_ranks(3, "TpToy.SixHeadsTp3", toy_env(config, prepare(config, 202))), 0);
+  EXPECT_EQ(run_ranks(3, toy_env(config, prepare(config, 202))), 0);
 }
 
 // 12 heads: TP=2, 3 and 4 all work.
 TEST(TpToy, TwelveHeadsTp2) {
   if (is_worker()) return run_worker();
   const ToyConfig config{12, 4};
-  EXPECT_EQ(run_ranks(2, "TpToy.TwelveHeadsTp2", toy_env(config, prepare(config, 303))), 0);
+  EXPECT_EQ(run_ranks(2, toy_env(config, prepare(config, 303))), 0);
 }
 
 TEST(TpToy, TwelveHeadsTp3) {
   if (is_worker()) return run_worker();
   const ToyConfig config{12, 4};
-  EXPECT_EQ(run_ranks(3, "TpToy.TwelveHeadsTp3", toy_env(config, prepare(config, 404))), 0);
+  EXPECT_EQ(run_ranks(3, toy_env(config, prepare(config, 404))), 0);
 }
 
 TEST(TpToy, TwelveHeadsTp4) {
   if (is_worker()) return run_worker();
   const ToyConfig config{12, 4};
-  EXPECT_EQ(run_ranks(4, "TpToy.TwelveHeadsTp4", toy_env(config, prepare(config, 505))), 0);
+  EXPECT_EQ(run_ranks(4, toy_env(config, prepare(config, 505))), 0);
 }
 
 // 6 heads at TP=4: every width (48, 144, 192) divides by 4, only the head count does not. Every
@@ -452,30 +453,65 @@ TEST(TpToy, SixHeadsTp4IsRefused) {
     const auto checkpoint = shardit::io::Checkpoint::open(dir + "/model.safetensors");
     LoadOptions options;
     options.tensor_parallel = tp;
-    try {
-      sharded.load(checkpoint, options);
-      ADD_FAILURE() << "load with TP=4 should fail";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.msg(), HasSubstr(expected));
-    }
+    EXPECT_EQ(shardit::testing::error_of([&] { sharded.load(checkpoint, options); }), expected);
     EXPECT_EQ(checkpoint.stats().bytes_read.load(), 0u);
     EXPECT_FALSE(sharded.is_materialized());
 
     ToyTransformer in_memory(config);
     in_memory.load(checkpoint, LoadOptions{});
     const at::Tensor q_before = in_memory.transformer_blocks->operator[](0).attn->to_q->weight.clone();
-    try {
-      in_memory.enable_parallelism(tp);
-      ADD_FAILURE() << "enable_parallelism with TP=4 should fail";
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.msg(), HasSubstr(expected));
-    }
+    EXPECT_EQ(shardit::testing::error_of([&] { in_memory.enable_parallelism(tp); }), expected);
     // Nothing moved.
     EXPECT_TRUE(at::equal(in_memory.transformer_blocks->operator[](0).attn->to_q->weight, q_before));
     return;
   }
   const ToyConfig config{6, 8};
-  EXPECT_EQ(run_ranks(4, "TpToy.SixHeadsTp4IsRefused", toy_env(config, prepare(config, 606))), 0);
+  EXPECT_EQ(run_ranks(4, toy_env(config, prepare(config, 606))), 0);
+}
+
+// A rowwise Linear on real ranks: each rank holds the input columns [r*w, (r+1)*w) of the weight
+// and of x, and the full bias. The output must be X A^T + b on every rank. Adding the bias before
+// the all-reduce would give X A^T + degree * b, so at degree 2 and 3 it moves the output by at
+// least min|b| (0.5 here, far above the tolerance); at degree 1 the two are the same.
+void rowwise_bias_worker() {
+  auto& world = shardit::dist::World::init();
+  const int degree = world.size();
+  const int rank = world.rank();
+  constexpr int64_t kIn = 12, kOut = 5;  // 12 splits at degree 2 and 3
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(2024);  // the same on every rank
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kIn));
+  const at::Tensor weight = at::normal(0.0, scale, {kOut, kIn}, generator, f32);
+  const at::Tensor sign = at::randint(0, 2, {kOut}, generator, f32) * 2 - 1;
+  const at::Tensor bias = sign * (0.5 + at::rand({kOut}, generator, f32));  // 0.5 <= |b| < 1.5
+  const at::Tensor x = at::normal(0.0, 1.0, {3, 4, kIn}, generator, f32);
+  const at::Tensor expected = at::linear(x, weight, bias);                  // [3, 4, kOut]
+  const at::Tensor bias_before_reduce = at::linear(x, weight) + degree * bias;
+
+  const int64_t width = kIn / degree;
+  Linear layer(LinearOptions(kIn, kOut));
+  layer.weight = weight.narrow(1, rank * width, width).contiguous();  // [kOut, kIn / degree]
+  layer.bias = bias;
+  auto group = world.group();
+  layer.set_parallel(shardit::nn::LinearParallel::Rowwise, group);
+  group->stats().reset();
+  const at::Tensor output = layer.forward(x.narrow(-1, rank * width, width));  // [3, 4, kOut]
+  EXPECT_EQ(group->stats().calls_by_op["all_reduce"], 1u);
+  // fp32 partial sums of 12 O(1) products in another order: ~1e-6.
+  const std::string what = "rank " + std::to_string(rank) + " of " + std::to_string(degree) + " rowwise output";
+  EXPECT_TRUE(shardit::testing::tensors_close(what, output, expected, 1e-5, 1e-5));
+  EXPECT_FALSE(shardit::testing::tensors_close("bias added before the reduce", bias_before_reduce, expected,
+                                               1e-5, 1e-5));
+}
+
+TEST(TpRowwise, BiasIsAddedOnceAfterTheReduceTp2) {
+  if (is_worker()) return rowwise_bias_worker();
+  EXPECT_EQ(run_ranks(2), 0);
+}
+
+TEST(TpRowwise, BiasIsAddedOnceAfterTheReduceTp3) {
+  if (is_worker()) return rowwise_bias_worker();
+  EXPECT_EQ(run_ranks(3), 0);
 }
 
 }  // namespace

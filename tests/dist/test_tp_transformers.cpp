@@ -99,23 +99,21 @@ std::string write_reference(const std::string& model_dir, const std::string& inp
   return path;
 }
 
-/// Runs this test (`test_name`) as `nproc` ranks for each load path; each rank runs tp_worker().
-void expect_tp_matches(int nproc, const std::string& test_name, const std::string& model_dir,
-                       const std::string& inputs_dir) {
+/// Runs this test as `nproc` ranks for each load path; each rank runs tp_worker().
+void expect_tp_matches(int nproc, const std::string& model_dir, const std::string& inputs_dir) {
   const std::string reference = write_reference(model_dir, inputs_dir);
   for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
-    EXPECT_EQ(run_ranks(nproc, test_name,
-                        {{"SHARDIT_TP_MODEL", model_dir},
-                         {"SHARDIT_TP_INPUTS", inputs_dir},
-                         {"SHARDIT_TP_PATH", path},
-                         {"SHARDIT_TP_REFERENCE", reference}}),
+    EXPECT_EQ(run_ranks(nproc, {{"SHARDIT_TP_MODEL", model_dir},
+                                {"SHARDIT_TP_INPUTS", inputs_dir},
+                                {"SHARDIT_TP_PATH", path},
+                                {"SHARDIT_TP_REFERENCE", reference}}),
               0)
         << "TP=" << nproc << " through " << path;
   }
 }
 
-void expect_golden_tp_matches(int nproc, const std::string& test_name, const std::string& golden_case) {
-  expect_tp_matches(nproc, test_name, golden_path(golden_case), golden_path(golden_case));
+void expect_golden_tp_matches(int nproc, const std::string& golden_case) {
+  expect_tp_matches(nproc, golden_path(golden_case), golden_path(golden_case));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -123,23 +121,23 @@ void expect_golden_tp_matches(int nproc, const std::string& test_name, const std
 
 TEST(TpFlux, GoldenTp2MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(2, "TpFlux.GoldenTp2MatchesTp1", "flux_b2_nonsquare");
+  expect_golden_tp_matches(2, "flux_b2_nonsquare");
 }
 
 TEST(TpFlux, GoldenTp4MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(4, "TpFlux.GoldenTp4MatchesTp1", "flux_b1_square");
+  expect_golden_tp_matches(4, "flux_b1_square");
 }
 
-TEST(TpFlux, SchnellTp2MatchesTp1) {
+TEST(TpFlux, GoldenSchnellTp2MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(2, "TpFlux.SchnellTp2MatchesTp1", "flux_schnell_b2_nonsquare");
+  expect_golden_tp_matches(2, "flux_schnell_b2_nonsquare");
 }
 
 TEST(TpFlux, BuiltinTp3MatchesTp1) {
   if (is_worker()) return tp_worker();
   const auto paths = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
-  expect_tp_matches(3, "TpFlux.BuiltinTp3MatchesTp1", paths.pipeline, paths.inputs);
+  expect_tp_matches(3, paths.pipeline, paths.inputs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -147,22 +145,22 @@ TEST(TpFlux, BuiltinTp3MatchesTp1) {
 
 TEST(TpFlux2, GoldenTp2MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(2, "TpFlux2.GoldenTp2MatchesTp1", "flux2_b2_nonsquare");
+  expect_golden_tp_matches(2, "flux2_b2_nonsquare");
 }
 
 TEST(TpFlux2, GoldenTp4MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(4, "TpFlux2.GoldenTp4MatchesTp1", "flux2_b1_square");
+  expect_golden_tp_matches(4, "flux2_b1_square");
 }
 
-TEST(TpFlux2, KleinTp2MatchesTp1) {
+TEST(TpFlux2, GoldenKleinTp2MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(2, "TpFlux2.KleinTp2MatchesTp1", "flux2_klein_b2_nonsquare");
+  expect_golden_tp_matches(2, "flux2_klein_b2_nonsquare");
 }
 
-TEST(TpFlux2, KleinTp4MatchesTp1) {
+TEST(TpFlux2, GoldenKleinTp4MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(4, "TpFlux2.KleinTp4MatchesTp1", "flux2_klein_b2_nonsquare");
+  expect_golden_tp_matches(4, "flux2_klein_b2_nonsquare");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -170,23 +168,28 @@ TEST(TpFlux2, KleinTp4MatchesTp1) {
 
 TEST(TpQwenImage, GoldenTp2MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(2, "TpQwenImage.GoldenTp2MatchesTp1", "qwenimage_b2_nonsquare");
+  expect_golden_tp_matches(2, "qwenimage_b2_nonsquare");
 }
 
 TEST(TpQwenImage, GoldenTp4MatchesTp1) {
   if (is_worker()) return tp_worker();
-  expect_golden_tp_matches(4, "TpQwenImage.GoldenTp4MatchesTp1", "qwenimage_b1_square");
+  expect_golden_tp_matches(4, "qwenimage_b1_square");
 }
 
-TEST(TpFlux2, FusedProjectionsAreSplitBlockByBlock) {
+TEST(TpFlux2, GoldenFusedProjectionsAreSplitBlockByBlock) {
   // At TP=2 each rank holds half of every declared block of the fused layers.
-  const auto plan = create(golden_path("flux2_b1_square"))->resolve(2);
+  const std::string dir = golden_path("flux2_b1_square");
+  const auto plan = create(dir)->resolve(2);
+  // to_qkv_mlp_proj: [q | k | v | gate | up] = 3 * inner + 2 * (inner * mlp_ratio) rows of inner.
+  const nlohmann::json& config = shardit::io::open_component(dir, "transformer").config;
+  const int64_t inner = config.at("num_attention_heads").get<int64_t>() * config.at("attention_head_dim").get<int64_t>();
+  const auto mlp_hidden = static_cast<int64_t>(static_cast<double>(inner) * config.at("mlp_ratio").get<double>());
   const auto& qkv_mlp = plan.spec("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight");
   ASSERT_TRUE(qkv_mlp.style.has_value());
   EXPECT_EQ(*qkv_mlp.style, ShardStyle::PackedColwise);
   ASSERT_EQ(qkv_mlp.ranges_per_rank.size(), 2u);
   EXPECT_EQ(qkv_mlp.ranges_per_rank[1].size(), 5u);  // one range per block: q, k, v, gate, up
-  EXPECT_EQ(qkv_mlp.local_shape(1), (std::vector<int64_t>{288, 64}));
+  EXPECT_EQ(qkv_mlp.local_shape(1), (std::vector<int64_t>{(3 * inner + 2 * mlp_hidden) / 2, inner}));
   const auto& to_out = plan.spec("single_transformer_blocks.0.attn.to_out.weight");
   EXPECT_EQ(to_out.dim, 1);
   EXPECT_EQ(to_out.ranges_per_rank[0].size(), 2u);  // attn, mlp
@@ -203,16 +206,18 @@ TEST(TpFlux2, FusedProjectionsAreSplitBlockByBlock) {
 class TpGoldenModel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TpGoldenModel, DegreeThatDoesNotDivideHeadsIsRejectedBeforeLoading) {
-  // 4 heads: TP=3 cannot split them; the error names the constraint and the degrees that work.
-  auto model = create(golden_path(GetParam()));
-  try {
-    model->resolve(3);
-    FAIL() << "TP=3 on a 4-head " << model->type_name() << " was accepted";
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    EXPECT_THAT(message, HasSubstr("num_attention_heads = 4, which does not divide by tp_degree 3"));
-    EXPECT_THAT(message, HasSubstr("1, 2, 4"));
-  }
+  // The smallest degree that cannot split the heads: the error names the constraint and the
+  // degrees that work.
+  const std::string dir = golden_path(GetParam());
+  const int64_t heads =
+      shardit::io::open_component(dir, "transformer").config.at("num_attention_heads").get<int64_t>();
+  int degree = 2;
+  while (heads % degree == 0) ++degree;
+  auto model = create(dir);
+  EXPECT_EQ(shardit::testing::error_of([&] { model->resolve(degree); }),
+            "num_attention_heads = " + std::to_string(heads) +
+                ", which does not divide by tp_degree " + std::to_string(degree) +
+                "; degrees that would work (up to 64): " + shardit::testing::divisors_of(heads));
   EXPECT_FALSE(model->is_materialized());
 }
 

@@ -3,7 +3,6 @@
 // validated, and the RoPE positions (centred image grid, text after it) hold for grids the golden
 // cases do not cover.
 #include <gtest/gtest.h>
-#include <gmock/gmock.h>
 
 #include <c10/util/Exception.h>
 
@@ -11,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -22,7 +22,6 @@
 namespace shardit {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::golden_path;
 using testing::tensors_close;
 
@@ -44,15 +43,25 @@ at::Tensor golden_sample(const std::string& dir) {
   return io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
 }
 
-TEST(QwenImage, ReadsImgShapesFromInputsJson) {
-  const auto inputs = read_inputs(golden_path("qwenimage_b2_nonsquare"));
-  ASSERT_EQ(inputs.img_shapes.size(), 2u);
-  for (const auto& sample : inputs.img_shapes) {
-    ASSERT_EQ(sample.size(), 1u);
-    EXPECT_EQ(sample[0], (models::QwenImageShape{1, 3, 5}));
+/// The case's img_shapes as inputs.json states them (the reference's call arguments).
+std::vector<std::vector<models::QwenImageShape>> img_shapes_of(const std::string& dir) {
+  const nlohmann::json spec = io::read_json_file(dir + "/inputs.json");
+  std::vector<std::vector<models::QwenImageShape>> shapes;
+  for (const auto& sample : spec.at("non_tensor_kwargs").at("img_shapes")) {
+    shapes.emplace_back();
+    for (const auto& grid : sample) shapes.back().push_back(grid.get<models::QwenImageShape>());
   }
+  return shapes;
+}
+
+TEST(QwenImage, ReadsImgShapesFromInputsJson) {
+  const std::string dir = golden_path("qwenimage_b2_nonsquare");
+  const auto inputs = read_inputs(dir);
+  EXPECT_EQ(inputs.img_shapes, img_shapes_of(dir));
+  const nlohmann::json spec = io::read_json_file(dir + "/inputs.json");
   ASSERT_TRUE(inputs.encoder_hidden_states_mask.has_value());
-  EXPECT_EQ(inputs.encoder_hidden_states_mask->sizes(), (std::vector<int64_t>{2, 7}));
+  EXPECT_EQ(inputs.encoder_hidden_states_mask->sizes().vec(),
+            spec.at("tensors").at("encoder_hidden_states_mask").at("shape").get<std::vector<int64_t>>());
 }
 
 TEST(QwenImage, PaddedTextTokensDoNotReachTheImage) {
@@ -84,29 +93,37 @@ TEST(QwenImage, ExplicitImgShapesMatchTheFileAndAreChecked) {
   const std::string dir = golden_path("qwenimage_b2_nonsquare");
   auto model = load_model(dir);
   auto inputs = read_inputs(dir);
-  inputs.img_shapes = {{{1, 3, 5}}, {{1, 3, 5}}};
+  const std::vector<std::vector<models::QwenImageShape>> shapes = img_shapes_of(dir);
+  ASSERT_EQ(shapes.size(), 2u);
+  ASSERT_EQ(shapes[0].size(), 1u);
+  const auto [frames, height, width] = shapes[0][0];
+  ASSERT_NE(height, width) << "the case's grid must not be square";
+  const int64_t tokens = inputs.hidden_states.size(1);
+  inputs.img_shapes = shapes;
   EXPECT_TRUE(tensors_close("explicit img_shapes", model->forward(inputs), golden_sample(dir), kTol, kTol));
 
   // The transposed grid has the same token count but other positions.
-  inputs.img_shapes = {{{1, 5, 3}}, {{1, 5, 3}}};
+  const models::QwenImageShape transposed{frames, width, height};
+  inputs.img_shapes = {{transposed}, {transposed}};
   EXPECT_GT((model->forward(inputs) - golden_sample(dir)).abs().max().item<double>(), 1e-3);
 
-  inputs.img_shapes = {{{1, 4, 5}}, {{1, 4, 5}}};
-  try {
-    model->forward(inputs);
-    ADD_FAILURE() << "a grid of 20 tokens for 15 image tokens must be rejected";
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("hold 20 tokens but hidden_states has 15"));
-  }
-  inputs.img_shapes = {{{1, 3, 5}}, {{1, 5, 3}}};
-  try {
-    model->forward(inputs);
-    ADD_FAILURE() << "different grids within a batch must be rejected";
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("img_shapes differ within the batch"));
-  }
+  auto grids = [](const models::QwenImageShape& shape) {
+    return "[(" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + ")]";
+  };
+  const models::QwenImageShape taller{frames, height + 1, width};
+  inputs.img_shapes = {{taller}, {taller}};
+  EXPECT_EQ(testing::error_of([&] { model->forward(inputs); }),
+            "QwenImageTransformer2DModel: img_shapes " + grids(taller) + " hold " +
+                std::to_string(frames * (height + 1) * width) + " tokens but hidden_states has " +
+                std::to_string(tokens) + " (N = sum of frame * height * width)");
+  inputs.img_shapes = {{shapes[0][0]}, {transposed}};
+  EXPECT_EQ(testing::error_of([&] { model->forward(inputs); }),
+            "QwenImageTransformer2DModel: img_shapes differ within the batch (" + grids(shapes[0][0]) + " vs " +
+                grids(transposed) + " for sample 1); all samples must share one token grid");
   inputs.img_shapes.clear();
-  EXPECT_THROW(model->forward(inputs), c10::Error);
+  EXPECT_EQ(testing::error_of([&] { model->forward(inputs); }),
+            "QwenImageTransformer2DModel: img_shapes is empty; pass the (frame, height, width) token grid(s) of "
+            "each sample, e.g. [[(1, h, w)]] * B");
 }
 
 TEST(QwenImage, RopePositionsOfAnotherGrid) {

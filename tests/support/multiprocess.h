@@ -1,14 +1,18 @@
 #pragma once
-// Multi-process gtest cases: the test executable re-runs itself as N ranks on this host.
+// Multi-process gtest cases: the test executable re-runs itself as N ranks on this host, each rank
+// running only the current test.
 //
 //   TEST(DistThing, TwoRanks) {
 //     if (shardit::testing::is_worker()) {
 //       ... rank code: World::init(), collectives, EXPECTs ...
 //       return;
 //     }
-//     EXPECT_EQ(shardit::testing::run_ranks(2, "DistThing.TwoRanks"), 0);
+//     EXPECT_EQ(shardit::testing::run_ranks(2), 0);
 //   }
 //
+// The worker's filter is the running test's own name, and every worker records in a folder that it
+// started the test (and whether it then skipped it); the parent fails the test unless each of the N
+// workers started it and none skipped it. So a worker that runs no test, or skips, never passes.
 // A worker's failed EXPECT makes it exit non-zero, which makes run_ranks return non-zero. Results
 // that the parent must inspect can go through files in a folder passed with `extra_env`.
 #include <map>
@@ -16,14 +20,35 @@
 
 namespace shardit::testing {
 
-/// True inside a rank started by run_ranks (or by mpirun with SHARDIT_TEST_WORKER=1).
+/// True inside a rank started by run_ranks (or by another launcher with SHARDIT_TEST_WORKER=1).
 bool is_worker();
 
-/// Runs this test executable with --gtest_filter=`test_name` as `nproc` local ranks (through
+/// The full name of the running test ("Suite.Name", "Prefix/Suite.Name/0"), which as a
+/// --gtest_filter selects exactly that test. Throws outside a test body.
+std::string current_test_name();
+
+/// The record of which test the workers of one launch ran. Make one in the parent, pass env() to
+/// the workers (with --gtest_filter=current_test_name()), then call expect_ran().
+class WorkerRecord {
+ public:
+  /// A fresh record folder for the running test.
+  WorkerRecord();
+  /// SHARDIT_TEST_WORKER=1 and the record folder, for the workers' environment.
+  std::map<std::string, std::string> env() const;
+  /// Adds a test failure unless exactly `nproc` workers started the running test and none of them
+  /// skipped it.
+  void expect_ran(int nproc) const;
+
+ private:
+  std::string test_;
+  std::string dir_;
+};
+
+/// Runs this test executable, filtered to the running test, as `nproc` local ranks (through
 /// dist::launch_local, so each rank's output is prefixed "[r] "), with SHARDIT_TEST_WORKER=1 and
-/// `extra_env` set. Returns 0 when every rank passed.
-int run_ranks(int nproc, const std::string& test_name,
-              std::map<std::string, std::string> extra_env = {});
+/// `extra_env` set. Returns the launcher's exit code (0 when every rank passed); adds a test
+/// failure unless every rank started the test and none skipped it.
+int run_ranks(int nproc, std::map<std::string, std::string> extra_env = {});
 
 /// The value of an environment variable, or `fallback` when unset.
 std::string env_or(const std::string& name, const std::string& fallback = "");

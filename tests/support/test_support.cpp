@@ -1,10 +1,12 @@
 #include "support/test_support.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
+#include <stdexcept>
 #include <sstream>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,9 +14,36 @@
 namespace shardit::testing {
 
 std::string golden_path(const std::string& relative) {
+  // Under CTest every case knows its labels (tests/CMakeLists.txt): one that reads the golden data
+  // must carry `golden`, so that `ctest -LE golden` leaves out every case that needs it.
+  if (const char* labels = std::getenv("SHARDIT_TEST_LABELS")) {
+    if (("," + std::string(labels) + ",").find(",golden,") == std::string::npos) {
+      const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+      throw std::logic_error(std::string(info ? info->name() : "this test") +
+                             " reads the golden data but its CTest entry is not labelled golden (labels: " +
+                             labels + "); put \"Golden\" in the test's name");
+    }
+  }
   const char* override_dir = std::getenv("SHARDIT_GOLDEN_DIR");
   const std::string root = override_dir ? override_dir : SHARDIT_GOLDEN_DIR;
-  return relative.empty() ? root : root + "/" + relative;
+  if (!std::filesystem::is_directory(root)) {
+    throw std::runtime_error("golden data not found: '" + root +
+                             "' is not a folder; set SHARDIT_GOLDEN_DIR (or configure with "
+                             "-DSHARDIT_GOLDEN_DIR=...), or leave these tests out with `ctest -LE golden`");
+  }
+  const std::string path = relative.empty() ? root : root + "/" + relative;
+  if (!std::filesystem::exists(path)) {
+    throw std::runtime_error("golden data '" + relative + "' not found in '" + root + "'");
+  }
+  return path;
+}
+
+std::string divisors_of(int64_t n, int64_t limit) {
+  std::string list;
+  for (int64_t d = 1; d <= std::min(n, limit); ++d) {
+    if (n % d == 0) list += (list.empty() ? "" : ", ") + std::to_string(d);
+  }
+  return list;
 }
 
 namespace {

@@ -10,8 +10,13 @@
 
 namespace shardit::testing {
 
-/// Absolute path of a file or folder inside the golden data (../shared/golden).
+/// Absolute path of a file or folder inside the golden data (../shared/golden, or
+/// $SHARDIT_GOLDEN_DIR). Throws, failing the test, when the data is missing, and when the test runs
+/// under CTest without the label golden.
 std::string golden_path(const std::string& relative);
+
+/// The TP degrees from 1 to `limit` that divide `n`, as the plan resolver lists them: "1, 2, 4".
+std::string divisors_of(int64_t n, int64_t limit = 64);
 
 /// A fresh empty folder under the system temp dir, removed at process exit.
 std::string make_temp_dir(const std::string& tag);

@@ -68,7 +68,7 @@ TEST(AddedTokens, LongestMatchAndStripping) {
   EXPECT_EQ(pieces[5].id, 1);
 }
 
-TEST(Tokenizers, EmptyPromptGivesOnlySpecialTokens) {
+TEST(GoldenTokenizers, EmptyPromptGivesOnlySpecialTokens) {
   const auto clip = load_tokenizer(clip_dir(), TokenizerKind::Clip);
   EXPECT_EQ(clip->encode(""), (std::vector<int64_t>{1212, 1213}));
   const auto t5 = load_tokenizer(t5_dir(), TokenizerKind::T5);
@@ -80,14 +80,14 @@ TEST(Tokenizers, EmptyPromptGivesOnlySpecialTokens) {
   EXPECT_EQ(padded.attention_mask, (std::vector<int64_t>{0, 0, 0, 0}));
 }
 
-TEST(Tokenizers, InvalidUtf8IsReplacedNotFatal) {
+TEST(GoldenTokenizers, InvalidUtf8IsReplacedNotFatal) {
   for (const auto kind : {TokenizerKind::Clip, TokenizerKind::T5, TokenizerKind::Qwen}) {
     const auto tok = load_tokenizer(kind == TokenizerKind::Clip ? clip_dir() : kind == TokenizerKind::T5 ? t5_dir() : qwen_dir(), kind);
     EXPECT_EQ(tok->encode("bad \xff\xfe byte \xe2\x80"), tok->encode("bad \uFFFD\uFFFD byte \uFFFD"));
   }
 }
 
-TEST(Tokenizers, OverLongPromptIsTruncatedKeepingTheEnd) {
+TEST(GoldenTokenizers, OverLongPromptIsTruncatedKeepingTheEnd) {
   std::string long_prompt;
   for (int i = 0; i < 400; ++i) long_prompt += "word ";
   const auto clip = load_tokenizer(clip_dir(), TokenizerKind::Clip);
@@ -111,7 +111,7 @@ TEST(Tokenizers, OverLongPromptIsTruncatedKeepingTheEnd) {
   EXPECT_EQ(k.input_ids.front(), 151644);  // <|im_start|>: truncation keeps the start
 }
 
-TEST(TokenizeCli, PrintsIdsAndChecksCases) {
+TEST(GoldenTokenizeCli, PrintsIdsAndChecksCases) {
   std::string out;
   const std::string cli = shardit::testing::cli_path();
   ASSERT_EQ(shardit::testing::run_command(cli + " tokenize --kind clip --tokenizer " + clip_dir() +

@@ -27,7 +27,7 @@ std::string copy_without(const std::string& golden, const std::string& drop, con
   return dir;
 }
 
-TEST(TokenizersErrors, MissingFileIsNamed) {
+TEST(GoldenTokenizersErrors, MissingFileIsNamed) {
   const std::string clip = copy_without("text/tokenizer_flux1/tokenizer", "merges.txt", "tok_no_merges");
   EXPECT_NE(error_of([&] { load_tokenizer(clip, TokenizerKind::Clip); }).find("no merges.txt"), std::string::npos);
   const std::string t5 = copy_without("text/tokenizer_flux1/tokenizer_2", "spiece.model", "tok_no_spiece");
@@ -38,7 +38,7 @@ TEST(TokenizersErrors, MissingFileIsNamed) {
             std::string::npos);
 }
 
-TEST(TokenizersErrors, BrokenFilesAreNamed) {
+TEST(GoldenTokenizersErrors, BrokenFilesAreNamed) {
   const std::string dir = copy_without("text/tokenizer_flux1/tokenizer", "", "tok_broken");
   std::ofstream(dir + "/vocab.json") << "{\"a\": 1,";
   const std::string truncated = error_of([&] { load_tokenizer(dir, TokenizerKind::Clip); });
@@ -54,7 +54,7 @@ TEST(TokenizersErrors, BrokenFilesAreNamed) {
   EXPECT_NE(model.find("spiece.model: not a SentencePiece model"), std::string::npos) << model;
 }
 
-TEST(TokenizersErrors, UnknownNamesAndBadLengths) {
+TEST(GoldenTokenizersErrors, UnknownNamesAndBadLengths) {
   EXPECT_NE(error_of([] { parse_tokenizer_kind("bert"); }).find("expected clip, t5 or qwen"), std::string::npos);
   EXPECT_NE(error_of([] { parse_prompt_template("sdxl"); }).find("qwenimage or flux2_klein"), std::string::npos);
   const auto clip = load_tokenizer(golden_path("text/tokenizer_flux1/tokenizer"), TokenizerKind::Clip);
@@ -62,7 +62,7 @@ TEST(TokenizersErrors, UnknownNamesAndBadLengths) {
             std::string::npos);
 }
 
-TEST(TokenizersErrors, PaddingWithoutPadTokenIsExplained) {
+TEST(GoldenTokenizersErrors, PaddingWithoutPadTokenIsExplained) {
   const std::string dir = copy_without("text/tokenizer_qwen/tokenizer", "tokenizer_config.json", "tok_no_pad");
   const auto tok = load_tokenizer(dir, TokenizerKind::Qwen);
   EXPECT_EQ(tok->encode("hi").size(), 1u);

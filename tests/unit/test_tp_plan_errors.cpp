@@ -1,6 +1,5 @@
 // Every way a plan or a checkpoint can be wrong, and the message that says so. Each message names
 // the plan key or tensor, the sizes, and what would work.
-#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -28,8 +27,6 @@ using shardit::parallel::ShardStyle;
 using shardit::parallel::TensorParallelConfig;
 using shardit::parallel::TpDivisor;
 using shardit::parallel::TpPlan;
-using ::testing::HasSubstr;
-using ::testing::Not;
 using shardit::testing::error_of;
 
 std::shared_ptr<Linear> linear(int64_t in, int64_t out) {
@@ -94,92 +91,98 @@ std::string resolve_error(const TpPlan& plan, int degree, const std::vector<TpDi
 }
 
 TEST(TpPlanErrors, RejectsKeyMatchingNothing) {
-  const std::string message = resolve_error({{"blocks.*.attn.to_qq", ShardStyle::Colwise}}, 2);
-  EXPECT_THAT(message, HasSubstr("tp_plan key 'blocks.*.attn.to_qq' matches no module of Model"));
-  EXPECT_THAT(message,
-              HasSubstr("'blocks.0.attn' (Attention) has no child 'to_qq'; its children: to_q, to_out"));
-  EXPECT_THAT(resolve_error({{"transformer_blocks.*.attn.to_q", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'transformer_blocks.*.attn.to_q' matches no module"));
-  EXPECT_THAT(resolve_error({{"proj.weight", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'proj.weight' matches no module"));
+  EXPECT_EQ(resolve_error({{"blocks.*.attn.to_qq", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'blocks.*.attn.to_qq' matches no module of Model: 'blocks.0.attn' (Attention) has "
+            "no child 'to_qq'; its children: to_q, to_out");
+  EXPECT_EQ(resolve_error({{"transformer_blocks.*.attn.to_q", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'transformer_blocks.*.attn.to_q' matches no module: '<model>' (Model) has no child "
+            "'transformer_blocks'; its children: blocks, proj");
+  EXPECT_EQ(resolve_error({{"proj.weight", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'proj.weight' matches no module of Model: 'proj' (Linear) has no child 'weight'; it "
+            "has no children");
 }
 
 TEST(TpPlanErrors, RejectsTwoStars) {
-  EXPECT_THAT(resolve_error({{"blocks.*.attn.*", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'blocks.*.attn.*' has 2 '*': at most one is allowed"));
+  EXPECT_EQ(resolve_error({{"blocks.*.attn.*", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'blocks.*.attn.*' has 2 '*': at most one is allowed, standing for the index in one "
+            "module list (e.g. 'transformer_blocks.*.attn.to_q')");
 }
 
 TEST(TpPlanErrors, RejectsStarInsideASegment) {
-  EXPECT_THAT(resolve_error({{"blocks.1*.attn.to_q", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'blocks.1*.attn.to_q': '*' must stand for a whole path segment"));
+  EXPECT_EQ(resolve_error({{"blocks.1*.attn.to_q", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'blocks.1*.attn.to_q': '*' must stand for a whole path segment (the index in a "
+            "module list), got segment '1*'");
 }
 
 TEST(TpPlanErrors, RejectsStarWhosePrefixIsNotAList) {
-  EXPECT_THAT(resolve_error({{"blocks.0.*.to_q", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'blocks.0.*.to_q': '*' must stand for the index in a module list, but "
-                        "'blocks.0' is a Block, not a module list"));
+  EXPECT_EQ(resolve_error({{"blocks.0.*.to_q", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'blocks.0.*.to_q': '*' must stand for the index in a module list, but 'blocks.0' is "
+            "a Block, not a module list");
 }
 
 TEST(TpPlanErrors, RejectsStyleOnModuleWithoutAWeight) {
-  EXPECT_THAT(resolve_error({{"blocks.*.norm", ShardStyle::Colwise}}, 2),
-              HasSubstr("tp_plan key 'blocks.*.norm' puts a Colwise style on module 'blocks.0.norm', a Norm "
-                        "without a weight to split"));
-  EXPECT_THAT(resolve_error({{"blocks.*.attn", ShardStyle::Rowwise}}, 2),
-              HasSubstr("module 'blocks.0.attn', a Attention without a weight to split"));
+  EXPECT_EQ(resolve_error({{"blocks.*.norm", ShardStyle::Colwise}}, 2),
+            "tp_plan key 'blocks.*.norm' puts a Colwise style on module 'blocks.0.norm', a Norm without a "
+            "weight to split: styles apply to Linear and Embedding layers only (remove the key, or name the "
+            "layer inside it)");
+  EXPECT_EQ(resolve_error({{"blocks.*.attn", ShardStyle::Rowwise}}, 2),
+            "tp_plan key 'blocks.*.attn' puts a Rowwise style on module 'blocks.0.attn', a Attention without "
+            "a weight to split: styles apply to Linear and Embedding layers only (remove the key, or name the "
+            "layer inside it)");
 }
 
 TEST(TpPlanErrors, RejectsTwoKeysForOneModule) {
-  EXPECT_THAT(
-      resolve_error(
+  EXPECT_EQ(resolve_error(
           {{"blocks.*.attn.to_q", ShardStyle::Colwise}, {"blocks.1.attn.to_q", ShardStyle::Rowwise}}, 2),
-      HasSubstr("tp_plan keys 'blocks.*.attn.to_q' and 'blocks.1.attn.to_q' both match module "
-                "'blocks.1.attn.to_q'"));
+            "tp_plan keys 'blocks.*.attn.to_q' and 'blocks.1.attn.to_q' both match module "
+            "'blocks.1.attn.to_q': each module may have one style");
 }
 
 TEST(TpPlanErrors, RejectsIndivisibleDimensionAndListsWorkingDegrees) {
-  const std::string message = resolve_error(kPlan, 5);
-  EXPECT_THAT(message,
-              HasSubstr("tp_plan key 'blocks.*.attn.to_q': tensor 'blocks.0.attn.to_q.weight' [12, 12] "
-                        "dim 0 has size 12, which does not divide by tp_degree 5"));
-  EXPECT_THAT(message, HasSubstr("degrees that would work (up to 64): 1, 2, 3, 4, 6, 12"));
+  EXPECT_EQ(resolve_error(kPlan, 5),
+            "tp_plan key 'blocks.*.attn.to_q': tensor 'blocks.0.attn.to_q.weight' [12, 12] dim 0 has size "
+            "12, which does not divide by tp_degree 5; degrees that would work (up to 64): 1, 2, 3, 4, 6, 12");
   // The list covers every size the plan shards: here blocks 12 and 24 of a 36-row fused layer.
-  EXPECT_THAT(
-      resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 2}}}, 8),
-      HasSubstr("block 0 of 2 [12, 24] has size 12, which does not divide by tp_degree 8; degrees that "
-                "would work (up to 64): 1, 2, 3, 4, 6, 12"));
+  EXPECT_EQ(resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 2}}}, 8),
+            "tp_plan key 'blocks.*.fused': tensor 'blocks.0.fused.weight' [36, 12] dim 0 block 0 of 2 [12, "
+            "24] has size 12, which does not divide by tp_degree 8; degrees that would work (up to 64): 1, "
+            "2, 3, 4, 6, 12");
 }
 
 TEST(TpPlanErrors, RejectsIndivisibleDivisor) {
   // 12-wide layers would split 4 ways, but 6 heads do not.
-  const std::string message = resolve_error(kPlan, 4, {{"num_attention_heads", 6}});
-  EXPECT_THAT(message,
-              HasSubstr("num_attention_heads = 6, which does not divide by tp_degree 4; degrees that "
-                        "would work (up to 64): 1, 2, 3, 6"));
-  EXPECT_THAT(message, Not(HasSubstr("tp_plan key")));
+  EXPECT_EQ(resolve_error(kPlan, 4, {{"num_attention_heads", 6}}),
+            "num_attention_heads = 6, which does not divide by tp_degree 4; degrees that would work (up to "
+            "64): 1, 2, 3, 6");
 }
 
 TEST(TpPlanErrors, RejectsDegreeBelowOne) {
-  EXPECT_THAT(resolve_error(kPlan, 0), HasSubstr("tp_degree must be >= 1, got 0"));
+  EXPECT_EQ(resolve_error(kPlan, 0),
+            "tensor parallel: tp_degree must be >= 1, got 0");
 }
 
 TEST(TpPlanErrors, RejectsPackedStyleWithoutBlocks) {
-  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise}}, 2),
-              HasSubstr("tp_plan key 'blocks.*.fused' (PackedColwise) gives no blocks and the layer "
-                        "'blocks.0.fused' declares no out_blocks"));
-  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::PackedRowwise}}, 2),
-              HasSubstr("declares no in_blocks"));
+  EXPECT_EQ(resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise}}, 2),
+            "tp_plan key 'blocks.*.fused' (PackedColwise) gives no blocks and the layer 'blocks.0.fused' "
+            "declares no out_blocks: give the block proportions in the plan entry or declare "
+            "LinearOptions::out_blocks");
+  EXPECT_EQ(resolve_error({{"blocks.*.fused", ShardStyle::PackedRowwise}}, 2),
+            "tp_plan key 'blocks.*.fused' (PackedRowwise) gives no blocks and the layer 'blocks.0.fused' "
+            "declares no in_blocks: give the block proportions in the plan entry or declare "
+            "LinearOptions::in_blocks");
 }
 
 TEST(TpPlanErrors, RejectsProportionsThatDoNotDivideTheDimension) {
-  EXPECT_THAT(
-      resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 4}}}, 1),
-      HasSubstr("tp_plan key 'blocks.*.fused': block proportions [1, 4] (sum 5) do not divide dim 0 of "
-                "'blocks.0.fused.weight' (size 36)"));
+  EXPECT_EQ(resolve_error({{"blocks.*.fused", ShardStyle::PackedColwise, {1, 4}}}, 1),
+            "tp_plan key 'blocks.*.fused': block proportions [1, 4] (sum 5) do not divide dim 0 of "
+            "'blocks.0.fused.weight' (size 36); give proportions whose sum divides 36, or leave them empty "
+            "and declare LinearOptions::out_blocks on the layer");
 }
 
 TEST(TpPlanErrors, RejectsBlocksOnAPlainStyle) {
-  EXPECT_THAT(resolve_error({{"blocks.*.fused", ShardStyle::Colwise, {1, 2}}}, 2),
-              HasSubstr("blocks [1, 2] are given for the Colwise style"));
+  EXPECT_EQ(resolve_error({{"blocks.*.fused", ShardStyle::Colwise, {1, 2}}}, 2),
+            "tp_plan key 'blocks.*.fused': blocks [1, 2] are given for the Colwise style; only "
+            "PackedColwise, PackedRowwise and ColwiseGather take blocks");
 }
 
 TEST(TpPlanErrors, RejectsApplyingToAnUnloadedModel) {
@@ -188,7 +191,9 @@ TEST(TpPlanErrors, RejectsApplyingToAnUnloadedModel) {
     shardit::parallel::apply_tensor_parallel(model, kPlan,
                                              TensorParallelConfig(shardit::dist::Group::single()));
   });
-  EXPECT_THAT(message, HasSubstr("parameter 'blocks.0.norm.weight' is not loaded"));
+  EXPECT_EQ(message,
+            "apply_tensor_parallel: parameter 'blocks.0.norm.weight' is not loaded; load the weights first, "
+            "or shard while loading (load_weights with LoadOptions::tensor_parallel)");
 }
 
 TEST(TpPlanErrors, RejectsShardingTwice) {
@@ -196,8 +201,9 @@ TEST(TpPlanErrors, RejectsShardingTwice) {
   shardit::nn::init_random(model, 3);
   const TensorParallelConfig config(shardit::dist::Group::single());
   shardit::parallel::apply_tensor_parallel(model, kPlan, config);
-  EXPECT_THAT(error_of([&] { shardit::parallel::apply_tensor_parallel(model, kPlan, config); }),
-              HasSubstr("module 'blocks.0.attn.to_q' is already parallel"));
+  EXPECT_EQ(error_of([&] { shardit::parallel::apply_tensor_parallel(model, kPlan, config); }),
+            "tp_plan key 'blocks.*.attn.to_q': module 'blocks.0.attn.to_q' is already parallel; a model can "
+            "be sharded once");
 }
 
 // A checkpoint of the model's full tensors, edited by `edit` before saving.
@@ -227,23 +233,30 @@ std::string load_error(const std::string& path, bool parallel) {
   return message;
 }
 
+/// The message of a checkpoint at `path` that does not fit Model.
+std::string does_not_fit(const std::string& path, const std::string& problem) {
+  return "checkpoint '" + path + "' does not fit Model: " + problem +
+         "; check that the checkpoint and the model config are the same variant";
+}
+
 TEST(TpPlanErrors, LoadRejectsMissingWeights) {
   const std::string path = save_checkpoint("tp_missing", [](auto& tensors) {
     tensors.erase(tensors.begin() + 2);  // blocks.0.attn.to_q.bias
   });
   for (bool parallel : {false, true}) {
-    const std::string message = load_error(path, parallel);
-    EXPECT_THAT(message, HasSubstr("does not fit Model: 1 missing weight(s): blocks.0.attn.to_q.bias;"));
-    EXPECT_THAT(message, HasSubstr(path));
+    EXPECT_EQ(load_error(path, parallel), does_not_fit(path, "1 missing weight(s): blocks.0.attn.to_q.bias"));
   }
 }
 
 TEST(TpPlanErrors, LoadListsAtMostTenNames) {
   const std::string path = save_checkpoint(
       "tp_many_missing", [](auto& tensors) { tensors.erase(tensors.begin(), tensors.begin() + 12); });
-  const std::string message = load_error(path, true);
-  EXPECT_THAT(message, HasSubstr("12 missing weight(s): blocks.0.norm.weight, blocks.0.attn.to_q.weight"));
-  EXPECT_THAT(message, HasSubstr(", ... (2 more)"));
+  EXPECT_EQ(load_error(path, true),
+            does_not_fit(path,
+                         "12 missing weight(s): blocks.0.norm.weight, blocks.0.attn.to_q.weight, "
+                         "blocks.0.attn.to_q.bias, blocks.0.attn.to_out.0.weight, blocks.0.attn.to_out.0.bias, "
+                         "blocks.0.fused.weight, blocks.0.fused.bias, blocks.1.norm.weight, "
+                         "blocks.1.attn.to_q.weight, blocks.1.attn.to_q.bias, ... (2 more)"));
 }
 
 TEST(TpPlanErrors, LoadRejectsExtraWeights) {
@@ -251,8 +264,8 @@ TEST(TpPlanErrors, LoadRejectsExtraWeights) {
     tensors.emplace_back("blocks.0.attn.to_k.weight", at::zeros({12, 12}));
   });
   for (bool parallel : {false, true}) {
-    EXPECT_THAT(load_error(path, parallel),
-                HasSubstr("1 unexpected weight(s) not in the model: blocks.0.attn.to_k.weight;"));
+    EXPECT_EQ(load_error(path, parallel),
+              does_not_fit(path, "1 unexpected weight(s) not in the model: blocks.0.attn.to_k.weight"));
   }
 }
 
@@ -263,10 +276,10 @@ TEST(TpPlanErrors, LoadRejectsMisshapedWeights) {
     }
   });
   for (bool parallel : {false, true}) {
-    EXPECT_THAT(
-        load_error(path, parallel),
-        HasSubstr(path + ": tensor 'blocks.1.attn.to_out.0.weight' has shape [12, 10], the model expects "
-                         "[12, 12]"));
+    EXPECT_EQ(load_error(path, parallel),
+              does_not_fit(path, "1 shape mismatch(es): " + path +
+                                     ": tensor 'blocks.1.attn.to_out.0.weight' has shape [12, 10], the model "
+                                     "expects [12, 12]"));
   }
 }
 
@@ -277,8 +290,10 @@ TEST(TpPlanErrors, LoadValidatesThePlanBeforeReading) {
   LoadOptions options;
   options.tensor_parallel = TensorParallelConfig(shardit::dist::Group::single());
   const TpPlan bad = {{"blocks.*.norm", ShardStyle::Colwise}};
-  EXPECT_THAT(error_of([&] { shardit::parallel::load_weights(model, checkpoint, bad, options); }),
-              HasSubstr("without a weight to split"));
+  EXPECT_EQ(error_of([&] { shardit::parallel::load_weights(model, checkpoint, bad, options); }),
+            "tp_plan key 'blocks.*.norm' puts a Colwise style on module 'blocks.0.norm', a Norm without a "
+            "weight to split: styles apply to Linear and Embedding layers only (remove the key, or name the layer "
+            "inside it)");
   EXPECT_EQ(checkpoint.stats().bytes_read.load(), 0u);
   // And a good load afterwards works.
   shardit::parallel::load_weights(model, checkpoint, kPlan, options);
