@@ -6,7 +6,6 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
-#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -22,8 +21,6 @@
 namespace shardit::apps {
 
 namespace {
-
-namespace fs = std::filesystem;
 
 struct RunTransformerOptions {
   std::string model;
@@ -50,17 +47,7 @@ int run_transformer(const RunTransformerOptions& given) {
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
 
-  const std::string inputs_path =
-      fs::is_directory(options.inputs) ? (fs::path(options.inputs) / "inputs.safetensors").string() : options.inputs;
-  const fs::path inputs_json = fs::path(inputs_path).parent_path() / "inputs.json";
-  if (fs::exists(inputs_json)) {
-    const nlohmann::json meta = io::read_json_file(inputs_json.string());
-    if (meta.contains("model_class") && meta.at("model_class").is_string()) {
-      TORCH_CHECK(meta.at("model_class").get<std::string>() == component.class_name(), inputs_json.string(),
-                  ": inputs are for '", meta.at("model_class").get<std::string>(), "', but ", component.dir,
-                  " holds a '", component.class_name(), "'");
-    }
-  }
+  const std::string inputs_path = case_inputs_file(options.inputs, component);
   const auto inputs_file = io::SafetensorsFile::open(inputs_path);
 
   parallel::LoadOptions load_options;

@@ -9,6 +9,9 @@
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/models/vae/autoencoder_kl.h"
+#include "shardit/models/vae/autoencoder_kl_flux2.h"
+#include "shardit/models/vae/autoencoder_kl_qwenimage.h"
 
 namespace shardit::models {
 
@@ -91,6 +94,28 @@ at::Tensor forward_from_file(parallel::TensorParallelModule& model, const io::Sa
     if (entry.name == model.type_name()) return entry.forward_from_file(model, inputs, record);
   }
   TORCH_CHECK(false, inputs.path(), ": no input reader for '", model.type_name(), "'");
+}
+
+std::vector<std::string> supported_vae_classes() {
+  return {"AutoencoderKL", "AutoencoderKLFlux2", "AutoencoderKLQwenImage"};
+}
+
+std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder) {
+  const std::string source = folder.dir + "/config.json";
+  const std::string class_name = folder.class_name();
+  if (class_name == "AutoencoderKL") {
+    return std::make_shared<AutoencoderKL>(AutoencoderKLConfig::from_json(folder.config, source), source);
+  }
+  if (class_name == "AutoencoderKLFlux2") {
+    return std::make_shared<AutoencoderKLFlux2>(AutoencoderKLFlux2Config::from_json(folder.config, source), source);
+  }
+  if (class_name == "AutoencoderKLQwenImage") {
+    return std::make_shared<AutoencoderKLQwenImage>(AutoencoderKLQwenImageConfig::from_json(folder.config, source));
+  }
+  std::ostringstream supported;
+  for (const auto& name : supported_vae_classes()) supported << (supported.tellp() > 0 ? ", " : "") << name;
+  TORCH_CHECK(false, source, ": unsupported VAE class '", class_name.empty() ? "(no _class_name)" : class_name,
+              "'; supported: ", supported.str());
 }
 
 }  // namespace shardit::models

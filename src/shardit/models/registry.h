@@ -12,6 +12,8 @@
 
 namespace shardit::models {
 
+class AutoencoderModel;
+
 /// Receives named intermediate tensors during a forward (parity tests compare them with the
 /// reference's). An empty recorder records nothing and costs nothing. A recorded tensor may be
 /// reused (overwritten in place) after the call returns: copy what you keep.
@@ -34,5 +36,14 @@ at::Tensor forward_from_file(parallel::TensorParallelModule& model, const io::Sa
 
 /// The `_class_name` values create_transformer accepts.
 std::vector<std::string> supported_transformer_classes();
+
+/// The VAE class named by `folder`'s config.json `_class_name` (AutoencoderKL,
+/// AutoencoderKLFlux2, AutoencoderKLQwenImage), built from that config with its decoder
+/// parameters on the meta device (load them with TensorParallelModule::load). Errors name the
+/// folder and list the supported classes.
+std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder);
+
+/// The `_class_name` values create_vae accepts.
+std::vector<std::string> supported_vae_classes();
 
 }  // namespace shardit::models

@@ -540,8 +540,14 @@ void load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpP
     }
   }
   std::vector<std::string> extra;
+  const auto ignored = [&options](const std::string& name) {
+    for (const std::string& prefix : options.ignored_prefixes) {
+      if (name.compare(0, prefix.size(), prefix) == 0) return true;
+    }
+    return false;
+  };
   for (const std::string& name : checkpoint.names()) {
-    if (expected.count(name) == 0) extra.push_back(name);
+    if (expected.count(name) == 0 && !ignored(name)) extra.push_back(name);
   }
   constexpr size_t kListed = 10;
   TORCH_CHECK(mismatched.empty(), "checkpoint '", checkpoint.path(), "' does not fit ", model.type_name(),
@@ -585,7 +591,9 @@ void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config
   tp_degree_ = config.tp_degree();
 }
 
-void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& options) {
+void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& given) {
+  LoadOptions options = given;
+  for (std::string& prefix : ignored_weight_prefixes()) options.ignored_prefixes.push_back(std::move(prefix));
   load_weights(*this, checkpoint, tp_plan(), options, tp_divisors());
   tp_degree_ = options.tensor_parallel ? options.tensor_parallel->tp_degree() : 1;
 }

@@ -84,6 +84,9 @@ struct LoadOptions {
   at::Device device = at::kCPU;
   /// Tensor parallelism applied while loading; nullopt: load whole.
   std::optional<TensorParallelConfig> tensor_parallel;
+  /// Checkpoint tensors whose names start with one of these are allowed and not read (diffusers'
+  /// `_keys_to_ignore_on_load_unexpected`: a decode-only VAE skips `encoder.`).
+  std::vector<std::string> ignored_prefixes;
 };
 
 /// Fills a model's (meta) parameters from a checkpoint. With tensor_parallel set, reads only
@@ -100,6 +103,8 @@ class TensorParallelModule : public nn::Module {
   virtual const TpPlan& tp_plan() const = 0;
   /// Constraints beyond the sharded shapes (head counts).
   virtual std::vector<TpDivisor> tp_divisors() const { return {}; }
+  /// Checkpoint name prefixes the model does not load (added to LoadOptions::ignored_prefixes).
+  virtual std::vector<std::string> ignored_weight_prefixes() const { return {}; }
 
   /// Shards this (loaded) model in memory.
   void enable_parallelism(const TensorParallelConfig& config);
