@@ -5,13 +5,17 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "apps/commands.h"
+#include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
+#include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
@@ -27,6 +31,7 @@ struct InspectOptions {
   std::string path;
   bool plan = false;
   int tp = 1;
+  std::string dtype;  ///< byte counts of --plan in this dtype; "": the checkpoint's
 };
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -69,13 +74,38 @@ void print_tensor_table(const io::Checkpoint& checkpoint) {
              total_elements, total_bytes, human_bytes(total_bytes), checkpoint.files().size());
 }
 
+/// The dtype the checkpoint stores its floating-point weights in (the most bytes), fp32 when it
+/// has none or the weights cannot be opened.
+at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
+  try {
+    const io::Checkpoint weights = component.weights();
+    std::map<at::ScalarType, uint64_t> bytes;
+    for (const auto& name : weights.names()) {
+      const io::TensorInfo& info = weights.info(name);
+      const at::ScalarType type = io::to_scalar_type(info.dtype);
+      if (at::isFloatingType(type)) bytes[type] += info.nbytes();
+    }
+    at::ScalarType best = at::kFloat;
+    uint64_t most = 0;
+    for (const auto& [type, count] : bytes) {
+      if (count > most) std::tie(best, most) = std::make_pair(type, count);
+    }
+    return best;
+  } catch (const std::exception&) {
+    return at::kFloat;
+  }
+}
+
 /// The tensor-parallel plan of the component's model class, resolved at `tp` (errors, such as a
-/// degree that does not divide the heads, are the resolver's own).
-void print_plan(const std::optional<io::ComponentFolder>& component, int tp) {
+/// degree that does not divide the heads, are the resolver's own), bytes in `--dtype` or the
+/// checkpoint's dtype.
+void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
   const auto model = models::create_transformer(*component);
-  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), tp, model->resolve(tp).to_table());
+  const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
+  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), options.tp,
+             model->resolve(options.tp, dtype).to_table());
 }
 
 void print_component(const io::ComponentFolder& component, const InspectOptions& options,
@@ -95,9 +125,9 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
     print_tensor_table(component.weights());
   }
   // In a pipeline only the transformer has a plan; a component folder given directly must.
-  const auto supported = models::supported_transformer_classes();
+  const auto supported = models::supported_classes(models::ComponentKind::Transformer);
   const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
-  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options.tp);
+  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options);
 }
 
 int run_inspect(const InspectOptions& options) {
@@ -107,7 +137,7 @@ int run_inspect(const InspectOptions& options) {
     fmt::print("(no path given: inspecting the built-in tiny model)\n");
     return run_inspect(builtin);
   }
-  TORCH_CHECK(fs::exists(options.path), options.path, ": no such file or directory");
+  TORCH_CHECK(fs::exists(fs::symlink_status(options.path)), options.path, ": no such file or directory");
 
   if (!fs::is_directory(options.path)) {
     const io::Checkpoint checkpoint = io::Checkpoint::open(options.path);
@@ -115,10 +145,11 @@ int run_inspect(const InspectOptions& options) {
     for (const auto& file : checkpoint.files()) {
       if (file->metadata().empty()) continue;
       fmt::print("metadata of {}:\n", file->path());
-      for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", key, value);
+      // Metadata is free text from the file: shown quoted, control characters escaped.
+      for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", io::quoted(key), io::quoted(value));
     }
     print_tensor_table(checkpoint);
-    if (options.plan) print_plan(std::nullopt, options.tp);
+    if (options.plan) print_plan(std::nullopt, options);
     return 0;
   }
 
@@ -150,9 +181,16 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
   command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
-  command->add_option("--tp", options->tp, "tensor-parallel degree for --plan")->check(CLI::PositiveNumber);
+  command->add_option("--tp", options->tp, "tensor-parallel degree for --plan (1 to 4096)")
+      ->check(CLI::Range(1, 4096))
+      ->needs("--plan");
+  command->add_option("--dtype", options->dtype,
+                      "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
   command->callback([&body, options] {
     body = [options] {
+      // inspect reads files and prints; it needs no peers. Under a multi-rank launch only rank 0
+      // runs it, so the report is printed once.
+      if (dist::World::get().rank() != 0) return 0;
       const int status = run_inspect(*options);
       std::fflush(stdout);
       return status;

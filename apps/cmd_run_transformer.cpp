@@ -8,14 +8,17 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
 #include "shardit/dist/world.h"
+#include "shardit/io/file.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::apps {
@@ -27,7 +30,55 @@ struct RunTransformerOptions {
   std::string inputs;
   std::string out;
   std::string dtype = "f32";
+  int tp = 0;  ///< 0: the world size
+  bool check_finite = false;
 };
+
+/// "name dtype [shape]" per tensor, one per line: what two ranks compare to know that they read
+/// the same tensors.
+template <class File>
+std::string tensor_table(const File& file) {
+  std::string table;
+  for (const auto& name : file.names()) {
+    const io::TensorInfo& info = file.info(name);
+    table += fmt::format("{} {} [{}]\n", name, io::st_dtype_name(info.dtype), fmt::join(info.shape, ", "));
+  }
+  return table;
+}
+
+bool is_floating(io::StDtype dtype) {
+  switch (dtype) {
+    case io::StDtype::F64:
+    case io::StDtype::F32:
+    case io::StDtype::F16:
+    case io::StDtype::BF16:
+    case io::StDtype::F8_E4M3:
+    case io::StDtype::F8_E5M2: return true;
+    default: return false;
+  }
+}
+
+/// Every parameter of `model` is floating point: an integer or boolean tensor under a
+/// parameter's name is not a weight (and would be cast silently, or fail deep in the forward).
+void check_weight_dtypes(nn::Module& model, const io::Checkpoint& weights) {
+  for (const auto& slot : model.named_parameters()) {
+    if (!weights.contains(slot.name)) continue;
+    const io::StDtype dtype = weights.info(slot.name).dtype;
+    TORCH_CHECK(is_floating(dtype), weights.file_of(slot.name).path(), ": tensor '", slot.name, "' is ",
+                io::st_dtype_name(dtype), ", but it is a weight of ", model.type_name(),
+                " and weights are floating point (F32, BF16, F16, F64); the file is not this model's checkpoint");
+  }
+}
+
+/// The first non-finite element of `tensor` as a sentence, or "" when all are finite.
+std::string non_finite(const at::Tensor& tensor) {
+  if (!at::isFloatingType(tensor.scalar_type())) return "";
+  const at::Tensor bad = at::logical_not(at::isfinite(tensor)).flatten();
+  const int64_t count = bad.sum().item<int64_t>();
+  if (count == 0) return "";
+  const int64_t first = bad.nonzero().flatten()[0].item<int64_t>();
+  return fmt::format("{} of {} values are NaN or infinite (first at flat index {})", count, tensor.numel(), first);
+}
 
 int run_transformer(const RunTransformerOptions& given) {
   dist::World& world = dist::World::get();
@@ -44,30 +95,73 @@ int run_transformer(const RunTransformerOptions& given) {
   TORCH_CHECK(!options.inputs.empty(), "run-transformer: --inputs is required with --model");
   const at::ScalarType dtype = parse_compute_dtype(options.dtype);
 
+  // Everything is opened and checked before the model is built, loaded or run, and before any
+  // rank waits on another: bad input fails in milliseconds, naming the file.
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
-  std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
-
-  const std::string inputs_path = case_inputs_file(options.inputs, component);
+  const io::Checkpoint weights = component.weights();
+  const std::string inputs_path =
+      fs::is_directory(options.inputs) ? (fs::path(options.inputs) / "inputs.safetensors").string() : options.inputs;
   const auto inputs_file = io::SafetensorsFile::open(inputs_path);
+  const fs::path inputs_json = fs::path(inputs_path).parent_path() / "inputs.json";
+  nlohmann::json meta = nlohmann::json::object();
+  if (fs::exists(fs::symlink_status(inputs_json))) {
+    meta = io::read_json_file(inputs_json.string());
+    if (meta.contains("model_class") && meta.at("model_class").is_string()) {
+      TORCH_CHECK(meta.at("model_class").get<std::string>() == component.class_name(), inputs_json.string(),
+                  ": inputs are for '", meta.at("model_class").get<std::string>(), "', but ", component.dir,
+                  " holds a '", component.class_name(), "'");
+    }
+  }
+  if (world.rank() == 0) {
+    std::vector<std::string> inputs = {inputs_path, inputs_json.string(), (fs::path(component.dir) / "config.json").string(),
+                                       weights.path()};
+    for (const auto& file : weights.files()) inputs.push_back(file->path());
+    io::check_output_path(options.out, inputs);
+  }
+  std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
+  check_weight_dtypes(*model, weights);
+
+  // Ranks given different work would meet in a collective with different shapes (a transport
+  // error at best): agree first, through the store, and name the difference.
+  world.agree("compute dtype", options.dtype);
+  world.agree("model config", component.class_name() + " " + component.config.dump());
+  world.agree("weights", tensor_table(weights));
+  world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
+
+  if (options.check_finite) {
+    for (const auto& name : inputs_file->names()) {
+      const std::string bad = non_finite(inputs_file->read(name));
+      TORCH_CHECK(bad.empty(), inputs_file->path(), ": input '", name, "': ", bad, " (--check-finite)");
+    }
+  }
 
   parallel::LoadOptions load_options;
   load_options.dtype = dtype;
   load_options.device = world.device();
-  if (world.size() > 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world.size());
+  const int tp = options.tp > 0 ? options.tp : world.size();
+  if (world.size() > 1 || tp != 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
 
   const auto load_start = std::chrono::steady_clock::now();
-  model->load(component.weights(), load_options);
+  model->load(weights, load_options);
   const auto forward_start = std::chrono::steady_clock::now();
 
-  const at::Tensor sample = models::forward_from_file(*model, *inputs_file);
+  const at::Tensor sample = verify::forward_from_file(*model, *inputs_file);
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {
+    const std::string bad = non_finite(sample);
+    TORCH_CHECK(bad.empty() || !options.check_finite, "the sample has non-finite values: ", bad,
+                "; the weights or inputs hold NaN/Inf, or the computation overflowed (", options.dtype,
+                "); nothing was written (--check-finite)");
+    if (!bad.empty()) {
+      fmt::print(stderr, "shardit: warning: the sample has non-finite values: {} (check the weights and inputs; "
+                         "--check-finite makes this an error)\n", bad);
+    }
     // Written as float32 whatever the compute dtype (bf16 -> f32 is exact).
     io::save_safetensors(options.out, {{"sample", sample.to(at::kCPU, at::kFloat).contiguous()}});
     const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-    fmt::print("{} ({}, tp {}): sample {} in {:.3f} s (load {:.3f} s) -> {}\n", model->type_name(), options.dtype,
-               world.size(), fmt::join(sample.sizes(), "x"), seconds(forward_start, end),
+    fmt::print("{} ({}, tp {} of {} ranks): sample {} in {:.3f} s (load {:.3f} s) -> {}\n", model->type_name(),
+               options.dtype, tp, world.size(), fmt::join(sample.sizes(), "x"), seconds(forward_start, end),
                seconds(load_start, forward_start), options.out);
   }
   return 0;
@@ -85,6 +179,12 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
                       "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
+  command->add_option("--tp", options->tp,
+                      "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
+                      "ranks hold replicas")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--check-finite", options->check_finite,
+                    "fail (writing nothing) when an input or the sample holds NaN or Inf; without it, a warning");
   command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });
 }
 

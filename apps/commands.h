@@ -25,5 +25,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body);
 void register_run_vae(CLI::App& app, CommandBody& body);
 /// Adds `schedule` (a pipeline's scheduler schedule as JSON).
 void register_schedule(CLI::App& app, CommandBody& body);
+/// Adds `tokenize` (prompt ids as JSON, or a check of a tokenizer cases file).
+void register_tokenize(CLI::App& app, CommandBody& body);
 
 }  // namespace shardit::apps

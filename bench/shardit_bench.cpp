@@ -246,12 +246,18 @@ int run_forward(const BenchOptions& options) {
   world.group()->all_reduce(gemm_sum);
   const double gemm_machine = gemm_sum.item<double>();
 
-  // One all-reduce per rowwise layer: what the plan implies, to compare with what was counted.
-  // (Resolved before loading: a sharded model no longer knows its full shapes.)
-  const auto plan = model->resolve(tp);
+  const int64_t rss_before_load = current_rss_bytes();
+  shardit::parallel::LoadOptions load;
+  load.dtype = dtype;
+  if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, tp);
+  model->load(folder.weights(), load);
+  const int64_t parameter_bytes = model->parameter_bytes();
+
+  // One all-reduce per rowwise layer: what the plan the model was loaded with implies, to compare
+  // with what was counted.
   int64_t expected_all_reduces = 0;
   if (tp > 1) {
-    for (const auto& spec : plan.parameters) {
+    for (const auto& spec : model->resolved_plan()->parameters) {
       if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
                          *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
           spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
@@ -259,13 +265,6 @@ int run_forward(const BenchOptions& options) {
       }
     }
   }
-
-  const int64_t rss_before_load = current_rss_bytes();
-  shardit::parallel::LoadOptions load;
-  load.dtype = dtype;
-  if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(tp);
-  model->load(folder.weights(), load);
-  const int64_t parameter_bytes = model->parameter_bytes();
 
   // Inputs as the pipeline makes them (values random, shapes real).
   auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -372,10 +371,8 @@ int run_load(const BenchOptions& options) {
   const std::string folder_path = prepare_model_folder(options, world);
   const auto folder = shardit::io::open_component(folder_path, "transformer");
   auto model = shardit::models::create_transformer(folder);
-  const auto plan = model->resolve(tp);
-  const int64_t element_size = at::elementSize(dtype);
-  const int64_t expected_bytes =
-      (plan.replicated_bytes() + plan.sharded_bytes() / tp) / plan.element_size * element_size;
+  const auto plan = model->resolve(tp, dtype);
+  const int64_t expected_bytes = plan.replicated_bytes() + plan.sharded_bytes() / tp;
 
   world.group()->barrier();
   const int64_t rss_before = current_rss_bytes();
@@ -386,10 +383,10 @@ int run_load(const BenchOptions& options) {
   const bool shard_on_load = options.load_path == "shard-on-load";
   TORCH_CHECK(shard_on_load || options.load_path == "load-then-shard",
               "--path must be shard-on-load or load-then-shard, got '", options.load_path, "'");
-  if (tp > 1 && shard_on_load) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(tp);
+  if (tp > 1 && shard_on_load) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, tp);
   model->load(checkpoint, load);
   if (tp > 1 && !shard_on_load) {
-    model->enable_parallelism(shardit::parallel::TensorParallelConfig::from_degree(tp));
+    model->enable_parallelism(shardit::parallel::TensorParallelConfig::from_degree(world, tp));
   }
   const double load_seconds = seconds_since(start);
   const int64_t peak_growth = peak_rss_bytes() - rss_before;

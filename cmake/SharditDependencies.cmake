@@ -4,6 +4,11 @@ find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
 find_package(Threads REQUIRED)
+# Tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(SentencePiece REQUIRED IMPORTED_TARGET sentencepiece)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+find_package(ICU REQUIRED COMPONENTS uc i18n)
 
 # LibTorch's exported flags carry -D_GLIBCXX_USE_CXX11_ABI; keep them on every target.
 separate_arguments(SHARDIT_TORCH_CXX_FLAGS UNIX_COMMAND "${TORCH_CXX_FLAGS}")

@@ -12,6 +12,8 @@ packages=(
   libopenblas0-openmp
   # libraries
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libpng-dev
+  # tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping)
+  libsentencepiece-dev libpcre2-dev libicu-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # multi-process launcher tests

@@ -234,7 +234,11 @@ class ToyTransformer : public shardit::parallel::TensorParallelModule {
     };
     return plan;
   }
-  std::vector<TpDivisor> tp_divisors() const override { return {{"num_attention_heads", config_.heads}}; }
+  shardit::parallel::ModelTraits traits() const override {
+    shardit::parallel::ModelTraits traits;
+    traits.divisors = {{"num_attention_heads", config_.heads}};
+    return traits;
+  }
 
   // img [B, S_img, D], txt [B, S_txt, D], temb [B, D] -> [B, S_img, 5]
   at::Tensor forward(at::Tensor img, at::Tensor txt, const at::Tensor& temb) {
@@ -311,7 +315,7 @@ void run_worker() {
   const std::string dir = env_or("TP_TOY_DIR");
   // The three ways to name the TP group; the mesh makes its own (new) group.
   const TensorParallelConfig tp(world.group());
-  const TensorParallelConfig tp_from_degree = TensorParallelConfig::from_degree(world.size());
+  const TensorParallelConfig tp_from_degree = TensorParallelConfig::from_degree(world, world.size());
   const shardit::dist::DeviceMesh mesh = shardit::dist::DeviceMesh::one_d(world, "tp");
   const TensorParallelConfig tp_from_mesh(mesh, "tp");
   const int degree = tp.tp_degree();
@@ -321,11 +325,11 @@ void run_worker() {
   EXPECT_EQ(tp_from_mesh.tp_degree(), degree);
   EXPECT_EQ(tp_from_mesh.tp_rank(), rank);
   try {
-    TensorParallelConfig::from_degree(degree + 1);
-    ADD_FAILURE() << "from_degree with a degree other than the world size should fail";
+    TensorParallelConfig::from_degree(world, degree + 1);
+    ADD_FAILURE() << "from_degree with a degree that does not divide the world size should fail";
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.msg(), HasSubstr("tp_degree " + std::to_string(degree + 1) +
-                                   " does not match the world size " + std::to_string(degree)));
+    EXPECT_THAT(e.msg(), HasSubstr("tp_degree " + std::to_string(degree + 1) + " does not divide the world size " +
+                                   std::to_string(degree)));
   }
 
   const auto reference = shardit::io::Checkpoint::open(dir + "/reference.safetensors");
@@ -352,8 +356,11 @@ void run_worker() {
   sharded.load(checkpoint2, options);
   EXPECT_EQ(sharded.tp_degree(), degree);
 
-  ToyTransformer fresh(config);  // the plan resolves on the full (meta) shapes
-  const auto plan = fresh.resolve(degree);
+  // The plan the model was loaded with; sharding in memory gives the same one.
+  ASSERT_NE(sharded.resolved_plan(), nullptr);
+  const auto& plan = *sharded.resolved_plan();
+  ASSERT_NE(in_memory.resolved_plan(), nullptr);
+  EXPECT_EQ(in_memory.resolved_plan()->bytes_on_rank(rank), plan.bytes_on_rank(rank));
   EXPECT_EQ(checkpoint2.stats().bytes_read.load(),
             static_cast<uint64_t>(plan.replicated_bytes() + plan.sharded_bytes() / degree));
   EXPECT_EQ(sharded.parameter_bytes(), plan.bytes_on_rank(rank));

@@ -16,6 +16,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/test_support.h"
@@ -48,16 +49,16 @@ std::shared_ptr<TensorParallelModule> create(const std::string& model_dir) {
 std::shared_ptr<TensorParallelModule> load(const std::string& model_dir, const std::string& path) {
   const auto folder = shardit::io::open_component(model_dir, "transformer");
   auto model = shardit::models::create_transformer(folder);
-  const int world_size = shardit::dist::World::get().size();
+  auto& world = shardit::dist::World::get();
   LoadOptions options;
-  if (path == "shard-on-load") options.tensor_parallel = TensorParallelConfig::from_degree(world_size);
+  if (path == "shard-on-load") options.tensor_parallel = TensorParallelConfig::from_degree(world, world.size());
   model->load(folder.weights(), options);
-  if (path == "enable-parallelism") model->enable_parallelism(TensorParallelConfig::from_degree(world_size));
+  if (path == "enable-parallelism") model->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()));
   return model;
 }
 
 at::Tensor run_case(TensorParallelModule& model, const std::string& inputs_dir) {
-  return shardit::models::forward_from_file(model, *shardit::io::SafetensorsFile::open(inputs_dir + "/inputs.safetensors"));
+  return shardit::verify::forward_from_file(model, *shardit::io::SafetensorsFile::open(inputs_dir + "/inputs.safetensors"));
 }
 
 /// Worker body: load through `SHARDIT_TP_PATH`, run, compare with the reference written by the
@@ -74,8 +75,10 @@ void tp_worker() {
                                     sample, expected, kTpScaleTolerance * scale, 0.0);
   EXPECT_TRUE(result);
   if (world.rank() == 0) std::cout << result.message() << " (scale " << scale << ")\n";
-  // The plan is resolved on a fresh, unloaded model: a sharded one no longer knows its full shapes.
-  const auto plan = create(model_dir)->resolve(world.size());
+  // The plan the model was loaded or sharded with.
+  ASSERT_NE(model->resolved_plan(), nullptr);
+  const auto& plan = *model->resolved_plan();
+  EXPECT_EQ(plan.tp_degree, world.size());
   EXPECT_EQ(model->parameter_bytes(), plan.bytes_on_rank(world.rank()));
   EXPECT_LT(plan.bytes_on_rank(world.rank()), plan.replicated_bytes() + plan.sharded_bytes());
 }

@@ -14,6 +14,7 @@
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
 #include "shardit/nn/embeddings.h"
+#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -50,7 +51,7 @@ TEST(FluxParityPieces, BatchedIdsUseTheFirstEntry) {
   auto model = load_case_model(dir);
   ASSERT_TRUE(model);
   const auto inputs_file = io::SafetensorsFile::open(dir + "/inputs.safetensors");
-  FluxTransformer2DModelInputs inputs = FluxTransformer2DModelInputs::read(*inputs_file);
+  FluxTransformer2DModelInputs inputs = verify::read_flux_inputs(*inputs_file);
   const at::Tensor expected = io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
   const int64_t batch = inputs.hidden_states.size(0);
   inputs.img_ids = inputs.img_ids.unsqueeze(0).expand({batch, -1, -1});
@@ -62,7 +63,7 @@ TEST(FluxParityPieces, GuidanceMismatchIsReported) {
   auto model = load_case_model(golden_path("flux_b1_square"));
   ASSERT_TRUE(model);
   const auto inputs_file = io::SafetensorsFile::open(golden_path("flux_b1_square/inputs.safetensors"));
-  FluxTransformer2DModelInputs inputs = FluxTransformer2DModelInputs::read(*inputs_file);
+  FluxTransformer2DModelInputs inputs = verify::read_flux_inputs(*inputs_file);
   inputs.guidance.reset();
   try {
     model->forward(inputs);

@@ -12,6 +12,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -36,7 +37,7 @@ std::shared_ptr<Flux2Transformer2DModel> load_case_model(const std::string& case
 
 Flux2Transformer2DModelInputs read_inputs(const std::string& case_dir) {
   const auto file = io::SafetensorsFile::open(case_dir + "/inputs.safetensors");
-  return Flux2Transformer2DModelInputs::read(*file);
+  return verify::read_flux2_inputs(*file);
 }
 
 TEST(Flux2ParityPieces, TwoDimensionalIdsGiveTheSameSample) {

@@ -16,6 +16,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -36,7 +37,7 @@ std::shared_ptr<models::QwenImageTransformer2DModel> load_model(const std::strin
 }
 
 models::QwenImageTransformer2DModelInputs read_inputs(const std::string& dir) {
-  return models::QwenImageTransformer2DModelInputs::read(*io::SafetensorsFile::open(dir + "/inputs.safetensors"));
+  return verify::read_qwenimage_inputs(*io::SafetensorsFile::open(dir + "/inputs.safetensors"));
 }
 
 at::Tensor golden_sample(const std::string& dir) {
@@ -119,9 +120,12 @@ TEST(QwenImage, RopePositionsOfAnotherGrid) {
   inputs.timestep = at::full({1}, 0.5);
   inputs.img_shapes = {{{1, 6, 2}}};
   std::map<std::string, at::Tensor> recorded;
-  const at::Tensor sample = model->forward(inputs, [&](const std::string& name, const at::Tensor& value) {
-    recorded[name] = value.clone();
-  });
+  at::Tensor sample;
+  {
+    const nn::ObserveForward observe(
+        verify::golden_observer([&](const std::string& name, const at::Tensor& value) { recorded[name] = value.clone(); }));
+    sample = model->forward(inputs);
+  }
   EXPECT_EQ(sample.sizes(), (std::vector<int64_t>{1, 12, cfg.patch_size * cfg.patch_size * cfg.resolved_out_channels()}));
   // Channel pair 0 of each axis section has frequency 1, so its angle is the position itself.
   const int64_t frame0 = 0;

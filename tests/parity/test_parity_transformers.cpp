@@ -14,6 +14,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -35,10 +36,14 @@ TEST_P(TransformerParity, SampleAndEveryIntermediateMatchDiffusers) {
   std::map<std::string, at::Tensor> recorded;
   const auto inputs = io::SafetensorsFile::open(dir + "/inputs.safetensors");
   // Recorded tensors may be reused in place by the model afterwards: keep copies.
-  const at::Tensor sample = models::forward_from_file(*model, *inputs, [&](const std::string& name, const at::Tensor& value) {
-    EXPECT_EQ(recorded.count(name), 0u) << "intermediate '" << name << "' recorded twice";
-    recorded[name] = value.clone();
-  });
+  at::Tensor sample;
+  {
+    const nn::ObserveForward observe(verify::golden_observer([&](const std::string& name, const at::Tensor& value) {
+      EXPECT_EQ(recorded.count(name), 0u) << "intermediate '" << name << "' recorded twice";
+      recorded[name] = value.clone();
+    }));
+    sample = verify::forward_from_file(*model, *inputs);
+  }
   recorded["sample"] = sample;
 
   const auto outputs = io::SafetensorsFile::open(dir + "/outputs.safetensors");

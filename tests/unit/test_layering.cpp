@@ -1,4 +1,5 @@
-// Keeps the layers honest: core -> io, dist -> nn -> parallel -> models -> pipelines -> apps.
+// Keeps the layers honest: core -> io, dist -> nn -> parallel -> models -> pipelines -> apps,
+// and core -> io -> tokenizers (a sibling of nn: neither includes the other).
 // A file may include only its own layer and the layers below it (io and dist are siblings and
 // must not include each other).
 #include <gtest/gtest.h>
@@ -16,8 +17,8 @@ namespace fs = std::filesystem;
 
 // Rank of each layer; a file may include a layer of lower rank, or its own layer.
 const std::map<std::string, int> kLayerRank = {
-    {"core", 0}, {"io", 1}, {"dist", 1}, {"nn", 2}, {"parallel", 3},
-    {"models", 4}, {"schedulers", 4}, {"pipelines", 5},
+    {"core", 0}, {"io", 1}, {"dist", 1}, {"nn", 2}, {"tokenizers", 2}, {"parallel", 3},
+    {"models", 4}, {"schedulers", 4}, {"verify", 5}, {"pipelines", 5},
 };
 
 std::vector<std::string> upward_includes() {

@@ -238,8 +238,7 @@ TEST(TpPlan, ByteAccounting) {
       EXPECT_EQ(plan.bytes_on_rank(r), plan.replicated_bytes() + plan.sharded_bytes() / degree) << degree;
     }
   }
-  auto plan = shardit::parallel::resolve_plan(model, full_plan(), 2);
-  plan.element_size = 2;
+  const auto plan = shardit::parallel::resolve_plan(model, full_plan(), 2, {}, at::kBFloat16);
   EXPECT_EQ(plan.replicated_bytes() + plan.sharded_bytes(), total_elements * 2);
 }
 
@@ -356,7 +355,11 @@ TEST(TpPlan, ModuleLevelPlanWorksOnTensorParallelModule) {
       static const TpPlan plan = {{"inner.blocks.*.attn.to_q", ShardStyle::Colwise}};
       return plan;
     }
-    std::vector<shardit::parallel::TpDivisor> tp_divisors() const override { return {{"heads", 6}}; }
+    shardit::parallel::ModelTraits traits() const override {
+      shardit::parallel::ModelTraits traits;
+      traits.divisors = {{"heads", 6}};
+      return traits;
+    }
     std::shared_ptr<ToyModel> inner;
   };
   Wrapped model;

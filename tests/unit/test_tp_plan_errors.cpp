@@ -88,7 +88,9 @@ const TpPlan kPlan = {
 
 std::string resolve_error(const TpPlan& plan, int degree, const std::vector<TpDivisor>& divisors = {}) {
   Model model;
-  return error_of([&] { shardit::parallel::resolve_plan(model, plan, degree, divisors); });
+  shardit::parallel::ModelTraits traits;
+  traits.divisors = divisors;
+  return error_of([&] { shardit::parallel::resolve_plan(model, plan, degree, traits); });
 }
 
 TEST(TpPlanErrors, RejectsKeyMatchingNothing) {

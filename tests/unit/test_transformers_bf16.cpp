@@ -25,6 +25,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
+#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -47,7 +48,7 @@ TEST_P(TransformerBf16, StaysCloseToTheFp32Golden) {
   }
 
   const at::Tensor sample =
-      models::forward_from_file(*model, *io::SafetensorsFile::open(dir + "/inputs.safetensors"));
+      verify::forward_from_file(*model, *io::SafetensorsFile::open(dir + "/inputs.safetensors"));
   EXPECT_EQ(sample.scalar_type(), at::kBFloat16);
 
   const at::Tensor expected = io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample").to(at::kDouble);

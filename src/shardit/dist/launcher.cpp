@@ -10,6 +10,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -112,7 +113,8 @@ std::string current_executable() {
 }
 
 int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptions& options) {
-  TORCH_CHECK(options.nproc >= 1, "launch_local: nproc is ", options.nproc, ", expected at least 1");
+  TORCH_CHECK(options.nproc >= 1 && options.nproc <= kMaxLocalRanks, "--nproc-per-node ", options.nproc,
+              " is out of range: the local launcher starts 1 to ", kMaxLocalRanks, " ranks");
   TORCH_CHECK(!argv_in.empty(), "launch_local: no command to run");
   std::vector<std::string> argv = argv_in;
   if (argv[0].empty()) argv[0] = current_executable();
@@ -143,18 +145,28 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
   child_argv.push_back(nullptr);
   const bool has_slash = argv[0].find('/') != std::string::npos;
 
-  struct sigaction forward{}, old_int{}, old_term{};
+  struct sigaction forward{}, old_int{}, old_term{}, old_hup{};
   forward.sa_handler = remember_signal;
   sigemptyset(&forward.sa_mask);
   g_forward_signal = 0;
   ::sigaction(SIGINT, &forward, &old_int);
   ::sigaction(SIGTERM, &forward, &old_term);
+  ::sigaction(SIGHUP, &forward, &old_hup);
+  const pid_t launcher_pid = ::getpid();
 
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<Rank> ranks(nproc);
   std::string spawn_error;
+  int interrupted_by = 0;
   for (int r = 0; r < nproc && spawn_error.empty(); ++r) {
+    if (g_forward_signal != 0) {
+      interrupted_by = g_forward_signal;
+      // Stop starting ranks; the loop below forwards the signal to those already running.
+      spawn_error = std::string("interrupted by ") + strsignal(g_forward_signal) + " after starting " +
+                    std::to_string(r) + " of " + std::to_string(nproc) + " ranks";
+      break;
+    }
     int out_pipe[2] = {-1, -1};
     int err_pipe[2] = {-1, -1};
     const auto close_pipes = [&] {
@@ -177,8 +189,12 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
       // Child: its own process group (so stopping a rank reaches the processes it started),
       // default signal handling, the pipes, exec.
       ::setpgid(0, 0);
+      // Die with the launcher, also when it is SIGKILLed; if it died before this line, go now.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
+      ::signal(SIGHUP, SIG_DFL);
       if (options.prefix_output) {
         ::dup2(out_pipe[1], 1);
         ::dup2(err_pipe[1], 2);
@@ -314,7 +330,9 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
 
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
+  ::sigaction(SIGHUP, &old_hup, nullptr);
 
+  if (interrupted_by != 0) return 128 + interrupted_by;
   if (!spawn_error.empty()) return 1;
   if (failed_rank >= 0) {
     if (WIFSIGNALED(failed_status)) return 128 + WTERMSIG(failed_status);

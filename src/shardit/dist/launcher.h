@@ -5,6 +5,10 @@
 
 namespace shardit::dist {
 
+/// The most ranks the local launcher starts on one host. Each rank is a full process (~60 MB
+/// before any model is loaded); more than this is a typo rather than a plan.
+constexpr int kMaxLocalRanks = 64;
+
 struct LocalLaunchOptions {
   int nproc = 1;
   /// Prefix every output line of rank r with "[r] ".
@@ -15,8 +19,11 @@ struct LocalLaunchOptions {
 
 /// Runs `argv` (argv[0] is the program; a path, or the current executable when empty) as `nproc`
 /// ranks on this host with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR=127.0.0.1 and a
-/// free MASTER_PORT set. Forwards SIGINT/SIGTERM to the ranks. When a rank fails, stops the others
-/// and reports which rank failed and how. Returns 0 when every rank exited 0, else non-zero.
+/// free MASTER_PORT set. Forwards SIGINT/SIGTERM/SIGHUP to the ranks (one that arrives while ranks
+/// are still being started stops the starting). When a rank fails, stops the others and reports
+/// which rank failed and how. Each rank is killed by the kernel when the launcher dies
+/// (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no rank running. Returns 0 when every rank
+/// exited 0, else non-zero. `nproc` must be in 1..kMaxLocalRanks.
 int launch_local(const std::vector<std::string>& argv, const LocalLaunchOptions& options);
 
 /// The path of the running executable (/proc/self/exe).

@@ -15,7 +15,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <functional>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -348,6 +355,108 @@ at::Device choose_device(const std::string& device, int local_rank) {
 World* g_world = nullptr;
 std::mutex g_world_mutex;
 
+using Clock = std::chrono::steady_clock;
+constexpr auto kPollPeriod = std::chrono::milliseconds(50);
+
+long elapsed_ms(Clock::time_point since) {
+  return static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - since).count());
+}
+
+std::string as_text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+// Rank 0 hosts the store on MASTER_PORT: a port some other program holds is reported now, by
+// name, instead of as a rendezvous timeout blamed on MASTER_ADDR.
+void check_port_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;  // the store's own bind will report it
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  const int error = errno;
+  ::close(fd);
+  TORCH_CHECK(bound || error != EADDRINUSE, "rank 0 cannot host the rendezvous store: MASTER_PORT=", port,
+              " is already in use on this host (another job or program listens there); choose a free MASTER_PORT, "
+              "or let `shardit --nproc-per-node N` pick one");
+}
+
+// Runs `fn` on its own thread and waits at most `limit`: a peer that accepts the connection but
+// never answers (a foreign server on MASTER_PORT) blocks inside c10d with no timeout of its own.
+// On timeout the thread is abandoned (the process is about to exit with the error).
+template <class T>
+T run_bounded(std::chrono::milliseconds limit, std::function<T()> fn, const std::string& on_timeout) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    T value{};
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, fn = std::move(fn)] {
+    T value{};
+    std::exception_ptr error;
+    try {
+      value = fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->value = std::move(value);
+    state->error = error;
+    state->done = true;
+    state->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  if (!state->done_cv.wait_for(lock, limit, [&] { return state->done; })) throw std::runtime_error(on_timeout);
+  if (state->error) std::rethrow_exception(state->error);
+  return std::move(state->value);
+}
+
+// Every rank writes `value` under `prefix` + its rank and waits until all `world_size` ranks have
+// written theirs. `compare` is called for each other rank's value as soon as it is there, so a
+// disagreement is reported at once rather than at the deadline. Throws naming the missing ranks.
+void exchange(c10d::Store& store, const std::string& prefix, int rank, int world_size, const std::string& value,
+              Clock::time_point deadline, const std::function<void(int, const std::string&)>& compare,
+              const std::string& step) {
+  store.set(prefix + std::to_string(rank), as_bytes(value));
+  std::vector<bool> seen(world_size, false);
+  seen[rank] = true;
+  int remaining = world_size - 1;
+  for (;;) {
+    for (int r = 0; r < world_size; ++r) {
+      const std::string key = prefix + std::to_string(r);
+      if (seen[r] || !store.check({key})) continue;
+      seen[r] = true;
+      --remaining;
+      compare(r, as_text(store.get(key)));
+    }
+    if (remaining == 0) return;
+    if (Clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < world_size; ++r) {
+        if (!seen[r]) missing.push_back(r);
+      }
+      throw std::runtime_error((missing.size() == 1 ? "rank " : "ranks ") + join_ranks(missing) + " " + step);
+    }
+    std::this_thread::sleep_for(kPollPeriod);
+  }
+}
+
+// A window of `text` around byte `at`, for showing where two values differ.
+std::string window(const std::string& text, size_t at) {
+  const size_t begin = at > 40 ? at - 40 : 0;
+  std::string out = text.substr(begin, 100);
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  }
+  return (begin > 0 ? "..." : "") + out + (begin + 100 < text.size() ? "..." : "");
+}
+
 }  // namespace
 
 struct World::Impl {
@@ -355,6 +464,7 @@ struct World::Impl {
   std::shared_ptr<::gloo::transport::Device> gloo_device;
   std::unique_ptr<Heartbeat> heartbeat;
   int groups_made = 0;
+  int agreements = 0;
 
   c10::intrusive_ptr<C10dBackend> make_gloo(const std::string& prefix, int rank, int size,
                                             std::chrono::milliseconds timeout) {
@@ -421,6 +531,8 @@ World& World::init(const InitOptions& options) {
   Impl& impl = *world->impl_;
   const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
   const std::string where = host + ":" + std::to_string(env.master_port);
+  if (env.rank == 0) check_port_free(env.master_port);
+  const auto start = Clock::now();
   try {
     // Rank 0 hosts the store (c10d's server listens on every interface of its host); everyone
     // connects to MASTER_ADDR, or loopback when all ranks are local.
@@ -429,28 +541,28 @@ World& World::init(const InitOptions& options) {
     store_options.isServer = env.rank == 0;
     store_options.waitWorkers = false;  // the joined keys below wait, and name who is missing
     store_options.timeout = timeout;
-    impl.store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
-    // Every rank announces itself, then waits for the others, so a rank that never arrives is
-    // named here rather than reported as a bare socket timeout by Gloo.
-    impl.store->set("shardit/joined/" + std::to_string(env.rank), std::vector<uint8_t>{1});
-    std::vector<std::string> joined_keys;
-    for (int r = 0; r < env.world_size; ++r) joined_keys.push_back("shardit/joined/" + std::to_string(r));
-    try {
-      // Rank 0 keeps the store up a little longer, so the others can still ask who is missing.
-      impl.store->wait(joined_keys, env.rank == 0 ? timeout + std::chrono::milliseconds(500) : timeout);
-    } catch (const std::exception&) {
-      std::vector<int> missing;
-      try {
-        for (int r = 0; r < env.world_size; ++r) {
-          if (!impl.store->check({joined_keys[r]})) missing.push_back(r);
-        }
-      } catch (const std::exception&) {
-        throw std::runtime_error("not every rank joined, and rank 0's store closed meanwhile");
-      }
-      if (missing.empty()) throw;
-      throw std::runtime_error((missing.size() == 1 ? "rank " : "ranks ") + join_ranks(missing) +
-                               " did not join");
-    }
+    // Every rank announces itself with its world size, then waits for the others, so a rank that
+    // never arrives is named here rather than reported as a bare socket timeout by Gloo, and a
+    // rank started with another WORLD_SIZE is named as such. Rank 0 keeps the store up a little
+    // longer, so the others can still ask who is missing.
+    const auto deadline = start + timeout + (env.rank == 0 ? std::chrono::milliseconds(500) : std::chrono::milliseconds(0));
+    const LaunchEnv env_copy = env;
+    impl.store = run_bounded<c10::intrusive_ptr<c10d::Store>>(
+        timeout + std::chrono::seconds(2),
+        [host, store_options, env_copy, deadline] {
+          c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+          const auto compare = [&](int r, const std::string& theirs) {
+            if (theirs == std::to_string(env_copy.world_size)) return;
+            throw std::runtime_error("rank " + std::to_string(r) + " was started with a world size of " + theirs +
+                                     ", this rank with " + std::to_string(env_copy.world_size) +
+                                     "; every rank needs the same WORLD_SIZE");
+          };
+          exchange(*store, "shardit/joined/", env_copy.rank, env_copy.world_size, std::to_string(env_copy.world_size),
+                   deadline, compare, "did not join");
+          return store;
+        },
+        "no rendezvous store answered at " + where + " (the connection was accepted but never answered: is "
+        "MASTER_PORT used by another program?)");
 
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
       impl.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
@@ -461,9 +573,10 @@ World& World::init(const InitOptions& options) {
     }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size, " (", launch_source_name(env.source),
-                "): rendezvous at ", where, " failed within ", timeout.count(), " ms: ",
-                error_message(e), "; check that all ", env.world_size,
-                " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is up");
+                "): rendezvous at ", where, " failed within ", timeout.count(), " ms: ", error_message(e),
+                env.rank == 0 ? std::string()
+                              : "; check that all " + std::to_string(env.world_size) +
+                                    " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is up");
   }
 
   std::vector<int> all(env.world_size);
@@ -511,6 +624,43 @@ World& World::get() {
 bool World::initialized() {
   std::lock_guard<std::mutex> lock(g_world_mutex);
   return g_world != nullptr;
+}
+
+void World::agree(const std::string& topic, const std::string& value) {
+  if (size() == 1) return;
+  // Values are compared whole up to 64 KiB; longer ones (tensor tables of big checkpoints) by a
+  // digest, with their start kept for the message.
+  constexpr size_t kWhole = 64 * 1024;
+  const std::string record =
+      topic + "\n" + (value.size() <= kWhole ? value : "#" + std::to_string(std::hash<std::string>{}(value)) + " " + value.substr(0, 200));
+  const std::string prefix = "shardit/agree/" + std::to_string(impl_->agreements++) + "/";
+  const auto start = Clock::now();
+  try {
+    const auto compare = [&](int r, const std::string& theirs) {
+      if (theirs == record) return;
+      const std::string their_topic = theirs.substr(0, theirs.find('\n'));
+      if (their_topic != topic) {
+        throw std::runtime_error("rank " + std::to_string(r) + " is checking '" + their_topic + "' while rank " +
+                                 std::to_string(rank()) + " checks '" + topic + "'");
+      }
+      size_t at = 0;
+      while (at < record.size() && at < theirs.size() && record[at] == theirs[at]) ++at;
+      const size_t offset = topic.size() + 1;
+      at = at > offset ? at - offset : 0;
+      const std::string mine = record.substr(offset);
+      const std::string other = theirs.substr(offset);
+      throw std::runtime_error("ranks disagree on the " + topic + ": rank " + std::to_string(rank()) + " has '" +
+                               window(mine, at) + "', rank " + std::to_string(r) + " has '" + window(other, at) +
+                               "'; every rank must run the same command on the same files");
+    };
+    exchange(*impl_->store, prefix, rank(), size(), record, start + options_.timeout, compare,
+             "did not reach the check of the " + topic + " in time");
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank(), ": ", error_message(e), " (after ", elapsed_ms(start), " ms; timeout ",
+                options_.timeout.count(), " ms)");
+  }
 }
 
 std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {

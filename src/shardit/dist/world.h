@@ -39,6 +39,11 @@ class World {
   const InitOptions& options() const { return options_; }
   /// All ranks.
   std::shared_ptr<Group> group() const { return world_group_; }
+  /// Checks that every rank has the same `value` for `topic` (the model config, the compute
+  /// dtype, the input shapes) before any collective depends on it: through the rendezvous store,
+  /// so a disagreement is a named error instead of a transport failure inside a collective. A
+  /// collective call: every rank calls it, in the same order. No-op on a world of one.
+  void agree(const std::string& topic, const std::string& value);
   /// A group over `ranks` (global ranks). Collective over the world: every rank calls it, in the
   /// same order, with the same list; a rank outside `ranks` gets nullptr.
   std::shared_ptr<Group> new_group(const std::vector<int>& ranks);

@@ -1,10 +1,10 @@
 #include "shardit/io/model_folder.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include "shardit/core/error.h"
 
@@ -26,7 +26,7 @@ ComponentFolder load_component(const std::string& dir, const std::string& name) 
   TORCH_CHECK(fs::is_directory(dir), dir, ": component '", name, "' has no folder here");
   for (const char* config_name : kConfigNames) {
     const fs::path config_path = fs::path(dir) / config_name;
-    if (fs::exists(config_path)) {
+    if (fs::exists(fs::symlink_status(config_path))) {  // a dangling link is reported, not skipped
       ComponentFolder component;
       component.dir = dir;
       component.name = name;
@@ -48,17 +48,6 @@ std::string folder_name(const std::string& path) {
 
 }  // namespace
 
-nlohmann::json read_json_file(const std::string& path) {
-  TORCH_CHECK(fs::exists(path), path, ": no such file");
-  std::ifstream in(path);
-  TORCH_CHECK(in, path, ": cannot open: ", std::strerror(errno));
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, path, ": invalid JSON (", e.what(), ")");
-  }
-}
-
 std::string ComponentFolder::class_name() const {
   const auto it = config.find("_class_name");
   return it != config.end() && it->is_string() ? it->get<std::string>() : std::string();
@@ -77,7 +66,7 @@ ModelFolder ModelFolder::open(const std::string& path) {
   ModelFolder folder;
   folder.root_ = path;
   const fs::path index_path = fs::path(path) / "model_index.json";
-  if (fs::exists(index_path)) {
+  if (fs::exists(fs::symlink_status(index_path))) {
     folder.model_index_ = read_json_file(index_path.string());
     TORCH_CHECK(folder.model_index_.is_object(), index_path.string(), ": expected a JSON object, got a ",
                 folder.model_index_.type_name());
@@ -85,7 +74,7 @@ ModelFolder ModelFolder::open(const std::string& path) {
                 ": lists no components (entries like \"transformer\": [\"diffusers\", \"FluxTransformer2DModel\"])");
     return folder;
   }
-  TORCH_CHECK(fs::exists(fs::path(path) / "config.json"), path,
+  TORCH_CHECK(fs::exists(fs::symlink_status(fs::path(path) / "config.json")), path,
               ": neither model_index.json (a diffusers pipeline folder) nor config.json (a component "
               "folder) is here");
   return folder;
@@ -120,6 +109,108 @@ ComponentFolder ModelFolder::component(const std::string& name) const {
 ComponentFolder open_component(const std::string& path, const std::string& name) {
   const ModelFolder folder = ModelFolder::open(path);
   return folder.is_pipeline() ? folder.component(name) : folder.component("");
+}
+
+// ---------------------------------------------------------------------------------------------
+// ConfigReader
+
+namespace {
+
+std::string brief(const nlohmann::json& value) {
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+// An integer JSON value within [min, max]; `what` names it in errors ("key 'num_layers'").
+int64_t checked_integer(const nlohmann::json& value, const std::string& source, const std::string& what, int64_t min,
+                        int64_t max) {
+  TORCH_CHECK(value.is_number_integer(), source, ": ", what, " is ", brief(value), ", expected an integer in [", min,
+              ", ", max, "]");
+  const bool in_range = value.is_number_unsigned()
+                            ? value.get<uint64_t>() <= static_cast<uint64_t>(std::max<int64_t>(max, 0)) &&
+                                  static_cast<int64_t>(value.get<uint64_t>()) >= min
+                            : value.get<int64_t>() >= min && value.get<int64_t>() <= max;
+  TORCH_CHECK(in_range, source, ": ", what, " is ", brief(value), ", out of the accepted range [", min, ", ", max, "]");
+  return value.get<int64_t>();
+}
+
+}  // namespace
+
+ConfigReader::ConfigReader(const nlohmann::json& config, std::string source)
+    : config_(config), source_(std::move(source)) {
+  TORCH_CHECK(config_.is_object(), source_, ": expected a JSON object, got a ", config_.type_name());
+}
+
+const nlohmann::json* ConfigReader::find(const char* key, const char* expected) const {
+  const auto it = config_.find(key);
+  if (it == config_.end()) return nullptr;
+  TORCH_CHECK(!it->is_null(), source_, ": key '", key, "' is null, expected ", expected,
+              "; give a value or remove the key to use the default");
+  return &*it;
+}
+
+int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min, int64_t max) const {
+  const nlohmann::json* value = find(key, "an integer");
+  return value ? checked_integer(*value, source_, std::string("key '") + key + "'", min, max) : fallback;
+}
+
+std::optional<int64_t> ConfigReader::optional_integer(const char* key, int64_t min, int64_t max) const {
+  const auto it = config_.find(key);
+  if (it == config_.end() || it->is_null()) return std::nullopt;
+  return checked_integer(*it, source_, std::string("key '") + key + "'", min, max);
+}
+
+double ConfigReader::number(const char* key, double fallback, double min, double max) const {
+  const nlohmann::json* value = find(key, "a number");
+  if (value == nullptr) return fallback;
+  TORCH_CHECK(value->is_number(), source_, ": key '", key, "' is ", brief(*value), ", expected a number in [", min,
+              ", ", max, "]");
+  const double number = value->get<double>();
+  TORCH_CHECK(std::isfinite(number) && number >= min && number <= max, source_, ": key '", key, "' is ",
+              brief(*value), ", out of the accepted range [", min, ", ", max, "]");
+  return number;
+}
+
+bool ConfigReader::boolean(const char* key, bool fallback) const {
+  const nlohmann::json* value = find(key, "true or false");
+  if (value == nullptr) return fallback;
+  TORCH_CHECK(value->is_boolean(), source_, ": key '", key, "' is ", brief(*value), ", expected true or false");
+  return value->get<bool>();
+}
+
+std::vector<int64_t> ConfigReader::integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,
+                                            size_t max_count) const {
+  const nlohmann::json* value = find(key, "a list of integers");
+  if (value == nullptr) return fallback;
+  TORCH_CHECK(value->is_array() && value->size() <= max_count, source_, ": key '", key, "' is ", brief(*value),
+              ", expected a list of at most ", max_count, " integers");
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < value->size(); ++i) {
+    out.push_back(checked_integer((*value)[i], source_, std::string("key '") + key + "' entry " + std::to_string(i),
+                                  min, max));
+  }
+  return out;
+}
+
+std::vector<int64_t> ConfigReader::rope_axes(const char* key, std::vector<int64_t> fallback, const char* sum_key,
+                                             int64_t sum, size_t count) const {
+  const std::vector<int64_t> axes = integers(key, std::move(fallback), 2, kMaxConfigDim, 16);
+  require(!axes.empty() && (count == 0 || axes.size() == count), "key '", key, "' has ", axes.size(), " entries, expected ",
+          count == 0 ? std::string("at least 1") : std::to_string(count));
+  int64_t total = 0;
+  for (const int64_t d : axes) {
+    require(d % 2 == 0, "every entry of '", key, "' must be even (RoPE rotates pairs), got ", d);
+    total += d;
+  }
+  require(total == sum, "'", key, "' must sum to '", sum_key, "' (", sum, "), got sum ", total);
+  return axes;
+}
+
+int64_t ConfigReader::width(const char* key_a, int64_t a, const char* key_b, int64_t b) const {
+  require(a <= kMaxConfigDim / std::max<int64_t>(b, 1), "'", key_a, "' x '", key_b, "' = ", a, " x ", b,
+          " is larger than the accepted width ", kMaxConfigDim);
+  return a * b;
 }
 
 }  // namespace shardit::io

@@ -4,9 +4,12 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
 
 namespace shardit::io {
@@ -48,19 +51,56 @@ class ModelFolder {
 /// when `path` is a component folder (a `transformer/` folder given directly, a test case).
 ComponentFolder open_component(const std::string& path, const std::string& name);
 
-/// `config[key]` as a T, or `fallback` when the key is absent or null (diffusers' defaults).
-/// A value of the wrong type is an error naming `source` (the config file), the key and the value.
-template <class T>
-T config_value(const nlohmann::json& config, const char* key, T fallback, const std::string& source) {
-  if (!config.contains(key) || config.at(key).is_null()) return fallback;
-  try {
-    return config.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", config.at(key).dump(), "): ", e.what());
-  }
-}
+/// Bounds shared by every model config: far above any released model, low enough that
+/// products of them (weight shapes, byte sizes) cannot overflow 64 bits and that a model with
+/// absurd sizes is refused before anything is built.
+constexpr int64_t kMaxConfigLayers = 1024;       ///< per stack of blocks (FLUX.1: 19 + 38, Qwen-Image: 60)
+constexpr int64_t kMaxConfigDim = int64_t{1} << 20;  ///< any width, head count or channel count
 
-/// Reads a JSON file with an error naming the file on any problem.
-nlohmann::json read_json_file(const std::string& path);
+/// The strict reader of a config.json object, used by every model config. Each value is checked
+/// for type and range, and errors name the file and the key: 2.5 for an integer, "3" for a
+/// number, null (except for keys that diffusers declares optional), and values out of range
+/// (such as 2^63, a negative width, or 100000 layers) are refused rather than truncated,
+/// wrapped or defaulted. An absent key takes the reference's default.
+class ConfigReader {
+ public:
+  /// `source` is the file (config.json) named in errors; `config` must be a JSON object.
+  ConfigReader(const nlohmann::json& config, std::string source);
+
+  const std::string& source() const { return source_; }
+  bool contains(const char* key) const { return config_.contains(key); }
+
+  /// An integer in [min, max].
+  int64_t integer(const char* key, int64_t fallback, int64_t min, int64_t max) const;
+  /// An integer in [min, max], or nullopt when the key is absent or null (`Optional[int]` keys).
+  std::optional<int64_t> optional_integer(const char* key, int64_t min, int64_t max) const;
+  /// A finite number (integer or not) in [min, max].
+  double number(const char* key, double fallback, double min, double max) const;
+  bool boolean(const char* key, bool fallback) const;
+  /// A list of at most `max_count` integers, each in [min, max].
+  std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,
+                                size_t max_count) const;
+
+  /// A list of positive even integers summing to `sum` (RoPE axes splitting a head dim), of
+  /// exactly `count` entries when `count` > 0.
+  std::vector<int64_t> rope_axes(const char* key, std::vector<int64_t> fallback, const char* sum_key, int64_t sum,
+                                 size_t count = 0) const;
+  /// `a` x `b` (already read from `key_a` and `key_b`), refused naming both keys when it exceeds
+  /// kMaxConfigDim (e.g. num_attention_heads x attention_head_dim, the model width).
+  int64_t width(const char* key_a, int64_t a, const char* key_b, int64_t b) const;
+
+  /// Fails with "<source>: <message>" unless `ok`: the model-specific checks (a sum of keys, a
+  /// divisibility) use it so that they name the file the same way.
+  template <class... Args>
+  void require(bool ok, const Args&... message) const {
+    TORCH_CHECK(ok, source_, ": ", message...);
+  }
+
+ private:
+  /// The value of `key`; nullptr when absent. null is refused naming the key.
+  const nlohmann::json* find(const char* key, const char* expected) const;
+  const nlohmann::json& config_;
+  std::string source_;
+};
 
 }  // namespace shardit::io

@@ -11,11 +11,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include "shardit/core/error.h"
-#include "shardit/io/model_folder.h"
+#include "shardit/io/file.h"
+#include "shardit/io/json.h"
 
 // safetensors is little endian; the raw copies below assume the host is too.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "shardit's safetensors I/O needs a little-endian host");
@@ -111,12 +111,8 @@ StDtype from_scalar_type(at::ScalarType type) {
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path,
                                                        std::shared_ptr<ReadStats> stats) {
   auto mapping = std::make_shared<Mapping>();
-  mapping->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(mapping->fd >= 0, path, ": cannot open: ", std::strerror(errno));
-  struct stat st {};
-  TORCH_CHECK(fstat(mapping->fd, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
-  TORCH_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  uint64_t file_size = 0;
+  mapping->fd = open_regular_file(path, &file_size).release();
   TORCH_CHECK(file_size >= 8, path, ": file is ", file_size,
               " bytes, too short for a safetensors file (it starts with an 8-byte header length)");
 
@@ -267,16 +263,12 @@ void save_safetensors(const std::string& path,
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out, path, ": cannot open for writing: ", std::strerror(errno));
+  AtomicFile out(path);
   const uint64_t header_size = text.size();
-  out.write(reinterpret_cast<const char*>(&header_size), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& data : contiguous) {
-    out.write(static_cast<const char*>(data.data_ptr()), static_cast<std::streamsize>(data.nbytes()));
-  }
-  out.flush();
-  TORCH_CHECK(out, path, ": writing failed (disk full?)");
+  out.write(&header_size, 8);
+  out.write(text.data(), text.size());
+  for (const auto& data : contiguous) out.write(data.data_ptr(), data.nbytes());
+  out.commit();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -305,7 +297,9 @@ std::string find_weights_in_folder(const std::string& dir) {
   std::vector<std::string> singles;
   std::vector<std::string> others;
   for (const auto& entry : fs::directory_iterator(dir)) {
-    if (!entry.is_regular_file()) continue;
+    // Anything but a folder counts, so that a FIFO or a dangling link named like the weights is
+    // reported by open() with its reason rather than skipped.
+    if (entry.is_directory()) continue;
     const std::string filename = entry.path().filename().string();
     if (ends_with(filename, ".safetensors.index.json")) {
       (has_weight_prefix(filename) ? indexes : others).push_back(filename);
@@ -333,7 +327,7 @@ std::string find_weights_in_folder(const std::string& dir) {
 }  // namespace
 
 Checkpoint Checkpoint::open(const std::string& path) {
-  TORCH_CHECK(fs::exists(path), path, ": no such file or directory");
+  TORCH_CHECK(fs::exists(fs::symlink_status(path)), path, ": no such file or directory");
   std::string target = path;
   if (fs::is_directory(path)) target = find_weights_in_folder(path);
 
@@ -350,17 +344,25 @@ Checkpoint Checkpoint::open(const std::string& path) {
     std::set<std::string> files;
     for (const auto& [name, file] : index.at("weight_map").items()) {
       TORCH_CHECK(file.is_string(), target, ": weight_map entry '", name, "' is not a file name");
+      // Shards live beside the index: a name that leaves the folder (absolute, or through "..")
+      // would read whatever file it points at.
+      const fs::path relative = fs::path(file.get<std::string>()).lexically_normal();
+      const bool inside = !file.get<std::string>().empty() && relative.is_relative() && !relative.empty() &&
+                          *relative.begin() != "..";
+      TORCH_CHECK(inside, target, ": weight_map entry '", name, "' names ", quoted(file.get<std::string>()),
+                  ", which is outside the index's folder; shards must sit beside the index");
       index_map[name] = file.get<std::string>();
       files.insert(file.get<std::string>());
     }
     const fs::path dir = fs::path(target).parent_path();
     for (const auto& file : files) {
       const std::string file_path = (dir / file).string();
-      if (!fs::exists(file_path)) {
+      const std::string problem = regular_file_problem(file_path);
+      if (!problem.empty()) {
         const auto listed = std::find_if(index_map.begin(), index_map.end(),
                                          [&](const auto& item) { return item.second == file; });
-        TORCH_CHECK(false, target, ": names '", file, "' (for tensor '", listed->first,
-                    "' and maybe others) but ", file_path, " does not exist");
+        TORCH_CHECK(false, target, ": names '", file, "' (for tensor '", listed->first, "' and maybe others) but ",
+                    problem);
       }
       file_paths.push_back(file_path);
     }

@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "shardit/core/error.h"
+#include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
 
 namespace shardit::io {
@@ -133,28 +133,10 @@ std::vector<TensorInfo> SafetensorsFile::parse_header(const std::string& file_la
   TORCH_CHECK(json_size <= kMaxHeaderBytes, label, ": header is ", json_size,
               " bytes, more than the format's limit of ", kMaxHeaderBytes, " bytes");
 
-  // Duplicate top-level keys would silently hide a tensor (nlohmann keeps the last one), so the
-  // parse callback records them. Depth 1 is the top-level object.
-  std::set<std::string> seen;
-  std::string duplicate;
-  const auto on_event = [&](int depth, nlohmann::json::parse_event_t event,
-                            nlohmann::json& parsed) {
-    if (event == nlohmann::json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      if (!seen.insert(parsed.get<std::string>()).second && duplicate.empty()) {
-        duplicate = parsed.get<std::string>();
-      }
-    }
-    return true;
-  };
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(json, json + json_size, on_event);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, label, ": header is not valid JSON (", e.what(), ")");
-  }
+  // parse_json refuses repeated keys (which would silently hide a tensor) and absurd nesting.
+  const nlohmann::json header = parse_json(json, json_size, label, JsonLimits{kMaxHeaderBytes, 16}, "header");
   TORCH_CHECK(header.is_object(), label, ": header is a JSON ", header.type_name(),
               ", expected an object mapping tensor names to {dtype, shape, data_offsets}");
-  TORCH_CHECK(duplicate.empty(), label, ": header lists '", duplicate, "' more than once");
 
   std::vector<TensorInfo> tensors;
   tensors.reserve(header.size());
@@ -163,6 +145,12 @@ std::vector<TensorInfo> SafetensorsFile::parse_header(const std::string& file_la
       parse_metadata(label, entry, metadata);
       continue;
     }
+    // Names are printed by inspect and in errors: control characters could forge terminal output.
+    const bool printable = std::none_of(name.begin(), name.end(), [](char c) {
+      return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+    });
+    TORCH_CHECK(printable, label, ": tensor name ", quoted(name),
+                " contains control characters; no checkpoint format produces them");
     TORCH_CHECK(entry.is_object(), label, ": tensor '", name, "' is ", brief(entry),
                 ", expected an object with dtype, shape and data_offsets");
     TensorInfo info;

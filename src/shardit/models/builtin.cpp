@@ -47,7 +47,21 @@ std::string default_builtin_model_root() {
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
   const fs::path root(root_path);
   BuiltinModelPaths paths{root.string(), (root / "transformer").string(), (root / "inputs").string()};
-  if (fs::exists(root / ".complete")) return paths;
+  if (fs::exists(root / ".complete")) {
+    // The folder lives in a shared temp folder: re-check it (headers and sizes, which catch a
+    // truncated or replaced file) instead of failing forever on a damaged copy.
+    try {
+      io::Checkpoint::open(paths.transformer);
+      io::SafetensorsFile::open((root / "inputs" / "inputs.safetensors").string());
+      return paths;
+    } catch (const std::exception&) {
+      // Moved aside first, so that ranks starting together never see half a model.
+      const fs::path damaged = root.string() + ".damaged-" + std::to_string(::getpid());
+      std::error_code error;
+      fs::rename(root, damaged, error);
+      fs::remove_all(damaged, error);
+    }
+  }
 
   // Write into a private folder, then rename: ranks started together never see half a model.
   const fs::path staging = root.string() + ".tmp-" + std::to_string(::getpid());

@@ -1,7 +1,6 @@
 #pragma once
-// Builds a transformer from a diffusers component folder by its config's `_class_name`.
-#include <ATen/ATen.h>
-
+// The component registry: which classes a diffusers pipeline folder may name in model_index.json
+// (library, class) for each kind of component, and how to build them from their folders.
 #include <functional>
 #include <memory>
 #include <string>
@@ -12,38 +11,43 @@
 
 namespace shardit::models {
 
+/// The kinds of component of a pipeline, named as diffusers names their folders.
+enum class ComponentKind { Transformer, TextEncoder, Tokenizer, Scheduler, Vae };
+/// "transformer", "text_encoder", "tokenizer", "scheduler", "vae".
+const char* component_kind_name(ComponentKind kind);
+
 class AutoencoderModel;
 
-/// Receives named intermediate tensors during a forward (parity tests compare them with the
-/// reference's). An empty recorder records nothing and costs nothing. A recorded tensor may be
-/// reused (overwritten in place) after the call returns: copy what you keep.
-using IntermediateRecorder = std::function<void(const std::string& name, const at::Tensor& value)>;
+/// A class the registry can build: its model_index.json [library, class] pair and its kind.
+struct ComponentClass {
+  std::string library;     ///< "diffusers", "transformers"
+  std::string class_name;  ///< "FluxTransformer2DModel"
+  ComponentKind kind;
+  /// Builds a module component from its folder's config, parameters on the meta device (load them
+  /// with TensorParallelModule::load).
+  std::function<std::shared_ptr<parallel::TensorParallelModule>(const io::ComponentFolder& folder)> create_module;
+};
 
-/// A recorder that prepends `prefix` to every name ("block.transformer_blocks.0."); empty (and
-/// free) when `record` is.
-IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix);
+/// Every supported class, of every kind.
+const std::vector<ComponentClass>& component_classes();
+
+/// The registered class of `kind` named `class_name`; an error naming `source` and listing the
+/// supported classes of that kind otherwise.
+const ComponentClass& find_component_class(ComponentKind kind, const std::string& class_name,
+                                           const std::string& source);
 
 /// The transformer class named by `folder`'s config.json `_class_name`, built from that config
 /// with its parameters declared on the meta device (load them with TensorParallelModule::load).
 /// Errors name the folder and list the supported classes.
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder);
 
-/// One forward of `model` (made by create_transformer) on the tensors of `inputs`, named as the
-/// forward's keyword arguments in diffusers (the golden-data `inputs.safetensors` layout). Returns
-/// the sample; `record` receives the model's named intermediates.
-at::Tensor forward_from_file(parallel::TensorParallelModule& model, const io::SafetensorsFile& inputs,
-                             const IntermediateRecorder& record = {});
-
-/// The `_class_name` values create_transformer accepts.
-std::vector<std::string> supported_transformer_classes();
+/// The `_class_name` values of `kind` the registry accepts.
+std::vector<std::string> supported_classes(ComponentKind kind);
 
 /// The VAE class named by `folder`'s config.json `_class_name` (AutoencoderKL,
 /// AutoencoderKLFlux2, AutoencoderKLQwenImage), built from that config with its decoder
 /// parameters on the meta device (load them with TensorParallelModule::load). Errors name the
 /// folder and list the supported classes.
 std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder);
-
-/// The `_class_name` values create_vae accepts.
-std::vector<std::string> supported_vae_classes();
 
 }  // namespace shardit::models

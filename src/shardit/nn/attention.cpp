@@ -89,6 +89,58 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
 #endif
 }
 
+HeadsQKV split_qkv_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const RMSNorm* norm_q,
+                         const RMSNorm* norm_k, int64_t head_dim) {
+  // [B, S, H_local * hd] -> [B, S, H_local, hd]
+  HeadsQKV out{split_heads(q, head_dim), split_heads(k, head_dim), split_heads(v, head_dim)};
+  if (norm_q != nullptr) out.query = norm_q->forward(out.query);
+  if (norm_k != nullptr) out.key = norm_k->forward(out.key);
+  return out;
+}
+
+HeadsQKV project_heads(const at::Tensor& x, const QKVProjections& projections, int64_t head_dim) {
+  return split_qkv_heads(projections.to_q.forward(x), projections.to_k.forward(x), projections.to_v.forward(x),
+                         projections.norm_q, projections.norm_k, head_dim);
+}
+
+namespace {
+
+HeadsQKV with_rope(const HeadsQKV& qkv, const RotaryEmbedding* rope) {
+  if (rope == nullptr) return qkv;
+  return {apply_rotary_emb(qkv.query, *rope), apply_rotary_emb(qkv.key, *rope), qkv.value};
+}
+
+}  // namespace
+
+at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std::optional<at::Tensor>& mask) {
+  const HeadsQKV rotated = with_rope(qkv, rope);
+  // [B, H_local, S, hd]
+  const at::Tensor attended = scaled_dot_product_attention(
+      rotated.query.transpose(1, 2), rotated.key.transpose(1, 2), rotated.value.transpose(1, 2), mask);
+  // [B, S, H_local * hd]
+  return attended.transpose(1, 2).flatten(2).to(rotated.query.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> joint_attention(const HeadsQKV& text, const HeadsQKV& image,
+                                                  const RotaryEmbedding* text_rope,
+                                                  const RotaryEmbedding* image_rope,
+                                                  const std::optional<at::Tensor>& key_mask) {
+  // RoPE is per position, so rotating each stream before joining equals rotating the joint
+  // sequence with the joined tables.
+  const HeadsQKV txt = with_rope(text, text_rope);
+  const HeadsQKV img = with_rope(image, image_rope);
+  const int64_t text_len = txt.query.size(1);
+  // [B, L + N, H_local, hd]: text first
+  const HeadsQKV joint{at::cat({txt.query, img.query}, 1), at::cat({txt.key, img.key}, 1),
+                       at::cat({txt.value, img.value}, 1)};
+  std::optional<at::Tensor> mask;
+  // [B, L + N] -> [B, 1, 1, L + N]: the same keys for every head and query
+  if (key_mask.has_value() && key_mask->defined()) mask = key_mask->unsqueeze(1).unsqueeze(1);
+  // [B, L + N, H_local * hd]
+  const at::Tensor attended = attention(joint, nullptr, mask);
+  return {attended.slice(1, 0, text_len), attended.slice(1, text_len)};
+}
+
 GELU::GELU(int64_t dim_in, int64_t dim_out, bool approximate_tanh, bool bias)
     : approximate_tanh_(approximate_tanh) {
   proj = register_module("proj", std::make_shared<Linear>(LinearOptions(dim_in, dim_out).with_bias(bias)));

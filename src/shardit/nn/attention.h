@@ -10,6 +10,8 @@
 
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/norms.h"
+#include "shardit/nn/rope.h"
 
 namespace shardit::nn {
 
@@ -24,6 +26,43 @@ at::Tensor split_heads(const at::Tensor& x, int64_t head_dim);
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::optional<at::Tensor>& mask = std::nullopt,
                                         std::optional<double> scale = std::nullopt);
+
+/// Per-head query, key and value of one stream, [B, S, H_local, head_dim] each.
+struct HeadsQKV {
+  at::Tensor query, key, value;
+};
+
+/// The q/k/v projections of one stream and their per-head norms (null: not normed).
+struct QKVProjections {
+  Linear& to_q;
+  Linear& to_k;
+  Linear& to_v;
+  const RMSNorm* norm_q = nullptr;
+  const RMSNorm* norm_k = nullptr;
+};
+
+/// x [B, S, D] -> q, k, v [B, S, H_local, head_dim], q and k normed per head. Under tensor
+/// parallelism the colwise projections give the local heads, whatever their number.
+HeadsQKV project_heads(const at::Tensor& x, const QKVProjections& projections, int64_t head_dim);
+
+/// q, k, v already projected ([B, S, H_local * head_dim] each, e.g. cut from a fused projection)
+/// -> per-head tensors, q and k normed.
+HeadsQKV split_qkv_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const RMSNorm* norm_q,
+                         const RMSNorm* norm_k, int64_t head_dim);
+
+/// Attention of one sequence with RoPE on q and k (null: none): [B, S, H_local * head_dim] in
+/// the query's dtype. mask as scaled_dot_product_attention's, over [B, H, S, S].
+at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope,
+                     const std::optional<at::Tensor>& mask = std::nullopt);
+
+/// The joint attention of the MMDiT transformers: text and image streams, each with its RoPE
+/// table (null: none), attend over the joint [text; image] sequence. Returns the text part
+/// [B, L, H_local * head_dim] and the image part [B, N, H_local * head_dim]. `key_mask` (optional)
+/// masks keys of the joint sequence (bool [B, L + N], true = attend).
+std::pair<at::Tensor, at::Tensor> joint_attention(const HeadsQKV& text, const HeadsQKV& image,
+                                                  const RotaryEmbedding* text_rope,
+                                                  const RotaryEmbedding* image_rope,
+                                                  const std::optional<at::Tensor>& key_mask = std::nullopt);
 
 /// diffusers' GELU module (attention.py's activation with a projection): act(proj(x)).
 class GELU : public Module {

@@ -5,6 +5,7 @@
 // registered slot with real (possibly sharded) data.
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12,13 +13,36 @@
 
 namespace shardit::nn {
 
+/// Receives named tensors that modules emit during a forward (see Module::emit): parity tests
+/// record intermediates with it, and later hooks attach the same way. `module_path` is the dotted
+/// path of the emitting module below the model ("" for the model itself).
+using ForwardObserver =
+    std::function<void(const std::string& module_path, const std::string& name, const at::Tensor& value)>;
+
+/// Installs `observer` for the forwards run on this thread while the scope lives (scopes nest; the
+/// innermost wins). Without one, Module::emit costs one thread-local read.
+class ObserveForward {
+ public:
+  explicit ObserveForward(ForwardObserver observer);
+  ~ObserveForward();
+  ObserveForward(const ObserveForward&) = delete;
+  ObserveForward& operator=(const ObserveForward&) = delete;
+
+ private:
+  ForwardObserver observer_;
+  const ForwardObserver* previous_;
+};
+
 class Module {
  public:
-  /// A registered parameter: its dotted name and the member it lives in.
-  struct ParameterSlot {
+  /// A registered tensor (parameter or buffer): its dotted name and the member it lives in.
+  struct TensorSlot {
     std::string name;
     at::Tensor* tensor;
     Module* owner;
+    bool is_buffer = false;
+    /// Buffers only: saved in and loaded from checkpoints (torch's `persistent`).
+    bool persistent = true;
   };
 
   Module() = default;
@@ -31,7 +55,11 @@ class Module {
 
   /// Every parameter below this module, depth first in registration order, named
   /// `prefix.child.param`.
-  std::vector<ParameterSlot> named_parameters(const std::string& prefix = "");
+  std::vector<TensorSlot> named_parameters(const std::string& prefix = "");
+  /// Every buffer below this module (persistent or not), named like the parameters.
+  std::vector<TensorSlot> named_buffers(const std::string& prefix = "");
+  /// What a checkpoint holds: the parameters, then the persistent buffers (the state dict).
+  std::vector<TensorSlot> named_states(const std::string& prefix = "");
   /// This module (named `prefix`) and every descendant, depth first.
   std::vector<std::pair<std::string, Module*>> named_modules(const std::string& prefix = "");
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
@@ -41,30 +69,59 @@ class Module {
   Module* find_module(const std::string& path);
   /// Own parameters (not the children's).
   const std::vector<std::pair<std::string, at::Tensor*>>& own_parameters() const { return params_; }
+  /// The dotted path of this module below the root it was registered in ("" for a root).
+  std::string path() const;
 
   /// Total bytes of the parameters as they are now (local shards after sharding).
   int64_t parameter_bytes();
-  /// Casts every floating-point parameter to `dtype` and moves it to `device`.
-  void to(at::Device device, at::ScalarType dtype);
-  /// True when no parameter is still on the meta device.
+  /// Casts every floating-point parameter and buffer to `dtype` (those under a module named in
+  /// `keep_in_fp32`, see keeps_fp32, stay fp32) and moves it to `device`.
+  void to(at::Device device, at::ScalarType dtype, const std::vector<std::string>& keep_in_fp32 = {});
+  /// True when no parameter or persistent buffer is still on the meta device.
   bool is_materialized();
+
+  /// Passes `value` to the thread's ForwardObserver, if any, as (this module's path, name).
+  void emit(const std::string& name, const at::Tensor& value) const;
+  /// True while a ForwardObserver is installed on this thread (to skip work done only for it).
+  static bool observed();
 
  protected:
   /// Declares a parameter of `shape` (on the meta device until loaded) stored in `*slot`.
   void register_parameter(const std::string& name, at::Tensor* slot, at::IntArrayRef shape);
+  /// Declares a buffer stored in `*slot`: state that is not trained (BatchNorm running
+  /// statistics, position tables). A persistent buffer is part of the checkpoint: declared on the
+  /// meta device with `shape` and loaded like a parameter (never sharded). A non-persistent one is
+  /// computed by the module: pass its value as `initial`.
+  void register_buffer(const std::string& name, at::Tensor* slot, at::IntArrayRef shape, bool persistent = true,
+                       const at::Tensor& initial = {});
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     for (const auto& child : children_) {
       TORCH_INTERNAL_ASSERT(child.first != name, "module '", name, "' registered twice");
     }
+    TORCH_INTERNAL_ASSERT(module->parent_ == nullptr, "module '", name, "' already has a parent");
+    module->parent_ = this;
+    module->name_ = name;
     children_.emplace_back(name, module);
     return module;
   }
 
  private:
+  struct BufferEntry {
+    std::string name;
+    at::Tensor* tensor;
+    bool persistent;
+  };
   std::vector<std::pair<std::string, at::Tensor*>> params_;
+  std::vector<BufferEntry> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  const Module* parent_ = nullptr;
+  std::string name_;
 };
+
+/// diffusers' `_keep_in_fp32_modules` rule: a tensor stays fp32 when one of the dotted segments of
+/// its name equals one of `modules` ("norm_out" keeps "norm_out.linear.weight").
+bool keeps_fp32(const std::string& tensor_name, const std::vector<std::string>& modules);
 
 /// Marks the module lists (`transformer_blocks`), the only places a plan's `*` may stand.
 class ModuleListBase : public Module {

@@ -11,6 +11,9 @@ namespace shardit::nn {
 struct RotaryEmbedding {
   at::Tensor cos;
   at::Tensor sin;
+
+  /// The rows [begin, end) (positions of one part of a joint sequence), as views.
+  RotaryEmbedding slice(int64_t begin, int64_t end) const { return {cos.slice(0, begin, end), sin.slice(0, begin, end)}; }
 };
 
 /// diffusers' get_1d_rotary_pos_embed(dim, pos, theta, use_real=True, repeat_interleave_real=True)

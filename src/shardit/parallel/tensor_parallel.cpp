@@ -13,6 +13,7 @@
 
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
+#include "shardit/nn/embedding.h"
 #include "shardit/nn/linear.h"
 
 namespace shardit::parallel {
@@ -48,15 +49,22 @@ std::string join_names(const std::vector<std::string>& names, size_t limit) {
   return out;
 }
 
-/// A matched layer: the Linear a plan entry applies to.
+/// A matched layer: the Linear or Embedding a plan entry applies to.
 struct LayerMatch {
   std::string path;
-  nn::Linear* linear = nullptr;
+  nn::Module* module = nullptr;
+  nn::Linear* linear = nullptr;        ///< set for a Linear
+  nn::Embedding* embedding = nullptr;  ///< set for an Embedding
   const PlanEntry* entry = nullptr;
   /// The split dimension of the weight and its blocks (absolute sizes); one block when not packed.
   int64_t weight_dim = 0;
   std::vector<int64_t> blocks;
   bool bias_sharded = false;
+  /// Vocab-parallel embedding: contiguous ranges of ceil(size / degree), the last ones shorter,
+  /// so any degree works.
+  bool uneven = false;
+
+  const at::Tensor& weight() const { return linear ? linear->weight : embedding->weight; }
 };
 
 /// A size the TP degree must divide, with what to say when it does not.
@@ -175,8 +183,39 @@ std::vector<int64_t> packed_blocks(const PlanEntry& entry, const std::string& pa
   return declared;
 }
 
+/// Fills the split dimension and blocks of a matched Embedding: Rowwise splits the vocabulary
+/// (any degree), Colwise and ColwiseGather the embedding dimension.
+void lay_out_embedding(LayerMatch& layer) {
+  const PlanEntry& entry = *layer.entry;
+  const at::Tensor& weight = layer.embedding->weight;
+  TORCH_CHECK(entry.blocks.empty(), "tp_plan key '", entry.pattern, "': blocks ", c10::IntArrayRef(entry.blocks),
+              " are given for the Embedding '", layer.path, "'; embeddings take no blocks");
+  switch (entry.style) {
+    case ShardStyle::Rowwise:
+      layer.weight_dim = 0;
+      layer.blocks = {weight.size(0)};
+      layer.uneven = true;
+      return;
+    case ShardStyle::Colwise:
+    case ShardStyle::ColwiseGather:
+      layer.weight_dim = 1;
+      layer.blocks = {weight.size(1)};
+      return;
+    case ShardStyle::PackedColwise:
+    case ShardStyle::PackedRowwise:
+      break;
+  }
+  TORCH_CHECK(false, "tp_plan key '", entry.pattern, "' puts ", shard_style_name(entry.style),
+              " on the Embedding '", layer.path,
+              "'; embeddings take Rowwise (vocabulary split), Colwise or ColwiseGather (embedding dim split)");
+}
+
 /// Fills the split dimension and blocks of a matched layer.
 void lay_out(LayerMatch& layer) {
+  if (layer.embedding) {
+    lay_out_embedding(layer);
+    return;
+  }
   const PlanEntry& entry = *layer.entry;
   const nn::Linear& linear = *layer.linear;
   const int64_t out = linear.weight.size(0);
@@ -215,6 +254,17 @@ void lay_out(LayerMatch& layer) {
   }
 }
 
+/// Contiguous ranges of ceil(size / degree) rows; the last ranks may hold fewer (or none).
+std::vector<std::vector<io::Range>> uneven_ranges(int64_t size, int tp_degree) {
+  const int64_t piece = (size + tp_degree - 1) / tp_degree;
+  std::vector<std::vector<io::Range>> per_rank(tp_degree);
+  for (int r = 0; r < tp_degree; ++r) {
+    const int64_t begin = std::min(size, r * piece);
+    per_rank[r].push_back({begin, std::min(size, begin + piece)});
+  }
+  return per_rank;
+}
+
 std::vector<std::vector<io::Range>> ranges_for(const std::vector<int64_t>& blocks, int tp_degree) {
   std::vector<std::vector<io::Range>> per_rank(tp_degree);
   int64_t offset = 0;
@@ -236,8 +286,14 @@ std::string working_degrees(const std::vector<Constraint>& constraints) {
   return out;
 }
 
-Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
-                   const std::vector<TpDivisor>& divisors) {
+/// Bytes per element of a state tensor loaded in `dtype`: keep-in-fp32 tensors stay fp32.
+int64_t loaded_element_size(const std::string& name, at::ScalarType dtype, const ModelTraits& traits) {
+  return static_cast<int64_t>(
+      c10::elementSize(nn::keeps_fp32(name, traits.keep_in_fp32_modules) ? at::kFloat : dtype));
+}
+
+Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits,
+                   at::ScalarType dtype) {
   TORCH_CHECK(tp_degree >= 1, "tensor parallel: tp_degree must be >= 1, got ", tp_degree);
   const auto modules = model.named_modules();
 
@@ -247,22 +303,26 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
   for (const PlanEntry& entry : plan) {
     for (const auto& [path, module] : match_entry(model, entry, modules)) {
       auto* linear = dynamic_cast<nn::Linear*>(module);
-      TORCH_CHECK(
-          linear != nullptr, "tp_plan key '", entry.pattern, "' puts a ", shard_style_name(entry.style),
-          " style on module '", path, "', a ", module->type_name(),
-          " without a weight to split: styles apply to Linear layers only (remove the key, or name the "
-          "Linear inside it)");
+      auto* embedding = dynamic_cast<nn::Embedding*>(module);
+      TORCH_CHECK(linear != nullptr || embedding != nullptr, "tp_plan key '", entry.pattern, "' puts a ",
+                  shard_style_name(entry.style), " style on module '", path, "', a ", module->type_name(),
+                  " without a weight to split: styles apply to Linear and Embedding layers only (remove the "
+                  "key, or name the layer inside it)");
       const auto [it, inserted] = claimed.emplace(module, entry.pattern);
       TORCH_CHECK(inserted, "tp_plan keys '", it->second, "' and '", entry.pattern, "' both match module '",
                   path, "': each module may have one style");
-      TORCH_CHECK(linear->parallel_mode() == nn::LinearParallel::None, "tp_plan key '", entry.pattern,
-                  "': module '", path, "' is already parallel; a model can be sharded once");
-      TORCH_CHECK(linear->weight.dim() == 2, "tp_plan key '", entry.pattern, "': '", path,
-                  ".weight' has shape ", linear->weight.sizes(), ", expected [out, in]");
+      const bool already_parallel = linear ? linear->parallel_mode() != nn::LinearParallel::None
+                                           : embedding->parallel_mode() != nn::EmbeddingParallel::None;
+      TORCH_CHECK(!already_parallel, "tp_plan key '", entry.pattern, "': module '", path,
+                  "' is already parallel; a model can be sharded once");
       LayerMatch match;
       match.path = path;
+      match.module = module;
       match.linear = linear;
+      match.embedding = embedding;
       match.entry = &entry;
+      TORCH_CHECK(match.weight().dim() == 2, "tp_plan key '", entry.pattern, "': '", path, ".weight' has shape ",
+                  match.weight().sizes(), ", expected 2 dimensions");
       result.layers.push_back(std::move(match));
     }
   }
@@ -270,17 +330,18 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
   // 2. Lay out each matched layer and collect every size the degree must divide.
   // The model's own constraints (head counts) come first: they explain a failure best.
   std::vector<Constraint> constraints;
-  for (const TpDivisor& divisor : divisors) {
+  for (const TpDivisor& divisor : traits.divisors) {
     constraints.push_back({divisor.value, "", divisor.what + " = " + std::to_string(divisor.value)});
   }
   for (LayerMatch& layer : result.layers) {
     lay_out(layer);
+    if (layer.uneven) continue;  // any degree works
+    const at::Tensor& weight = layer.weight();
     const std::string tensor = layer.path + ".weight";
-    const int64_t full = layer.linear->weight.size(layer.weight_dim);
+    const int64_t full = weight.size(layer.weight_dim);
     for (size_t b = 0; b < layer.blocks.size(); ++b) {
       std::ostringstream what;
-      what << "tensor '" << tensor << "' " << layer.linear->weight.sizes() << " dim "
-           << layer.weight_dim;
+      what << "tensor '" << tensor << "' " << weight.sizes() << " dim " << layer.weight_dim;
       if (layer.blocks.size() > 1) {
         what << " block " << b << " of " << layer.blocks.size() << " " << c10::IntArrayRef(layer.blocks)
              << " has size " << layer.blocks[b];
@@ -299,24 +360,31 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree,
                 kMaxSuggestedDegree, "): ", working_degrees(constraints));
   }
 
-  // 4. A spec for every parameter, in model order.
+  // 4. A spec for every state tensor, in model order.
   std::map<nn::Module*, const LayerMatch*> layer_of;
-  for (const LayerMatch& layer : result.layers) layer_of[layer.linear] = &layer;
+  for (const LayerMatch& layer : result.layers) layer_of[layer.module] = &layer;
   ResolvedPlan& resolved = result.plan;
   resolved.tp_degree = tp_degree;
-  for (const auto& slot : model.named_parameters()) {
+  resolved.dtype = dtype;
+  for (const auto& slot : model.named_states()) {
     ShardSpec spec;
     spec.parameter = slot.name;
     spec.full_shape = slot.tensor->sizes().vec();
-    const auto found = layer_of.find(slot.owner);
+    spec.is_buffer = slot.is_buffer;
+    spec.is_floating = slot.tensor->is_floating_point();
+    spec.element_size = slot.tensor->is_floating_point()
+                            ? loaded_element_size(slot.name, dtype, traits)
+                            : static_cast<int64_t>(slot.tensor->element_size());
+    const auto found = slot.is_buffer ? layer_of.end() : layer_of.find(slot.owner);
     if (found != layer_of.end()) {
       const LayerMatch& layer = *found->second;
       spec.plan_key = layer.entry->pattern;
-      const bool is_weight = slot.tensor == &layer.linear->weight;
+      const bool is_weight = slot.tensor == &layer.weight();
       if (is_weight || layer.bias_sharded) {
         spec.style = layer.entry->style;
         spec.dim = is_weight ? layer.weight_dim : 0;
-        spec.ranges_per_rank = ranges_for(layer.blocks, tp_degree);
+        spec.ranges_per_rank = layer.uneven ? uneven_ranges(layer.blocks[0], tp_degree)
+                                            : ranges_for(layer.blocks, tp_degree);
       }
     }
     resolved.parameters.push_back(std::move(spec));
@@ -335,8 +403,25 @@ nn::LinearParallel linear_mode(ShardStyle style) {
   TORCH_INTERNAL_ASSERT(false, "unknown ShardStyle");
 }
 
+nn::EmbeddingParallel embedding_mode(ShardStyle style) {
+  switch (style) {
+    case ShardStyle::Rowwise: return nn::EmbeddingParallel::VocabParallel;
+    case ShardStyle::Colwise: return nn::EmbeddingParallel::Colwise;
+    case ShardStyle::ColwiseGather: return nn::EmbeddingParallel::ColwiseGather;
+    case ShardStyle::PackedColwise:
+    case ShardStyle::PackedRowwise: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "packed styles do not apply to embeddings");
+}
+
 void set_parallel_modes(const std::vector<LayerMatch>& layers, const std::shared_ptr<dist::Group>& group) {
+  const int rank = group->rank();
   for (const LayerMatch& layer : layers) {
+    if (layer.embedding) {
+      const int64_t vocab_begin = layer.uneven ? uneven_ranges(layer.blocks[0], group->size())[rank][0].begin : 0;
+      layer.embedding->set_parallel(embedding_mode(layer.entry->style), group, vocab_begin);
+      continue;
+    }
     const nn::LinearParallel mode = linear_mode(layer.entry->style);
     const bool packed_gather = mode == nn::LinearParallel::ColwiseGather && layer.blocks.size() > 1;
     layer.linear->set_parallel(mode, group, packed_gather ? layer.blocks : std::vector<int64_t>{});
@@ -367,13 +452,21 @@ TensorParallelConfig::TensorParallelConfig(std::shared_ptr<dist::Group> group) :
 }
 
 TensorParallelConfig::TensorParallelConfig(const dist::DeviceMesh& mesh, const std::string& dim)
-    : TensorParallelConfig(mesh.group(dim)) {}
+    : TensorParallelConfig(mesh.group(dim)) {
+  this->mesh = std::make_shared<const dist::DeviceMesh>(mesh);
+  mesh_dim = dim;
+}
 
-TensorParallelConfig TensorParallelConfig::from_degree(int tp_degree) {
-  dist::World& world = dist::World::get();
-  TORCH_CHECK(tp_degree == world.size(), "tp_degree ", tp_degree, " does not match the world size ",
-              world.size(), ": launch ", tp_degree, " ranks, or build the config from a mesh dimension");
-  return TensorParallelConfig(world.group());
+TensorParallelConfig TensorParallelConfig::from_degree(dist::World& world, int tp_degree) {
+  TORCH_CHECK(tp_degree >= 1 && tp_degree <= world.size() && world.size() % tp_degree == 0, "tp_degree ",
+              tp_degree, " does not divide the world size ", world.size(),
+              ": choose a degree that divides it (each group of tp_degree ranks holds one sharded copy), or "
+              "launch a multiple of ", tp_degree, " ranks");
+  if (tp_degree == world.size()) {
+    return TensorParallelConfig(dist::DeviceMesh(world, {{"tp", tp_degree}}), "tp");
+  }
+  return TensorParallelConfig(dist::DeviceMesh(world, {{"replica", world.size() / tp_degree}, {"tp", tp_degree}}),
+                              "tp");
 }
 
 int TensorParallelConfig::tp_degree() const { return group->size(); }
@@ -393,10 +486,16 @@ std::vector<int64_t> ShardSpec::local_shape(int tp_rank) const {
   return shape;
 }
 
+int64_t ShardSpec::full_bytes() const { return c10::multiply_integers(full_shape) * element_size; }
+
+int64_t ShardSpec::bytes_on_rank(int tp_rank) const {
+  return c10::multiply_integers(local_shape(tp_rank)) * element_size;
+}
+
 int64_t ResolvedPlan::replicated_bytes() const {
   int64_t total = 0;
   for (const ShardSpec& spec : parameters) {
-    if (!spec.is_sharded()) total += c10::multiply_integers(spec.full_shape) * element_size;
+    if (!spec.is_sharded()) total += spec.full_bytes();
   }
   return total;
 }
@@ -404,7 +503,7 @@ int64_t ResolvedPlan::replicated_bytes() const {
 int64_t ResolvedPlan::sharded_bytes() const {
   int64_t total = 0;
   for (const ShardSpec& spec : parameters) {
-    if (spec.is_sharded()) total += c10::multiply_integers(spec.full_shape) * element_size;
+    if (spec.is_sharded()) total += spec.full_bytes();
   }
   return total;
 }
@@ -413,7 +512,13 @@ int64_t ResolvedPlan::bytes_on_rank(int tp_rank) const {
   TORCH_CHECK(tp_rank >= 0 && tp_rank < tp_degree, "bytes_on_rank: tp_rank ", tp_rank, " out of range [0, ",
               tp_degree, ")");
   int64_t total = 0;
-  for (const ShardSpec& spec : parameters) total += c10::multiply_integers(spec.local_shape(tp_rank)) * element_size;
+  for (const ShardSpec& spec : parameters) total += spec.bytes_on_rank(tp_rank);
+  return total;
+}
+
+int64_t ResolvedPlan::total_elements() const {
+  int64_t total = 0;
+  for (const ShardSpec& spec : parameters) total += c10::multiply_integers(spec.full_shape);
   return total;
 }
 
@@ -434,7 +539,7 @@ std::string ResolvedPlan::to_table() const {
     if (spec.is_sharded()) style += " (dim " + std::to_string(spec.dim) + ")";
     const auto local = spec.local_shape(0);
     rows.push_back({spec.parameter, style, c10::str(c10::IntArrayRef(spec.full_shape)),
-                    c10::str(c10::IntArrayRef(local)), std::to_string(c10::multiply_integers(local) * element_size)});
+                    c10::str(c10::IntArrayRef(local)), std::to_string(spec.bytes_on_rank(0))});
   }
   size_t widths[4] = {0, 0, 0, 0};
   for (const Row& row : rows) {
@@ -444,7 +549,7 @@ std::string ResolvedPlan::to_table() const {
     widths[3] = std::max(widths[3], row.local.size());
   }
   std::ostringstream out;
-  out << "tensor-parallel plan at tp_degree " << tp_degree << " (" << element_size << " bytes per element)\n";
+  out << "tensor-parallel plan at tp_degree " << tp_degree << " (" << c10::toString(dtype) << ")\n";
   for (const Row& row : rows) {
     out << std::left << std::setw(static_cast<int>(widths[0]) + 2) << row.name
         << std::setw(static_cast<int>(widths[1]) + 2) << row.style
@@ -465,9 +570,9 @@ std::string ResolvedPlan::to_table() const {
 // ---------------------------------------------------------------------------------------------
 // Resolving, sharding, loading
 
-ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree,
-                          const std::vector<TpDivisor>& divisors) {
-  return resolve(model, plan, tp_degree, divisors).plan;
+ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits,
+                          at::ScalarType dtype) {
+  return resolve(model, plan, tp_degree, traits, dtype).plan;
 }
 
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_rank) {
@@ -486,18 +591,25 @@ at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_ra
   return at::cat(pieces, spec.dim);  // a fresh contiguous tensor
 }
 
-void apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
-                           const std::vector<TpDivisor>& divisors) {
+ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
+                                   const ModelTraits& traits) {
   TORCH_CHECK(config.group != nullptr, "apply_tensor_parallel: the config has no group");
-  Resolution resolution = resolve(model, plan, config.tp_degree(), divisors);
-  auto slots = model.named_parameters();
-  TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
+  auto slots = model.named_states();
   for (const auto& slot : slots) {
     TORCH_CHECK(slot.tensor->defined() && !slot.tensor->is_meta(), "apply_tensor_parallel: parameter '",
                 slot.name,
                 "' is not loaded; load the weights first, or shard while loading (load_weights with "
                 "LoadOptions::tensor_parallel)");
   }
+  // Byte counts in the dtype the model holds now.
+  at::ScalarType dtype = at::kFloat;
+  for (const auto& slot : slots) {
+    if (!slot.tensor->is_floating_point() || nn::keeps_fp32(slot.name, traits.keep_in_fp32_modules)) continue;
+    dtype = slot.tensor->scalar_type();
+    break;
+  }
+  Resolution resolution = resolve(model, plan, config.tp_degree(), traits, dtype);
+  TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
   const int rank = config.tp_rank();
   for (size_t i = 0; i < slots.size(); ++i) {
     const ShardSpec& spec = resolution.plan.parameters[i];
@@ -507,47 +619,93 @@ void apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorPa
     *slots[i].tensor = shard_tensor(*slots[i].tensor, spec, rank);
   }
   set_parallel_modes(resolution.layers, config.group);
+  return std::move(resolution.plan);
 }
 
-void load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
-                  const LoadOptions& options, const std::vector<TpDivisor>& divisors) {
-  const bool parallel = options.tensor_parallel.has_value();
-  Resolution resolution;
-  if (parallel) {
-    TORCH_CHECK(options.tensor_parallel->group != nullptr,
-                "load_weights: the tensor-parallel config has no group");
-    resolution = resolve(model, plan, options.tensor_parallel->tp_degree(), divisors);
+namespace {
+
+/// `text` matches `glob`, where `*` stands for any run of characters.
+bool glob_matches(const std::string& glob, const std::string& text) {
+  size_t g = 0, t = 0, star = std::string::npos, resume = 0;
+  while (t < text.size()) {
+    if (g < glob.size() && glob[g] == '*') {
+      star = g++;
+      resume = t;
+    } else if (g < glob.size() && glob[g] == text[t]) {
+      ++g;
+      ++t;
+    } else if (star != std::string::npos) {
+      g = star + 1;
+      t = ++resume;
+    } else {
+      return false;
+    }
   }
-  auto slots = model.named_parameters();
+  while (g < glob.size() && glob[g] == '*') ++g;
+  return g == glob.size();
+}
+
+/// For each state tensor, the checkpoint key it is read from: its own name, else the first of its
+/// aliases present; "" when none is.
+std::vector<std::string> source_keys(const std::vector<nn::Module::TensorSlot>& slots,
+                                     const io::Checkpoint& checkpoint, const ModelTraits& traits,
+                                     std::set<std::string>& accepted) {
+  std::map<std::string, const std::vector<std::string>*> aliases;
+  for (const auto& [name, alternatives] : traits.key_aliases) aliases[name] = &alternatives;
+  std::vector<std::string> keys;
+  keys.reserve(slots.size());
+  for (const auto& slot : slots) {
+    std::vector<std::string> candidates{slot.name};
+    const auto found = aliases.find(slot.name);
+    if (found != aliases.end()) candidates.insert(candidates.end(), found->second->begin(), found->second->end());
+    std::string key;
+    for (const std::string& candidate : candidates) {
+      if (!checkpoint.contains(candidate)) continue;
+      accepted.insert(candidate);
+      if (key.empty()) key = candidate;
+    }
+    keys.push_back(key);
+  }
+  return keys;
+}
+
+}  // namespace
+
+ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
+                          const LoadOptions& options, const ModelTraits& traits) {
+  const bool parallel = options.tensor_parallel.has_value();
+  TORCH_CHECK(!parallel || options.tensor_parallel->group != nullptr,
+              "load_weights: the tensor-parallel config has no group");
+  Resolution resolution =
+      resolve(model, plan, parallel ? options.tensor_parallel->tp_degree() : 1, traits, options.dtype);
+  auto slots = model.named_states();
+  TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
 
   // Validate the whole checkpoint against the model before reading anything.
+  std::set<std::string> accepted;
+  const std::vector<std::string> keys = source_keys(slots, checkpoint, traits, accepted);
   std::vector<std::string> missing;
   std::vector<std::string> mismatched;
-  std::set<std::string> expected;
-  for (const auto& slot : slots) {
-    expected.insert(slot.name);
-    if (!checkpoint.contains(slot.name)) {
-      missing.push_back(slot.name);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (keys[i].empty()) {
+      missing.push_back(slots[i].name);
       continue;
     }
-    const io::TensorInfo& info = checkpoint.info(slot.name);
-    const std::vector<int64_t> declared = slot.tensor->sizes().vec();
+    const io::TensorInfo& info = checkpoint.info(keys[i]);
+    const std::vector<int64_t> declared = slots[i].tensor->sizes().vec();
     if (info.shape != declared) {
       std::ostringstream line;
-      line << checkpoint.file_of(slot.name).path() << ": tensor '" << slot.name << "' has shape "
+      line << checkpoint.file_of(keys[i]).path() << ": tensor '" << keys[i] << "' has shape "
            << c10::IntArrayRef(info.shape) << ", the model expects " << c10::IntArrayRef(declared);
       mismatched.push_back(line.str());
     }
   }
   std::vector<std::string> extra;
-  const auto ignored = [&options](const std::string& name) {
-    for (const std::string& prefix : options.ignored_prefixes) {
-      if (name.compare(0, prefix.size(), prefix) == 0) return true;
-    }
-    return false;
-  };
   for (const std::string& name : checkpoint.names()) {
-    if (expected.count(name) == 0 && !ignored(name)) extra.push_back(name);
+    if (accepted.count(name) != 0) continue;
+    const bool ignored = std::any_of(traits.ignored_checkpoint_keys.begin(), traits.ignored_checkpoint_keys.end(),
+                                     [&](const std::string& glob) { return glob_matches(glob, name); });
+    if (!ignored) extra.push_back(name);
   }
   constexpr size_t kListed = 10;
   TORCH_CHECK(mismatched.empty(), "checkpoint '", checkpoint.path(), "' does not fit ", model.type_name(),
@@ -566,40 +724,49 @@ void load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpP
 
   const int rank = parallel ? options.tensor_parallel->tp_rank() : 0;
   for (size_t i = 0; i < slots.size(); ++i) {
-    const std::string& name = slots[i].name;
-    const bool floating = at::isFloatingType(io::to_scalar_type(checkpoint.info(name).dtype));
-    const std::optional<at::ScalarType> dtype =
-        floating ? std::optional<at::ScalarType>(options.dtype) : std::nullopt;
-    at::Tensor value;
-    if (parallel && resolution.plan.parameters[i].is_sharded()) {
-      const ShardSpec& spec = resolution.plan.parameters[i];
-      TORCH_INTERNAL_ASSERT(spec.parameter == name);
-      value = checkpoint.read_slices(name, spec.dim, spec.ranges_per_rank[rank], dtype);
-    } else {
-      value = checkpoint.read(name, dtype);
-    }
+    const ShardSpec& spec = resolution.plan.parameters[i];
+    TORCH_INTERNAL_ASSERT(spec.parameter == slots[i].name);
+    const bool floating = at::isFloatingType(io::to_scalar_type(checkpoint.info(keys[i]).dtype));
+    const at::ScalarType target = nn::keeps_fp32(slots[i].name, traits.keep_in_fp32_modules) ? at::kFloat
+                                                                                              : options.dtype;
+    const std::optional<at::ScalarType> dtype = floating ? std::optional<at::ScalarType>(target) : std::nullopt;
+    const at::Tensor value = spec.is_sharded()
+                                 ? checkpoint.read_slices(keys[i], spec.dim, spec.ranges_per_rank[rank], dtype)
+                                 : checkpoint.read(keys[i], dtype);
     *slots[i].tensor = value.to(options.device);
   }
   if (parallel) set_parallel_modes(resolution.layers, options.tensor_parallel->group);
+  return std::move(resolution.plan);
 }
 
 // ---------------------------------------------------------------------------------------------
 // TensorParallelModule
 
 void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config) {
-  apply_tensor_parallel(*this, tp_plan(), config, tp_divisors());
-  tp_degree_ = config.tp_degree();
+  resolved_plan_ = apply_tensor_parallel(*this, tp_plan(), config, traits());
+  config_ = config;
 }
 
-void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& given) {
-  LoadOptions options = given;
-  for (std::string& prefix : ignored_weight_prefixes()) options.ignored_prefixes.push_back(std::move(prefix));
-  load_weights(*this, checkpoint, tp_plan(), options, tp_divisors());
-  tp_degree_ = options.tensor_parallel ? options.tensor_parallel->tp_degree() : 1;
+void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& options) {
+  resolved_plan_ = load_weights(*this, checkpoint, tp_plan(), options, traits());
+  config_ = options.tensor_parallel;
 }
 
-ResolvedPlan TensorParallelModule::resolve(int tp_degree) {
-  return resolve_plan(*this, tp_plan(), tp_degree, tp_divisors());
+void TensorParallelModule::to(at::Device device, at::ScalarType dtype) {
+  nn::Module::to(device, dtype, traits().keep_in_fp32_modules);
+  if (resolved_plan_) {
+    // Keep the recorded byte counts true to the new dtype.
+    const ModelTraits model_traits = traits();
+    resolved_plan_->dtype = dtype;
+    for (ShardSpec& spec : resolved_plan_->parameters) {
+      if (!spec.is_floating) continue;  // integer state keeps its type
+      spec.element_size = loaded_element_size(spec.parameter, dtype, model_traits);
+    }
+  }
+}
+
+ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype) {
+  return resolve_plan(*this, tp_plan(), tp_degree, traits(), dtype);
 }
 
 }  // namespace shardit::parallel

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardit/dist/group.h"
@@ -17,20 +18,29 @@
 
 namespace shardit::dist {
 class DeviceMesh;
+class World;
 }
 
 namespace shardit::parallel {
 
-/// Which ranks a model is sharded over.
+/// Which ranks one component is sharded over. Each component of a pipeline gets its own: the
+/// transformer at TP=4, a text encoder at TP=2, the VAE replicated (no config).
 struct TensorParallelConfig {
   /// The tensor-parallel group: the whole world, or one dimension of a mesh.
   std::shared_ptr<dist::Group> group;
+  /// The mesh the group is a dimension of (null when built from a bare group). Later parallel
+  /// dimensions (context, CFG) of the same component are read from it.
+  std::shared_ptr<const dist::DeviceMesh> mesh;
+  /// The name of the tensor-parallel dimension in `mesh`.
+  std::string mesh_dim;
 
   explicit TensorParallelConfig(std::shared_ptr<dist::Group> group);
-  /// The `dim` dimension of a (possibly 2-D) mesh.
+  /// The `dim` dimension of a (possibly N-D) mesh; the mesh is kept (it is cheap to copy).
   explicit TensorParallelConfig(const dist::DeviceMesh& mesh, const std::string& dim = "tp");
-  /// TP over the whole world; `tp_degree` must equal the world size.
-  static TensorParallelConfig from_degree(int tp_degree);
+  /// TP over `tp_degree` consecutive ranks; `tp_degree` must divide the world size, and the world
+  /// is laid out as a ("replica" = world / tp_degree) x ("tp" = tp_degree) mesh: each replica holds
+  /// one sharded copy. Collective over the world.
+  static TensorParallelConfig from_degree(dist::World& world, int tp_degree);
 
   int tp_degree() const;
   int tp_rank() const;
@@ -45,22 +55,45 @@ struct ShardSpec {
   int64_t dim = -1;                 ///< the split dimension, -1 when replicated
   /// Per rank, the ranges of `dim` it holds (concatenated in this order).
   std::vector<std::vector<io::Range>> ranges_per_rank;
+  int64_t element_size = 4;         ///< bytes per element in the loaded dtype
+  bool is_buffer = false;
+  bool is_floating = true;
 
   bool is_sharded() const { return dim >= 0; }
   std::vector<int64_t> local_shape(int tp_rank) const;
+  int64_t full_bytes() const;
+  int64_t bytes_on_rank(int tp_rank) const;
 };
 
-/// A plan resolved against one model at one TP degree.
+/// A plan resolved against one model at one TP degree: every tensor of its state (parameters
+/// and persistent buffers) with its layout. Kept by the loaded model (TensorParallelModule::
+/// resolved_plan) for inspect, tests and benchmarks.
 struct ResolvedPlan {
   int tp_degree = 1;
-  std::vector<ShardSpec> parameters;  ///< every parameter of the model, in model order
-  int64_t element_size = 4;           ///< bytes per element used for the byte counts
+  at::ScalarType dtype = at::kFloat;  ///< the dtype the byte counts are in
+  std::vector<ShardSpec> parameters;  ///< every state tensor of the model, in model order
   int64_t replicated_bytes() const;   ///< bytes every rank holds whole
   int64_t sharded_bytes() const;      ///< full bytes of the sharded parameters
   int64_t bytes_on_rank(int tp_rank) const;
+  int64_t total_elements() const;
   const ShardSpec& spec(const std::string& parameter) const;
   /// A human-readable table: parameter, style, full shape, per-rank shape, bytes.
   std::string to_table() const;
+};
+
+/// What the model declares besides its plan, for resolving and loading.
+struct ModelTraits {
+  /// Constraints beyond the sharded shapes (head counts).
+  std::vector<TpDivisor> divisors;
+  /// diffusers' `_keep_in_fp32_modules`: tensors under a module of one of these names stay fp32
+  /// whatever the load dtype (nn::keeps_fp32).
+  std::vector<std::string> keep_in_fp32_modules;
+  /// Alternative checkpoint keys per state name (tied weights stored under the other name,
+  /// renamed weights): the first key present is read; any others present are accepted too.
+  std::vector<std::pair<std::string, std::vector<std::string>>> key_aliases;
+  /// Checkpoint keys the model does not use, as globs with `*` standing for any run of characters
+  /// (transformers' `_keys_to_ignore_on_load_unexpected`).
+  std::vector<std::string> ignored_checkpoint_keys;
 };
 
 /// Resolves `plan` against `model` at `tp_degree`. Validates before anything moves: each key
@@ -68,32 +101,31 @@ struct ResolvedPlan {
 /// module is a Linear, every split dimension and packed block divides by the degree, and every
 /// `divisors` entry too. Errors name the plan key, the tensor, the sizes, and the degrees that
 /// would work.
-ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree,
-                          const std::vector<TpDivisor>& divisors = {});
+/// Byte counts are in `dtype` (floating tensors; fp32 for keep-in-fp32 ones).
+ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits = {},
+                          at::ScalarType dtype = at::kFloat);
 
 /// This rank's slice of a full tensor under `spec` (a copy; the full tensor can be freed).
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_rank);
 
 /// Shards a model already in memory: replaces every sharded parameter by this rank's slice
-/// (freeing the rest) and switches each matched Linear to its parallel mode.
-void apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
-                           const std::vector<TpDivisor>& divisors = {});
+/// (freeing the rest) and switches each matched layer to its parallel mode. Returns the plan.
+ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
+                                   const ModelTraits& traits = {});
 
 struct LoadOptions {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   /// Tensor parallelism applied while loading; nullopt: load whole.
   std::optional<TensorParallelConfig> tensor_parallel;
-  /// Checkpoint tensors whose names start with one of these are allowed and not read (diffusers'
-  /// `_keys_to_ignore_on_load_unexpected`: a decode-only VAE skips `encoder.`).
-  std::vector<std::string> ignored_prefixes;
 };
 
-/// Fills a model's (meta) parameters from a checkpoint. With tensor_parallel set, reads only
-/// this rank's slice of each sharded tensor and switches the Linears to their parallel modes.
-/// Errors list missing weights, unexpected extra weights and shape mismatches, naming the file.
-void load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
-                  const LoadOptions& options, const std::vector<TpDivisor>& divisors = {});
+/// Fills a model's (meta) parameters and persistent buffers from a checkpoint. With
+/// tensor_parallel set, reads only this rank's slice of each sharded tensor and switches the
+/// matched layers to their parallel modes. Errors list missing weights, unexpected extra weights
+/// and shape mismatches, naming the file. Returns the plan (at degree 1 without tensor_parallel).
+ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
+                          const LoadOptions& options, const ModelTraits& traits = {});
 
 /// A model that carries its tensor-parallel plan. Model code declares the plan; it never reads
 /// ranks.
@@ -101,21 +133,26 @@ class TensorParallelModule : public nn::Module {
  public:
   /// The model's plan, as data.
   virtual const TpPlan& tp_plan() const = 0;
-  /// Constraints beyond the sharded shapes (head counts).
-  virtual std::vector<TpDivisor> tp_divisors() const { return {}; }
-  /// Checkpoint name prefixes the model does not load (added to LoadOptions::ignored_prefixes).
-  virtual std::vector<std::string> ignored_weight_prefixes() const { return {}; }
+  /// Head-count constraints, keep-in-fp32 modules, key aliases.
+  virtual ModelTraits traits() const { return {}; }
 
   /// Shards this (loaded) model in memory.
   void enable_parallelism(const TensorParallelConfig& config);
   /// Loads weights, sharded on the fly when options.tensor_parallel is set.
   void load(const io::Checkpoint& checkpoint, const LoadOptions& options);
-  /// The plan resolved at `tp_degree` (for `shardit inspect --plan`).
-  ResolvedPlan resolve(int tp_degree);
-  int tp_degree() const { return tp_degree_; }
+  /// Casts to `dtype` (keep-in-fp32 modules stay fp32) and moves to `device`.
+  void to(at::Device device, at::ScalarType dtype);
+  /// The plan resolved at `tp_degree` without loading anything (for `shardit inspect --plan`).
+  ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat);
+  int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
+  /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
+  const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }
+  /// The config it was sharded with; null when whole.
+  const TensorParallelConfig* parallel_config() const { return config_ ? &*config_ : nullptr; }
 
  private:
-  int tp_degree_ = 1;
+  std::optional<ResolvedPlan> resolved_plan_;
+  std::optional<TensorParallelConfig> config_;
 };
 
 }  // namespace shardit::parallel

@@ -1,9 +1,10 @@
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
 
-#include <numeric>
+#include <string>
 #include <utility>
 
 namespace shardit::models {
@@ -19,42 +20,21 @@ constexpr double kNormEps = 1e-6;
 
 FluxTransformer2DModelConfig FluxTransformer2DModelConfig::from_json(const nlohmann::json& json,
                                                                      const std::string& source) {
-  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  const io::ConfigReader reader(json, source);
   FluxTransformer2DModelConfig config;
-  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
-  if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
-    config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
-  }
-  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
-  config.num_single_layers = io::config_value(json, "num_single_layers", config.num_single_layers, source);
-  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
-  config.pooled_projection_dim = io::config_value(json, "pooled_projection_dim", config.pooled_projection_dim, source);
-  config.guidance_embeds = io::config_value(json, "guidance_embeds", config.guidance_embeds, source);
-  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
-
-  const auto positive = [&](const char* key, int64_t value) {
-    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
-  };
-  positive("patch_size", config.patch_size);
-  positive("in_channels", config.in_channels);
-  positive("out_channels", config.resolved_out_channels());
-  positive("attention_head_dim", config.attention_head_dim);
-  positive("num_attention_heads", config.num_attention_heads);
-  positive("joint_attention_dim", config.joint_attention_dim);
-  positive("pooled_projection_dim", config.pooled_projection_dim);
-  TORCH_CHECK(config.num_layers >= 0 && config.num_single_layers >= 0, source,
-              ": num_layers and num_single_layers must be >= 0, got ", config.num_layers, " and ",
-              config.num_single_layers);
-  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
-  TORCH_CHECK(!config.axes_dims_rope.empty() && rope_dim == config.attention_head_dim, source,
-              ": axes_dims_rope must sum to attention_head_dim (", config.attention_head_dim, "), got sum ",
-              rope_dim);
-  for (int64_t d : config.axes_dims_rope) {
-    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
-  }
+  config.patch_size = reader.integer("patch_size", config.patch_size, 1, io::kMaxConfigDim);
+  config.in_channels = reader.integer("in_channels", config.in_channels, 1, io::kMaxConfigDim);
+  config.out_channels = reader.optional_integer("out_channels", 1, io::kMaxConfigDim);
+  config.num_layers = reader.integer("num_layers", config.num_layers, 0, io::kMaxConfigLayers);
+  config.num_single_layers = reader.integer("num_single_layers", config.num_single_layers, 0, io::kMaxConfigLayers);
+  config.attention_head_dim = reader.integer("attention_head_dim", config.attention_head_dim, 1, io::kMaxConfigDim);
+  config.num_attention_heads = reader.integer("num_attention_heads", config.num_attention_heads, 1, io::kMaxConfigDim);
+  config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
+  config.pooled_projection_dim = reader.integer("pooled_projection_dim", config.pooled_projection_dim, 1, io::kMaxConfigDim);
+  config.guidance_embeds = reader.boolean("guidance_embeds", config.guidance_embeds);
+  config.axes_dims_rope =
+      reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim", config.attention_head_dim);
+  reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
   return config;
 }
 
@@ -111,25 +91,24 @@ CombinedTimestepGuidanceTextProjEmbeddings::CombinedTimestepGuidanceTextProjEmbe
 
 at::Tensor CombinedTimestepGuidanceTextProjEmbeddings::forward(const at::Tensor& timestep,
                                                                const std::optional<at::Tensor>& guidance,
-                                                               const at::Tensor& pooled_projection,
-                                                               const IntermediateRecorder& record) {
+                                                               const at::Tensor& pooled_projection) {
   const at::ScalarType dtype = pooled_projection.scalar_type();
   // [B, 256] fp32
   const at::Tensor timesteps_proj = time_proj.forward(timestep);
-  if (record) record("temb.timestep_proj", timesteps_proj);
+  emit("temb.timestep_proj", timesteps_proj);
   // [B, D]
   at::Tensor conditioning = timestep_embedder->forward(timesteps_proj.to(dtype));
-  if (record) record("temb.timestep_emb", conditioning);
+  emit("temb.timestep_emb", conditioning);
   if (guidance_embedder) {
     TORCH_INTERNAL_ASSERT(guidance.has_value(), "guidance missing for a guidance-distilled model");
     const at::Tensor guidance_proj = time_proj.forward(*guidance);
-    if (record) record("temb.guidance_proj", guidance_proj);
+    emit("temb.guidance_proj", guidance_proj);
     const at::Tensor guidance_emb = guidance_embedder->forward(guidance_proj.to(dtype));
-    if (record) record("temb.guidance_emb", guidance_emb);
+    emit("temb.guidance_emb", guidance_emb);
     conditioning = conditioning + guidance_emb;
   }
   const at::Tensor pooled_emb = text_embedder->forward(pooled_projection);
-  if (record) record("temb.pooled_emb", pooled_emb);
+  emit("temb.pooled_emb", pooled_emb);
   return conditioning + pooled_emb;
 }
 
@@ -163,47 +142,29 @@ FluxAttention::Output FluxAttention::forward(const at::Tensor& hidden_states, co
                                              const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("FluxAttention");
   // hidden_states [B, N, D]; encoder_hidden_states [B, L, D] or undefined
-  const int64_t head_dim = options_.dim_head;
   // [B, N, H_local, hd]
-  at::Tensor query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim));
-  at::Tensor key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim));
-  at::Tensor value = nn::split_heads(to_v->forward(hidden_states), head_dim);
-
-  int64_t text_len = 0;
-  if (encoder_hidden_states.defined()) {
-    TORCH_INTERNAL_ASSERT(add_q_proj, "FluxAttention: encoder_hidden_states given to an attention without added KV");
-    text_len = encoder_hidden_states.size(1);
-    // [B, L, H_local, hd]
-    const at::Tensor encoder_query =
-        norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim));
-    const at::Tensor encoder_key =
-        norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim));
-    const at::Tensor encoder_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim);
-    // [B, L + N, H_local, hd]: text first
-    query = at::cat({encoder_query, query}, 1);
-    key = at::cat({encoder_key, key}, 1);
-    value = at::cat({encoder_value, value}, 1);
-  }
-
-  query = nn::apply_rotary_emb(query, rope);
-  key = nn::apply_rotary_emb(key, rope);
-
-  // [B, H_local, S, hd]
-  at::Tensor attended = nn::scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                                         value.transpose(1, 2));
-  // [B, S, H_local * hd]
-  attended = attended.transpose(1, 2).flatten(2).to(query.scalar_type());
-
+  const nn::HeadsQKV image =
+      nn::project_heads(hidden_states, {*to_q, *to_k, *to_v, norm_q.get(), norm_k.get()}, options_.dim_head);
   Output out;
   if (!encoder_hidden_states.defined()) {
+    // [B, S, H_local * hd]
+    const at::Tensor attended = nn::attention(image, &rope);
     out.hidden_states = options_.pre_only ? attended : (*to_out)[0].forward(attended);
     return out;
   }
+  TORCH_INTERNAL_ASSERT(add_q_proj, "FluxAttention: encoder_hidden_states given to an attention without added KV");
+  const int64_t text_len = encoder_hidden_states.size(1);
+  // [B, L, H_local, hd]
+  const nn::HeadsQKV text = nn::project_heads(
+      encoder_hidden_states, {*add_q_proj, *add_k_proj, *add_v_proj, norm_added_q.get(), norm_added_k.get()},
+      options_.dim_head);
+  // The RoPE table covers [text; image].
+  const nn::RotaryEmbedding text_rope = rope.slice(0, text_len);
+  const nn::RotaryEmbedding image_rope = rope.slice(text_len, rope.cos.size(0));
   // [B, L, H_local * hd] and [B, N, H_local * hd]
-  const at::Tensor text = attended.slice(1, 0, text_len);
-  const at::Tensor image = attended.slice(1, text_len);
-  out.hidden_states = (*to_out)[0].forward(image);
-  out.encoder_hidden_states = to_add_out->forward(text);
+  const auto [text_attended, image_attended] = nn::joint_attention(text, image, &text_rope, &image_rope);
+  out.hidden_states = (*to_out)[0].forward(image_attended);
+  out.encoder_hidden_states = to_add_out->forward(text_attended);
   return out;
 }
 
@@ -224,34 +185,29 @@ FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t num_attention_he
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::forward(const at::Tensor& hidden_states,
                                                                 const at::Tensor& encoder_hidden_states,
-                                                                const at::Tensor& temb, const nn::RotaryEmbedding& rope,
-                                                                const IntermediateRecorder& record) {
+                                                                const at::Tensor& temb, const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("FluxTransformerBlock");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
   const AdaLayerNormZero::Output img = norm1->forward(hidden_states, temb);
   const AdaLayerNormZero::Output txt = norm1_context->forward(encoder_hidden_states, temb);
-  if (record) {
-    record("norm1.linear", img.emb);
-    record("norm1_context.linear", txt.emb);
-  }
+  emit("norm1.linear", img.emb);
+  emit("norm1_context.linear", txt.emb);
 
   const FluxAttention::Output attention = attn->forward(img.hidden_states, txt.hidden_states, rope);
-  if (record) {
-    record("attn.hidden_states", attention.hidden_states);
-    record("attn.encoder_hidden_states", attention.encoder_hidden_states);
-  }
+  emit("attn.hidden_states", attention.hidden_states);
+  emit("attn.encoder_hidden_states", attention.encoder_hidden_states);
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, img.gate_msa, attention.hidden_states);
   const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, kNormEps), img.shift_mlp, img.scale_mlp));
-  if (record) record("ff", ff_output);
+  emit("ff", ff_output);
   image = nn::gated_residual(image, img.gate_mlp, ff_output);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, txt.gate_msa, attention.encoder_hidden_states);
   const at::Tensor ff_context_output =
       ff_context->forward(nn::modulate(nn::layer_norm(text, kNormEps), txt.shift_mlp, txt.scale_mlp));
-  if (record) record("ff_context", ff_context_output);
+  emit("ff_context", ff_context_output);
   text = nn::gated_residual(text, txt.gate_mlp, ff_context_output);
   return {text, image};
 }
@@ -271,18 +227,18 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t num_
 }
 
 at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, const at::Tensor& temb,
-                                               const nn::RotaryEmbedding& rope, const IntermediateRecorder& record) {
+                                               const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("FluxSingleTransformerBlock");
   // hidden_states [B, S, D], temb [B, D]
   const AdaLayerNormZeroSingle::Output normed = norm->forward(hidden_states, temb);
-  if (record) record("norm.linear", normed.emb);
+  emit("norm.linear", normed.emb);
   // [B, S, 4D_local]
   at::Tensor mlp = proj_mlp->forward(normed.hidden_states);
-  if (record) record("proj_mlp", mlp);
+  emit("proj_mlp", mlp);
   at::gelu_(mlp, "tanh");
   // [B, S, D_local]
   const at::Tensor attention = attn->forward(normed.hidden_states, at::Tensor(), rope).hidden_states;
-  if (record) record("attn", attention);
+  emit("attn", attention);
   // [B, S, D_local + 4D_local] -> [B, S, D]
   const at::Tensor projected = proj_out->forward(at::cat({attention, mlp}, 2));
   return nn::gated_residual(hidden_states, normed.gate, projected);
@@ -290,18 +246,6 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
 
 // ---------------------------------------------------------------------------------------------
 // Model
-
-FluxTransformer2DModelInputs FluxTransformer2DModelInputs::read(const io::SafetensorsFile& file) {
-  FluxTransformer2DModelInputs inputs;
-  inputs.hidden_states = file.read("hidden_states");
-  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
-  inputs.pooled_projections = file.read("pooled_projections");
-  inputs.timestep = file.read("timestep");
-  inputs.img_ids = file.read("img_ids");
-  inputs.txt_ids = file.read("txt_ids");
-  if (file.contains("guidance")) inputs.guidance = file.read("guidance");
-  return inputs;
-}
 
 FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfig& config)
     : config(config), pos_embed(10000.0, config.axes_dims_rope) {
@@ -361,122 +305,93 @@ const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
   return plan;
 }
 
-std::vector<parallel::TpDivisor> FluxTransformer2DModel::tp_divisors() const {
+parallel::ModelTraits FluxTransformer2DModel::traits() const {
+  parallel::ModelTraits traits;
   // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {{"num_attention_heads", config.num_attention_heads}};
+  traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
+  return traits;
 }
 
-at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs,
-                                           const IntermediateRecorder& record) {
+at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("FluxTransformer2DModel");
-  TORCH_CHECK(is_materialized(), "FluxTransformer2DModel: forward called before the weights were loaded");
+  const std::string where = type_name();
+  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
   const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
 
   const at::Tensor& hidden_states_in = inputs.hidden_states;
-  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
-              "FluxTransformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
-              hidden_states_in.defined() ? hidden_states_in.sizes() : at::IntArrayRef{});
-  const int64_t batch = hidden_states_in.size(0);
-  const int64_t image_len = hidden_states_in.size(1);
-  TORCH_CHECK(inputs.encoder_hidden_states.defined() && inputs.encoder_hidden_states.dim() == 3 &&
-                  inputs.encoder_hidden_states.size(0) == batch &&
-                  inputs.encoder_hidden_states.size(2) == config.joint_attention_dim,
-              "FluxTransformer2DModel: encoder_hidden_states must be [", batch, ", L, ", config.joint_attention_dim,
-              "], got ", inputs.encoder_hidden_states.defined() ? inputs.encoder_hidden_states.sizes() : at::IntArrayRef{});
-  const int64_t text_len = inputs.encoder_hidden_states.size(1);
-  TORCH_CHECK(inputs.pooled_projections.defined() && inputs.pooled_projections.dim() == 2 &&
-                  inputs.pooled_projections.size(0) == batch &&
-                  inputs.pooled_projections.size(1) == config.pooled_projection_dim,
-              "FluxTransformer2DModel: pooled_projections must be [", batch, ", ", config.pooled_projection_dim,
-              "], got ", inputs.pooled_projections.defined() ? inputs.pooled_projections.sizes() : at::IntArrayRef{});
+  const auto image_shape = nn::check_shape(where, "hidden_states", hidden_states_in, {"B", "N", config.in_channels});
+  const int64_t batch = image_shape[0];
+  const int64_t image_len = image_shape[1];
+  const int64_t text_len = nn::check_shape(where, "encoder_hidden_states", inputs.encoder_hidden_states,
+                                           {{"B", batch}, "L", config.joint_attention_dim})[1];
+  nn::check_shape(where, "pooled_projections", inputs.pooled_projections, {{"B", batch}, config.pooled_projection_dim});
 
-  // Per-sample scalars as fp32 [B]; a single value is broadcast to the batch.
-  const auto per_sample = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.defined() && (t.numel() == batch || t.numel() == 1), "FluxTransformer2DModel: ", name,
-                " must hold one value per sample ([", batch, "]), got shape ",
-                t.defined() ? t.sizes() : at::IntArrayRef{});
-    return t.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
-  };
   // The model's own scaling of the pipeline's t/1000, in fp32.
-  const at::Tensor timestep = per_sample(inputs.timestep, "timestep") * 1000;
+  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device) * 1000;
   std::optional<at::Tensor> guidance;
   if (config.guidance_embeds) {
-    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(),
-                "FluxTransformer2DModel: this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
-    guidance = per_sample(*inputs.guidance, "guidance") * 1000;
+    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(), where,
+                ": this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
+    guidance = nn::per_sample_values(where, "guidance", *inputs.guidance, batch, device) * 1000;
   } else {
-    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(),
-                "FluxTransformer2DModel: this model has no guidance embedder (guidance_embeds=false); pass no "
-                "`guidance`");
+    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(), where,
+                ": this model has no guidance embedder (guidance_embeds=false); pass no `guidance`");
   }
 
   // Position ids: 2-D [S, 3]. A batched [B, S, 3] tensor is accepted (deprecated in diffusers);
   // all samples share positions, so its first entry is used.
+  const auto n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
   const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
-    TORCH_CHECK(ids.defined() && (ids.dim() == 2 || ids.dim() == 3), "FluxTransformer2DModel: ", name,
-                " must be [", len, ", ", config.axes_dims_rope.size(), "], got ",
-                ids.defined() ? ids.sizes() : at::IntArrayRef{});
-    at::Tensor flat = ids.dim() == 3 ? ids.select(0, 0) : ids;
-    TORCH_CHECK(flat.size(0) == len && flat.size(1) == static_cast<int64_t>(config.axes_dims_rope.size()),
-                "FluxTransformer2DModel: ", name, " has shape ", ids.sizes(), ", expected [", len, ", ",
-                config.axes_dims_rope.size(), "]");
-    return flat;
+    const size_t batched = nn::check_shape_any(where, name, ids, {{{"S", len}, n_axes}, {"B", {"S", len}, n_axes}});
+    return batched ? ids.select(0, 0) : ids;
   };
   const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
   const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
 
   // [B, N, D]
   at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
-  if (record) record("x_embedder", hidden_states);
+  emit("x_embedder", hidden_states);
 
   // [B, D]
-  const at::Tensor temb =
-      time_text_embed->forward(timestep, guidance, to_model(inputs.pooled_projections), record);
-  if (record) record("temb", temb);
+  const at::Tensor temb = time_text_embed->forward(timestep, guidance, to_model(inputs.pooled_projections));
+  emit("temb", temb);
 
   // [B, L, D]
   at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
-  if (record) record("context_embedder", encoder_hidden_states);
+  emit("context_embedder", encoder_hidden_states);
 
   // [L + N, head_dim] fp32, text first
   nn::RotaryEmbedding rope = pos_embed.forward(at::cat({txt_ids, img_ids}, 0).to(device));
-  if (record) {
-    record("rope.cos", rope.cos);
-    record("rope.sin", rope.sin);
-  }
+  emit("rope.cos", rope.cos);
+  emit("rope.sin", rope.sin);
 
-  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
-    const std::string name = "transformer_blocks." + std::to_string(i);
-    std::tie(encoder_hidden_states, hidden_states) = (*transformer_blocks)[i].forward(
-        hidden_states, encoder_hidden_states, temb, rope, prefixed_recorder(record, "debug." + name + "."));
-    if (record) {
-      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
-      record("block." + name + ".hidden_states", hidden_states);
+  for (auto& block : *transformer_blocks) {
+    std::tie(encoder_hidden_states, hidden_states) =
+        block->forward(hidden_states, encoder_hidden_states, temb, rope);
+    if (observed()) {
+      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
+      emit("block." + block->path() + ".hidden_states", hidden_states);
     }
   }
 
   // [B, L + N, D]
   hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
-  for (size_t i = 0; i < single_transformer_blocks->size(); ++i) {
-    const std::string name = "single_transformer_blocks." + std::to_string(i);
-    hidden_states = (*single_transformer_blocks)[i].forward(hidden_states, temb, rope,
-                                                             prefixed_recorder(record, "debug." + name + "."));
-    if (record) {
-      record("block." + name + ".encoder_hidden_states", hidden_states.slice(1, 0, text_len));
-      record("block." + name + ".hidden_states", hidden_states.slice(1, text_len));
+  for (auto& block : *single_transformer_blocks) {
+    hidden_states = block->forward(hidden_states, temb, rope);
+    if (observed()) {
+      emit("block." + block->path() + ".encoder_hidden_states", hidden_states.slice(1, 0, text_len));
+      emit("block." + block->path() + ".hidden_states", hidden_states.slice(1, text_len));
     }
   }
   // [B, N, D]
   hidden_states = hidden_states.slice(1, text_len);
 
   at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
-  if (record) {
-    record("norm_out.linear", norm_out_emb);
-    record("norm_out", hidden_states);
-  }
+  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
+  emit("norm_out.linear", norm_out_emb);
+  emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
   return proj_out->forward(hidden_states);
 }

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/embeddings.h"
 #include "shardit/nn/linear.h"
@@ -88,7 +88,7 @@ class CombinedTimestepGuidanceTextProjEmbeddings : public nn::Module {
   }
   /// timestep and guidance [B] already scaled by 1000 (fp32); pooled [B, P] -> temb [B, D].
   at::Tensor forward(const at::Tensor& timestep, const std::optional<at::Tensor>& guidance,
-                     const at::Tensor& pooled_projection, const IntermediateRecorder& record);
+                     const at::Tensor& pooled_projection);
 
   nn::Timesteps time_proj;  ///< 256 channels, cos first, no shift
   std::shared_ptr<nn::TimestepEmbedding> timestep_embedder;
@@ -145,8 +145,7 @@ class FluxTransformerBlock : public nn::Module {
   /// hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D].
   /// Returns {encoder_hidden_states, hidden_states}, as the reference.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
-                                            const at::Tensor& temb, const nn::RotaryEmbedding& rope,
-                                            const IntermediateRecorder& record = {});
+                                            const at::Tensor& temb, const nn::RotaryEmbedding& rope);
 
   std::shared_ptr<AdaLayerNormZero> norm1, norm1_context;
   std::shared_ptr<FluxAttention> attn;
@@ -162,8 +161,7 @@ class FluxSingleTransformerBlock : public nn::Module {
   std::string type_name() const override { return "FluxSingleTransformerBlock"; }
 
   /// hidden_states [B, L + N, D] (text first), temb [B, D] -> [B, L + N, D].
-  at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& temb, const nn::RotaryEmbedding& rope,
-                     const IntermediateRecorder& record = {});
+  at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& temb, const nn::RotaryEmbedding& rope);
 
   std::shared_ptr<AdaLayerNormZeroSingle> norm;
   std::shared_ptr<nn::Linear> proj_mlp;
@@ -180,9 +178,6 @@ struct FluxTransformer2DModelInputs {
   at::Tensor img_ids;                ///< [N, 3] (a [B, N, 3] tensor is accepted; [0] is used)
   at::Tensor txt_ids;                ///< [L, 3] (likewise)
   std::optional<at::Tensor> guidance;  ///< [B] guidance scale (e.g. 3.5), also x1000 inside; required iff guidance_embeds
-
-  /// Reads the tensors named as the keyword arguments (`guidance` optional) from a file.
-  static FluxTransformer2DModelInputs read(const io::SafetensorsFile& file);
 };
 
 class FluxTransformer2DModel : public parallel::TensorParallelModule {
@@ -191,12 +186,12 @@ class FluxTransformer2DModel : public parallel::TensorParallelModule {
   std::string type_name() const override { return "FluxTransformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
-  std::vector<parallel::TpDivisor> tp_divisors() const override;
+  parallel::ModelTraits traits() const override;
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
-  /// model's dtype. `record` receives the intermediates named as in the golden data
-  /// (x_embedder, temb.*, rope.*, block.*, debug.*, norm_out.*).
-  at::Tensor forward(const FluxTransformer2DModelInputs& inputs, const IntermediateRecorder& record = {});
+  /// model's dtype. Intermediates go to Module::emit (x_embedder, temb.*, rope.*, block.*, and
+  /// the blocks' own).
+  at::Tensor forward(const FluxTransformer2DModelInputs& inputs);
 
   /// The dtype and device of the (loaded) parameters.
   at::ScalarType dtype() const { return x_embedder->weight.scalar_type(); }

@@ -1,5 +1,6 @@
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
 
@@ -34,16 +35,6 @@ at::Tensor swiglu(const at::Tensor& x) {
 }
 
 /// Joint attention over q, k, v [B, S, H_local, hd] -> [B, S, H_local * hd].
-at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const nn::RotaryEmbedding& rope) {
-  const at::Tensor q = nn::apply_rotary_emb(query, rope);
-  const at::Tensor k = nn::apply_rotary_emb(key, rope);
-  // [B, H_local, S, hd]
-  const at::Tensor attended =
-      nn::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), value.transpose(1, 2));
-  // [B, S, H_local * hd]
-  return attended.transpose(1, 2).flatten(2).to(q.scalar_type());
-}
 
 }  // namespace
 
@@ -52,52 +43,29 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
 
 Flux2Transformer2DModelConfig Flux2Transformer2DModelConfig::from_json(const nlohmann::json& json,
                                                                        const std::string& source) {
-  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  const io::ConfigReader reader(json, source);
   Flux2Transformer2DModelConfig config;
-  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
-  if (json.contains("out_channels") && !json.at("out_channels").is_null()) {
-    config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
-  }
-  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
-  config.num_single_layers = io::config_value(json, "num_single_layers", config.num_single_layers, source);
-  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
+  config.patch_size = reader.integer("patch_size", config.patch_size, 1, io::kMaxConfigDim);
+  config.in_channels = reader.integer("in_channels", config.in_channels, 1, io::kMaxConfigDim);
+  config.out_channels = reader.optional_integer("out_channels", 1, io::kMaxConfigDim);
+  config.num_layers = reader.integer("num_layers", config.num_layers, 0, io::kMaxConfigLayers);
+  config.num_single_layers = reader.integer("num_single_layers", config.num_single_layers, 0, io::kMaxConfigLayers);
+  config.attention_head_dim = reader.integer("attention_head_dim", config.attention_head_dim, 1, io::kMaxConfigDim);
+  config.num_attention_heads = reader.integer("num_attention_heads", config.num_attention_heads, 1, io::kMaxConfigDim);
+  config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
   config.timestep_guidance_channels =
-      io::config_value(json, "timestep_guidance_channels", config.timestep_guidance_channels, source);
-  config.mlp_ratio = io::config_value(json, "mlp_ratio", config.mlp_ratio, source);
-  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
-  config.rope_theta = io::config_value(json, "rope_theta", config.rope_theta, source);
-  config.eps = io::config_value(json, "eps", config.eps, source);
-  config.guidance_embeds = io::config_value(json, "guidance_embeds", config.guidance_embeds, source);
-
-  const auto positive = [&](const char* key, int64_t value) {
-    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
-  };
-  positive("patch_size", config.patch_size);
-  positive("in_channels", config.in_channels);
-  positive("out_channels", config.resolved_out_channels());
-  positive("attention_head_dim", config.attention_head_dim);
-  positive("num_attention_heads", config.num_attention_heads);
-  positive("joint_attention_dim", config.joint_attention_dim);
-  positive("timestep_guidance_channels", config.timestep_guidance_channels);
-  TORCH_CHECK(config.timestep_guidance_channels % 2 == 0, source, ": 'timestep_guidance_channels' must be even, got ",
-              config.timestep_guidance_channels);
-  TORCH_CHECK(config.mlp_ratio > 0 && config.mlp_hidden_dim() > 0, source, ": 'mlp_ratio' must be positive, got ",
-              config.mlp_ratio);
-  TORCH_CHECK(config.rope_theta > 0 && config.eps > 0, source, ": 'rope_theta' and 'eps' must be positive, got ",
-              config.rope_theta, " and ", config.eps);
-  TORCH_CHECK(config.num_layers >= 0 && config.num_single_layers >= 0, source,
-              ": num_layers and num_single_layers must be >= 0, got ", config.num_layers, " and ",
-              config.num_single_layers);
-  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
-  TORCH_CHECK(!config.axes_dims_rope.empty() && rope_dim == config.attention_head_dim, source,
-              ": axes_dims_rope must sum to attention_head_dim (", config.attention_head_dim, "), got sum ",
-              rope_dim);
-  for (int64_t d : config.axes_dims_rope) {
-    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
-  }
+      reader.integer("timestep_guidance_channels", config.timestep_guidance_channels, 2, io::kMaxConfigDim);
+  reader.require(config.timestep_guidance_channels % 2 == 0, "'timestep_guidance_channels' must be even, got ",
+                 config.timestep_guidance_channels);
+  config.mlp_ratio = reader.number("mlp_ratio", config.mlp_ratio, 1e-3, 64.0);
+  config.axes_dims_rope =
+      reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim", config.attention_head_dim);
+  config.rope_theta = reader.number("rope_theta", config.rope_theta, 1e-3, 1e12);
+  config.eps = reader.number("eps", config.eps, 1e-30, 1.0);
+  config.guidance_embeds = reader.boolean("guidance_embeds", config.guidance_embeds);
+  reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
+  reader.require(config.mlp_hidden_dim() > 0, "'mlp_ratio' ", config.mlp_ratio, " gives an empty MLP for width ",
+                 config.inner_dim());
   return config;
 }
 
@@ -131,19 +99,19 @@ Flux2TimestepGuidanceEmbeddings::Flux2TimestepGuidanceEmbeddings(int64_t in_chan
 }
 
 at::Tensor Flux2TimestepGuidanceEmbeddings::forward(const at::Tensor& timestep, const std::optional<at::Tensor>& guidance,
-                                                    at::ScalarType dtype, const IntermediateRecorder& record) {
+                                                    at::ScalarType dtype) {
   // [B, C] fp32
   const at::Tensor timesteps_proj = time_proj.forward(timestep);
-  if (record) record("temb.timestep_proj", timesteps_proj);
+  emit("temb.timestep_proj", timesteps_proj);
   // [B, D]
   at::Tensor temb = timestep_embedder->forward(timesteps_proj.to(dtype));
-  if (record) record("temb.timestep_emb", temb);
+  emit("temb.timestep_emb", temb);
   if (guidance_embedder) {
     TORCH_INTERNAL_ASSERT(guidance.has_value(), "guidance missing for a guidance-embedding model");
     const at::Tensor guidance_proj = time_proj.forward(*guidance);
-    if (record) record("temb.guidance_proj", guidance_proj);
+    emit("temb.guidance_proj", guidance_proj);
     const at::Tensor guidance_emb = guidance_embedder->forward(guidance_proj.to(dtype));
-    if (record) record("temb.guidance_emb", guidance_emb);
+    emit("temb.guidance_emb", guidance_emb);
     temb = temb + guidance_emb;
   }
   return temb;
@@ -190,23 +158,17 @@ std::pair<at::Tensor, at::Tensor> Flux2Attention::forward(const at::Tensor& hidd
                                                           const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("Flux2Attention");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
+  // [B, N, H_local, hd] and [B, L, H_local, hd]
+  const nn::HeadsQKV image = nn::project_heads(hidden_states, {*to_q, *to_k, *to_v, norm_q.get(), norm_k.get()}, head_dim_);
+  const nn::HeadsQKV text = nn::project_heads(
+      encoder_hidden_states, {*add_q_proj, *add_k_proj, *add_v_proj, norm_added_q.get(), norm_added_k.get()}, head_dim_);
+  // The RoPE table covers [text; image].
   const int64_t text_len = encoder_hidden_states.size(1);
-  // [B, N, H_local, hd]
-  const at::Tensor query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim_));
-  const at::Tensor key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim_));
-  const at::Tensor value = nn::split_heads(to_v->forward(hidden_states), head_dim_);
-  // [B, L, H_local, hd]
-  const at::Tensor encoder_query =
-      norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim_));
-  const at::Tensor encoder_key =
-      norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim_));
-  const at::Tensor encoder_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim_);
-
-  // [B, L + N, H_local * hd], text first
-  const at::Tensor attended = attend(at::cat({encoder_query, query}, 1), at::cat({encoder_key, key}, 1),
-                                     at::cat({encoder_value, value}, 1), rope);
+  const nn::RotaryEmbedding text_rope = rope.slice(0, text_len);
+  const nn::RotaryEmbedding image_rope = rope.slice(text_len, rope.cos.size(0));
+  const auto [text_attended, image_attended] = nn::joint_attention(text, image, &text_rope, &image_rope);
   // [B, N, D] and [B, L, D]
-  return {(*to_out)[0].forward(attended.slice(1, text_len)), to_add_out->forward(attended.slice(1, 0, text_len))};
+  return {(*to_out)[0].forward(image_attended), to_add_out->forward(text_attended)};
 }
 
 Flux2ParallelSelfAttention::Flux2ParallelSelfAttention(int64_t query_dim, int64_t heads, int64_t dim_head,
@@ -227,21 +189,17 @@ Flux2ParallelSelfAttention::Flux2ParallelSelfAttention(int64_t query_dim, int64_
                                                                       .with_in_blocks({inner_dim, mlp_hidden_dim})));
 }
 
-at::Tensor Flux2ParallelSelfAttention::forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope,
-                                               const IntermediateRecorder& record) {
+at::Tensor Flux2ParallelSelfAttention::forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("Flux2ParallelSelfAttention");
   // hidden_states [B, S, D] -> [B, S, 3D_local + 2M_local]
   const at::Tensor projected = to_qkv_mlp_proj->forward(hidden_states);
-  if (record) record("to_qkv_mlp_proj", projected);
+  emit("to_qkv_mlp_proj", projected);
   // The local block sizes follow from the local width and the declared proportions.
   const std::vector<int64_t> blocks = local_blocks(to_qkv_mlp_proj->options().out_blocks, projected.size(-1));
   const std::vector<at::Tensor> parts = projected.split_with_sizes({blocks[0], blocks[1], blocks[2], blocks[3] + blocks[4]}, -1);
-  // [B, S, H_local, hd]
-  const at::Tensor query = norm_q->forward(nn::split_heads(parts[0], head_dim_));
-  const at::Tensor key = norm_k->forward(nn::split_heads(parts[1], head_dim_));
-  const at::Tensor value = nn::split_heads(parts[2], head_dim_);
   // [B, S, D_local]
-  const at::Tensor attended = attend(query, key, value, rope);
+  const at::Tensor attended =
+      nn::attention(nn::split_qkv_heads(parts[0], parts[1], parts[2], norm_q.get(), norm_k.get(), head_dim_), &rope);
   // [B, S, M_local]
   const at::Tensor mlp = swiglu(parts[3]);
   // [B, S, D_local + M_local] -> [B, S, D]
@@ -264,8 +222,7 @@ std::pair<at::Tensor, at::Tensor> Flux2TransformerBlock::forward(const at::Tenso
                                                                  const at::Tensor& encoder_hidden_states,
                                                                  const std::vector<Flux2ModulationParams>& mod_img,
                                                                  const std::vector<Flux2ModulationParams>& mod_txt,
-                                                                 const nn::RotaryEmbedding& rope,
-                                                                 const IntermediateRecorder& record) {
+                                                                 const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("Flux2TransformerBlock");
   TORCH_INTERNAL_ASSERT(mod_img.size() == 2 && mod_txt.size() == 2, "double block needs two modulation sets");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
@@ -275,22 +232,20 @@ std::pair<at::Tensor, at::Tensor> Flux2TransformerBlock::forward(const at::Tenso
       nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), mod_txt[0].shift, mod_txt[0].scale);
 
   const auto [attn_output, context_attn_output] = attn->forward(norm_hidden_states, norm_encoder_hidden_states, rope);
-  if (record) {
-    record("attn.hidden_states", attn_output);
-    record("attn.encoder_hidden_states", context_attn_output);
-  }
+  emit("attn.hidden_states", attn_output);
+  emit("attn.encoder_hidden_states", context_attn_output);
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, mod_img[0].gate, attn_output);
   const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, eps_), mod_img[1].shift, mod_img[1].scale));
-  if (record) record("ff", ff_output);
+  emit("ff", ff_output);
   image = nn::gated_residual(image, mod_img[1].gate, ff_output);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, mod_txt[0].gate, context_attn_output);
   const at::Tensor ff_context_output =
       ff_context->forward(nn::modulate(nn::layer_norm(text, eps_), mod_txt[1].shift, mod_txt[1].scale));
-  if (record) record("ff_context", ff_context_output);
+  emit("ff_context", ff_context_output);
   text = nn::gated_residual(text, mod_txt[1].gate, ff_context_output);
   return {text, image};
 }
@@ -304,28 +259,17 @@ Flux2SingleTransformerBlock::Flux2SingleTransformerBlock(int64_t dim, int64_t nu
 }
 
 at::Tensor Flux2SingleTransformerBlock::forward(const at::Tensor& hidden_states, const Flux2ModulationParams& mod,
-                                                const nn::RotaryEmbedding& rope, const IntermediateRecorder& record) {
+                                                const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("Flux2SingleTransformerBlock");
   // hidden_states [B, S, D]
   const at::Tensor normed = nn::modulate(nn::layer_norm(hidden_states, eps_), mod.shift, mod.scale);
-  const at::Tensor attn_output = attn->forward(normed, rope, prefixed_recorder(record, "attn."));
-  if (record) record("attn", attn_output);
+  const at::Tensor attn_output = attn->forward(normed, rope);
+  emit("attn", attn_output);
   return nn::gated_residual(hidden_states, mod.gate, attn_output);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Model
-
-Flux2Transformer2DModelInputs Flux2Transformer2DModelInputs::read(const io::SafetensorsFile& file) {
-  Flux2Transformer2DModelInputs inputs;
-  inputs.hidden_states = file.read("hidden_states");
-  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
-  inputs.timestep = file.read("timestep");
-  inputs.img_ids = file.read("img_ids");
-  inputs.txt_ids = file.read("txt_ids");
-  if (file.contains("guidance")) inputs.guidance = file.read("guidance");
-  return inputs;
-}
 
 Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelConfig& config)
     : config(config), pos_embed(config.rope_theta, config.axes_dims_rope) {
@@ -388,124 +332,99 @@ const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   return plan;
 }
 
-std::vector<parallel::TpDivisor> Flux2Transformer2DModel::tp_divisors() const {
+parallel::ModelTraits Flux2Transformer2DModel::traits() const {
+  parallel::ModelTraits traits;
   // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {{"num_attention_heads", config.num_attention_heads}};
+  traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
+  return traits;
 }
 
-at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs& inputs,
-                                            const IntermediateRecorder& record) {
+at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("Flux2Transformer2DModel");
-  TORCH_CHECK(is_materialized(), "Flux2Transformer2DModel: forward called before the weights were loaded");
+  const std::string where = type_name();
+  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
   const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
-  const auto shape_of = [](const at::Tensor& t) { return t.defined() ? t.sizes() : at::IntArrayRef{}; };
 
   const at::Tensor& hidden_states_in = inputs.hidden_states;
-  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
-              "Flux2Transformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
-              shape_of(hidden_states_in));
-  const int64_t batch = hidden_states_in.size(0);
-  const int64_t image_len = hidden_states_in.size(1);
-  TORCH_CHECK(inputs.encoder_hidden_states.defined() && inputs.encoder_hidden_states.dim() == 3 &&
-                  inputs.encoder_hidden_states.size(0) == batch &&
-                  inputs.encoder_hidden_states.size(2) == config.joint_attention_dim,
-              "Flux2Transformer2DModel: encoder_hidden_states must be [", batch, ", L, ", config.joint_attention_dim,
-              "], got ", shape_of(inputs.encoder_hidden_states));
-  const int64_t text_len = inputs.encoder_hidden_states.size(1);
+  const auto image_shape = nn::check_shape(where, "hidden_states", hidden_states_in, {"B", "N", config.in_channels});
+  const int64_t batch = image_shape[0];
+  const int64_t image_len = image_shape[1];
+  const int64_t text_len = nn::check_shape(where, "encoder_hidden_states", inputs.encoder_hidden_states,
+                                           {{"B", batch}, "L", config.joint_attention_dim})[1];
 
-  // Per-sample scalars as fp32 [B]; a single value is broadcast to the batch.
-  const auto per_sample = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.defined() && (t.numel() == batch || t.numel() == 1), "Flux2Transformer2DModel: ", name,
-                " must hold one value per sample ([", batch, "]), got shape ", shape_of(t));
-    return t.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
-  };
   // The model's own scaling of the pipeline's t/1000, in fp32.
-  const at::Tensor timestep = per_sample(inputs.timestep, "timestep") * 1000;
+  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device) * 1000;
   std::optional<at::Tensor> guidance;
   if (config.guidance_embeds) {
-    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(),
-                "Flux2Transformer2DModel: this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
-    guidance = per_sample(*inputs.guidance, "guidance") * 1000;
+    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(), where,
+                ": this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
+    guidance = nn::per_sample_values(where, "guidance", *inputs.guidance, batch, device) * 1000;
   } else {
-    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(),
-                "Flux2Transformer2DModel: this model has no guidance embedder (guidance_embeds=false); pass no "
-                "`guidance`");
+    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(), where,
+                ": this model has no guidance embedder (guidance_embeds=false); pass no `guidance`");
   }
 
   // Position ids [B, S, n_axes] (or [S, n_axes]); all samples share positions, [0] is used.
-  const int64_t n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
+  const auto n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
   const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
-    TORCH_CHECK(ids.defined() && (ids.dim() == 2 || ids.dim() == 3), "Flux2Transformer2DModel: ", name, " must be [B, ",
-                len, ", ", n_axes, "], got ", shape_of(ids));
-    at::Tensor flat = ids.dim() == 3 ? ids.select(0, 0) : ids;
-    TORCH_CHECK(flat.size(0) == len && flat.size(1) == n_axes, "Flux2Transformer2DModel: ", name, " has shape ",
-                ids.sizes(), ", expected [B, ", len, ", ", n_axes, "]");
-    return flat.to(device);
+    const size_t batched = nn::check_shape_any(where, name, ids, {{"B", {"S", len}, n_axes}, {{"S", len}, n_axes}});
+    return (batched == 0 ? ids.select(0, 0) : ids).to(device);
   };
   const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
   const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
 
   // [B, D]
-  const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, dtype, record);
-  if (record) record("temb", temb);
+  const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, dtype);
+  emit("temb", temb);
 
   const Flux2Modulation::Output mod_img = double_stream_modulation_img->forward(temb);
   const Flux2Modulation::Output mod_txt = double_stream_modulation_txt->forward(temb);
   const Flux2Modulation::Output mod_single = single_stream_modulation->forward(temb);
-  if (record) {
-    record("mod.double_stream_img", mod_img.emb);
-    record("mod.double_stream_txt", mod_txt.emb);
-    record("mod.single_stream", mod_single.emb);
-  }
+  emit("mod.double_stream_img", mod_img.emb);
+  emit("mod.double_stream_txt", mod_txt.emb);
+  emit("mod.single_stream", mod_single.emb);
 
   // [B, N, D] and [B, L, D]
   at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
-  if (record) record("x_embedder", hidden_states);
+  emit("x_embedder", hidden_states);
   at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
-  if (record) record("context_embedder", encoder_hidden_states);
+  emit("context_embedder", encoder_hidden_states);
 
   // [N, hd] and [L, hd] fp32, joined text first
   const nn::RotaryEmbedding image_rope = pos_embed.forward(img_ids);
   const nn::RotaryEmbedding text_rope = pos_embed.forward(txt_ids);
   const nn::RotaryEmbedding rope{at::cat({text_rope.cos, image_rope.cos}, 0), at::cat({text_rope.sin, image_rope.sin}, 0)};
-  if (record) {
-    record("rope.img.cos", image_rope.cos);
-    record("rope.img.sin", image_rope.sin);
-    record("rope.txt.cos", text_rope.cos);
-    record("rope.txt.sin", text_rope.sin);
-    record("rope.cos", rope.cos);
-    record("rope.sin", rope.sin);
-  }
+  emit("rope.img.cos", image_rope.cos);
+  emit("rope.img.sin", image_rope.sin);
+  emit("rope.txt.cos", text_rope.cos);
+  emit("rope.txt.sin", text_rope.sin);
+  emit("rope.cos", rope.cos);
+  emit("rope.sin", rope.sin);
 
-  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
-    const std::string name = "transformer_blocks." + std::to_string(i);
-    std::tie(encoder_hidden_states, hidden_states) = (*transformer_blocks)[i].forward(
-        hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope, prefixed_recorder(record, "debug." + name + "."));
-    if (record) {
-      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
-      record("block." + name + ".hidden_states", hidden_states);
+  for (auto& block : *transformer_blocks) {
+    std::tie(encoder_hidden_states, hidden_states) =
+        block->forward(hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope);
+    if (observed()) {
+      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
+      emit("block." + block->path() + ".hidden_states", hidden_states);
     }
   }
 
   // [B, L + N, D]
   hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
-  for (size_t i = 0; i < single_transformer_blocks->size(); ++i) {
-    const std::string name = "single_transformer_blocks." + std::to_string(i);
-    hidden_states = (*single_transformer_blocks)[i].forward(hidden_states, mod_single.sets[0], rope,
-                                                             prefixed_recorder(record, "debug." + name + "."));
-    if (record) record("block." + name + ".hidden_states", hidden_states);
+  for (auto& block : *single_transformer_blocks) {
+    hidden_states = block->forward(hidden_states, mod_single.sets[0], rope);
+    if (observed()) emit("block." + block->path() + ".hidden_states", hidden_states);
   }
   // [B, N, D]
   hidden_states = hidden_states.slice(1, text_len);
 
   at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
-  if (record) {
-    record("norm_out.linear", norm_out_emb);
-    record("norm_out", hidden_states);
-  }
+  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
+  emit("norm_out.linear", norm_out_emb);
+  emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
   return proj_out->forward(hidden_states);
 }

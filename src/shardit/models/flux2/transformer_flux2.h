@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/embeddings.h"
 #include "shardit/nn/linear.h"
@@ -81,8 +81,7 @@ class Flux2TimestepGuidanceEmbeddings : public nn::Module {
   Flux2TimestepGuidanceEmbeddings(int64_t in_channels, int64_t embedding_dim, bool with_guidance);
   std::string type_name() const override { return "Flux2TimestepGuidanceEmbeddings"; }
   /// timestep and guidance [B], already x1000 (fp32) -> temb [B, D] in `dtype`.
-  at::Tensor forward(const at::Tensor& timestep, const std::optional<at::Tensor>& guidance, at::ScalarType dtype,
-                     const IntermediateRecorder& record);
+  at::Tensor forward(const at::Tensor& timestep, const std::optional<at::Tensor>& guidance, at::ScalarType dtype);
 
   nn::Timesteps time_proj;  ///< cos first, no shift
   std::shared_ptr<nn::TimestepEmbedding> timestep_embedder;
@@ -132,10 +131,9 @@ class Flux2ParallelSelfAttention : public nn::Module {
   Flux2ParallelSelfAttention(int64_t query_dim, int64_t heads, int64_t dim_head, int64_t mlp_hidden_dim, double eps);
   std::string type_name() const override { return "Flux2ParallelSelfAttention"; }
 
-  /// hidden_states [B, S, D], rope [S, head_dim] -> [B, S, D]. `record` receives
-  /// "to_qkv_mlp_proj" (the fused projection's local output).
-  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope,
-                     const IntermediateRecorder& record = {});
+  /// hidden_states [B, S, D], rope [S, head_dim] -> [B, S, D]. Emits "to_qkv_mlp_proj" (the
+  /// fused projection's local output).
+  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope);
 
   std::shared_ptr<nn::Linear> to_qkv_mlp_proj;  ///< D -> 3D + 2M, out_blocks {D, D, D, M, M}
   std::shared_ptr<nn::RMSNorm> norm_q, norm_k;
@@ -158,7 +156,7 @@ class Flux2TransformerBlock : public nn::Module {
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                             const std::vector<Flux2ModulationParams>& mod_img,
                                             const std::vector<Flux2ModulationParams>& mod_txt,
-                                            const nn::RotaryEmbedding& rope, const IntermediateRecorder& record = {});
+                                            const nn::RotaryEmbedding& rope);
 
   // norm1, norm1_context, norm2, norm2_context: LayerNorm without affine parameters.
   std::shared_ptr<Flux2Attention> attn;
@@ -177,8 +175,7 @@ class Flux2SingleTransformerBlock : public nn::Module {
   std::string type_name() const override { return "Flux2SingleTransformerBlock"; }
 
   /// hidden_states [B, L + N, D] (text first) -> [B, L + N, D].
-  at::Tensor forward(const at::Tensor& hidden_states, const Flux2ModulationParams& mod, const nn::RotaryEmbedding& rope,
-                     const IntermediateRecorder& record = {});
+  at::Tensor forward(const at::Tensor& hidden_states, const Flux2ModulationParams& mod, const nn::RotaryEmbedding& rope);
 
   // norm: LayerNorm without affine parameters.
   std::shared_ptr<Flux2ParallelSelfAttention> attn;
@@ -195,9 +192,6 @@ struct Flux2Transformer2DModelInputs {
   at::Tensor img_ids;                ///< [B, N, 4] or [N, 4] int64; [0] is used
   at::Tensor txt_ids;                ///< [B, L, 4] or [L, 4] int64; [0] is used
   std::optional<at::Tensor> guidance;  ///< [B], also x1000 inside; required iff guidance_embeds
-
-  /// Reads the tensors named as the keyword arguments (`guidance` optional) from a file.
-  static Flux2Transformer2DModelInputs read(const io::SafetensorsFile& file);
 };
 
 class Flux2Transformer2DModel : public parallel::TensorParallelModule {
@@ -206,12 +200,12 @@ class Flux2Transformer2DModel : public parallel::TensorParallelModule {
   std::string type_name() const override { return "Flux2Transformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
-  std::vector<parallel::TpDivisor> tp_divisors() const override;
+  parallel::ModelTraits traits() const override;
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
-  /// model's dtype. `record` receives the intermediates named as in the golden data
-  /// (x_embedder, context_embedder, temb.*, mod.*, rope.*, block.*, debug.*, norm_out.*).
-  at::Tensor forward(const Flux2Transformer2DModelInputs& inputs, const IntermediateRecorder& record = {});
+  /// model's dtype. Intermediates go to Module::emit (x_embedder, context_embedder, temb.*, mod.*,
+  /// rope.*, block.*, norm_out.*, and the blocks' own).
+  at::Tensor forward(const Flux2Transformer2DModelInputs& inputs);
 
   at::ScalarType dtype() const { return x_embedder->weight.scalar_type(); }
   at::Device device() const { return x_embedder->weight.device(); }

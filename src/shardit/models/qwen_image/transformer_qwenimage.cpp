@@ -1,10 +1,10 @@
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/io/file.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
 
-#include <fstream>
-#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -32,59 +32,6 @@ at::Tensor centred_positions(int64_t n) {
   return at::arange(n, at::TensorOptions().dtype(at::kFloat)) - static_cast<double>(n - n / 2);
 }
 
-/// The directory part of a file path ("." when there is none).
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-/// img_shapes from an int64 tensor [B, K, 3] or [B, 3].
-std::vector<std::vector<QwenImageShape>> shapes_from_tensor(const at::Tensor& tensor, const std::string& source) {
-  TORCH_CHECK((tensor.dim() == 2 || tensor.dim() == 3) && tensor.size(-1) == 3, source,
-              ": img_shapes must be [B, 3] or [B, K, 3] (frame, height, width), got ", tensor.sizes());
-  const at::Tensor values = (tensor.dim() == 2 ? tensor.unsqueeze(1) : tensor).to(at::kLong).contiguous();
-  std::vector<std::vector<QwenImageShape>> shapes(values.size(0));
-  const auto acc = values.accessor<int64_t, 3>();
-  for (int64_t b = 0; b < values.size(0); ++b) {
-    for (int64_t k = 0; k < values.size(1); ++k) shapes[b].push_back({acc[b][k][0], acc[b][k][1], acc[b][k][2]});
-  }
-  return shapes;
-}
-
-/// img_shapes from inputs.json's non_tensor_kwargs: [[[f, h, w], ...], ...].
-std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& json_path) {
-  std::ifstream in(json_path);
-  TORCH_CHECK(in.good(), json_path, ": cannot open; QwenImageTransformer2DModel needs img_shapes (the (frame, ",
-              "height, width) token grid of each sample): put an `img_shapes` int64 tensor [B, K, 3] in the inputs ",
-              "file or `non_tensor_kwargs.img_shapes` in an inputs.json next to it");
-  nlohmann::json json;
-  try {
-    in >> json;
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, json_path, ": not valid JSON (", e.what(), ")");
-  }
-  TORCH_CHECK(json.is_object() && json.contains("non_tensor_kwargs") && json["non_tensor_kwargs"].is_object() &&
-                  json["non_tensor_kwargs"].contains("img_shapes"),
-              json_path, ": no non_tensor_kwargs.img_shapes; QwenImageTransformer2DModel needs the token grid of ",
-              "each sample as [[[frame, height, width], ...], ...]");
-  const nlohmann::json& value = json["non_tensor_kwargs"]["img_shapes"];
-  TORCH_CHECK(value.is_array(), json_path, ": non_tensor_kwargs.img_shapes must be a list per sample");
-  std::vector<std::vector<QwenImageShape>> shapes;
-  for (const auto& sample : value) {
-    TORCH_CHECK(sample.is_array(), json_path, ": each img_shapes entry must be a list of [frame, height, width]");
-    std::vector<QwenImageShape> grids;
-    for (const auto& grid : sample) {
-      TORCH_CHECK(grid.is_array() && grid.size() == 3 && grid[0].is_number_integer() && grid[1].is_number_integer() &&
-                      grid[2].is_number_integer(),
-                  json_path, ": each grid of img_shapes must be [frame, height, width] integers, got ", grid.dump());
-      grids.push_back({grid[0].get<int64_t>(), grid[1].get<int64_t>(), grid[2].get<int64_t>()});
-    }
-    shapes.push_back(std::move(grids));
-  }
-  return shapes;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -92,46 +39,24 @@ std::vector<std::vector<QwenImageShape>> shapes_from_json(const std::string& jso
 
 QwenImageTransformer2DModelConfig QwenImageTransformer2DModelConfig::from_json(const nlohmann::json& json,
                                                                                const std::string& source) {
-  TORCH_CHECK(json.is_object(), source, ": expected a JSON object");
+  const io::ConfigReader reader(json, source);
   QwenImageTransformer2DModelConfig config;
-  config.patch_size = io::config_value(json, "patch_size", config.patch_size, source);
-  config.in_channels = io::config_value(json, "in_channels", config.in_channels, source);
-  if (json.contains("out_channels")) {
-    if (json.at("out_channels").is_null()) {
-      config.out_channels.reset();
-    } else {
-      config.out_channels = io::config_value<int64_t>(json, "out_channels", 0, source);
-    }
-  }
-  config.num_layers = io::config_value(json, "num_layers", config.num_layers, source);
-  config.attention_head_dim = io::config_value(json, "attention_head_dim", config.attention_head_dim, source);
-  config.num_attention_heads = io::config_value(json, "num_attention_heads", config.num_attention_heads, source);
-  config.joint_attention_dim = io::config_value(json, "joint_attention_dim", config.joint_attention_dim, source);
-  config.axes_dims_rope = io::config_value(json, "axes_dims_rope", config.axes_dims_rope, source);
+  config.patch_size = reader.integer("patch_size", config.patch_size, 1, io::kMaxConfigDim);
+  config.in_channels = reader.integer("in_channels", config.in_channels, 1, io::kMaxConfigDim);
+  // diffusers' default is 16; an explicit null means in_channels.
+  if (reader.contains("out_channels")) config.out_channels = reader.optional_integer("out_channels", 1, io::kMaxConfigDim);
+  config.num_layers = reader.integer("num_layers", config.num_layers, 0, io::kMaxConfigLayers);
+  config.attention_head_dim = reader.integer("attention_head_dim", config.attention_head_dim, 1, io::kMaxConfigDim);
+  config.num_attention_heads = reader.integer("num_attention_heads", config.num_attention_heads, 1, io::kMaxConfigDim);
+  config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
+  config.axes_dims_rope = reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim",
+                                           config.attention_head_dim, /*count=*/3);
   for (const char* key : {"guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"}) {
-    TORCH_CHECK(!io::config_value(json, key, false, source), source, ": '", key,
-                "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
-                "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
+    reader.require(!reader.boolean(key, false), "'", key,
+                   "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
+                   "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
   }
-
-  const auto positive = [&](const char* key, int64_t value) {
-    TORCH_CHECK(value > 0, source, ": '", key, "' must be positive, got ", value);
-  };
-  positive("patch_size", config.patch_size);
-  positive("in_channels", config.in_channels);
-  positive("out_channels", config.resolved_out_channels());
-  positive("attention_head_dim", config.attention_head_dim);
-  positive("num_attention_heads", config.num_attention_heads);
-  positive("joint_attention_dim", config.joint_attention_dim);
-  TORCH_CHECK(config.num_layers >= 0, source, ": num_layers must be >= 0, got ", config.num_layers);
-  TORCH_CHECK(config.axes_dims_rope.size() == 3, source,
-              ": axes_dims_rope must have 3 entries (frame, height, width), got ", config.axes_dims_rope.size());
-  const int64_t rope_dim = std::accumulate(config.axes_dims_rope.begin(), config.axes_dims_rope.end(), int64_t{0});
-  TORCH_CHECK(rope_dim == config.attention_head_dim, source, ": axes_dims_rope must sum to attention_head_dim (",
-              config.attention_head_dim, "), got sum ", rope_dim);
-  for (int64_t d : config.axes_dims_rope) {
-    TORCH_CHECK(d > 0 && d % 2 == 0, source, ": every entry of axes_dims_rope must be positive and even, got ", d);
-  }
+  reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
   return config;
 }
 
@@ -200,14 +125,13 @@ QwenTimestepProjEmbeddings::QwenTimestepProjEmbeddings(int64_t embedding_dim)
   timestep_embedder = register_module("timestep_embedder", std::make_shared<nn::TimestepEmbedding>(256, embedding_dim));
 }
 
-at::Tensor QwenTimestepProjEmbeddings::forward(const at::Tensor& timestep, at::ScalarType dtype,
-                                               const IntermediateRecorder& record) {
+at::Tensor QwenTimestepProjEmbeddings::forward(const at::Tensor& timestep, at::ScalarType dtype) {
   // [B, 256] fp32
   const at::Tensor timesteps_proj = time_proj.forward(timestep);
-  if (record) record("temb.timestep_proj", timesteps_proj);
+  emit("temb.timestep_proj", timesteps_proj);
   // [B, D]
   const at::Tensor timesteps_emb = timestep_embedder->forward(timesteps_proj.to(dtype));
-  if (record) record("temb.timestep_emb", timesteps_emb);
+  emit("temb.timestep_emb", timesteps_emb);
   return timesteps_emb;
 }
 
@@ -248,32 +172,13 @@ std::pair<at::Tensor, at::Tensor> QwenDoubleStreamAttention::forward(const at::T
                                                                      const std::optional<at::Tensor>& key_mask) {
   SHARDIT_PROFILE_SCOPE("QwenDoubleStreamAttention");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
-  const int64_t text_len = encoder_hidden_states.size(1);
-  // [B, N, H_local, hd]
-  at::Tensor img_query = norm_q->forward(nn::split_heads(to_q->forward(hidden_states), head_dim_));
-  at::Tensor img_key = norm_k->forward(nn::split_heads(to_k->forward(hidden_states), head_dim_));
-  const at::Tensor img_value = nn::split_heads(to_v->forward(hidden_states), head_dim_);
-  // [B, L, H_local, hd]
-  at::Tensor txt_query = norm_added_q->forward(nn::split_heads(add_q_proj->forward(encoder_hidden_states), head_dim_));
-  at::Tensor txt_key = norm_added_k->forward(nn::split_heads(add_k_proj->forward(encoder_hidden_states), head_dim_));
-  const at::Tensor txt_value = nn::split_heads(add_v_proj->forward(encoder_hidden_states), head_dim_);
-
-  img_query = nn::apply_rotary_emb(img_query, img_rope);
-  img_key = nn::apply_rotary_emb(img_key, img_rope);
-  txt_query = nn::apply_rotary_emb(txt_query, txt_rope);
-  txt_key = nn::apply_rotary_emb(txt_key, txt_rope);
-
-  // [B, H_local, L + N, hd]: text first
-  const at::Tensor query = at::cat({txt_query, img_query}, 1).transpose(1, 2);
-  const at::Tensor key = at::cat({txt_key, img_key}, 1).transpose(1, 2);
-  const at::Tensor value = at::cat({txt_value, img_value}, 1).transpose(1, 2);
-  at::Tensor attended = nn::scaled_dot_product_attention(query, key, value, key_mask);
-  // [B, L + N, H_local * hd]
-  attended = attended.transpose(1, 2).flatten(2).to(query.scalar_type());
-
-  at::Tensor image = (*to_out)[0].forward(attended.slice(1, text_len));
-  at::Tensor text = to_add_out->forward(attended.slice(1, 0, text_len));
-  return {image, text};
+  // [B, N, H_local, hd] and [B, L, H_local, hd]
+  const nn::HeadsQKV image = nn::project_heads(hidden_states, {*to_q, *to_k, *to_v, norm_q.get(), norm_k.get()}, head_dim_);
+  const nn::HeadsQKV text = nn::project_heads(
+      encoder_hidden_states, {*add_q_proj, *add_k_proj, *add_v_proj, norm_added_q.get(), norm_added_k.get()}, head_dim_);
+  // [B, L, H_local * hd] and [B, N, H_local * hd]
+  const auto [text_attended, image_attended] = nn::joint_attention(text, image, &txt_rope, &img_rope, key_mask);
+  return {(*to_out)[0].forward(image_attended), to_add_out->forward(text_attended)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,17 +197,14 @@ QwenImageTransformerBlock::QwenImageTransformerBlock(int64_t dim, int64_t num_at
 
 std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
     const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states, const at::Tensor& temb,
-    const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope, const std::optional<at::Tensor>& key_mask,
-    const IntermediateRecorder& record) {
+    const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope, const std::optional<at::Tensor>& key_mask) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformerBlock");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
   // [B, 6D] each: [shift, scale, gate] (attention), [shift, scale, gate] (MLP)
   const at::Tensor img_params = img_mod->forward(temb);
   const at::Tensor txt_params = txt_mod->forward(temb);
-  if (record) {
-    record("img_mod", img_params);
-    record("txt_mod", txt_params);
-  }
+  emit("img_mod", img_params);
+  emit("txt_mod", txt_params);
   const std::vector<at::Tensor> img = img_params.chunk(6, 1);
   const std::vector<at::Tensor> txt = txt_params.chunk(6, 1);
 
@@ -310,21 +212,19 @@ std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
   const at::Tensor txt_modulated = nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), txt[0], txt[1]);
 
   const auto [img_attn, txt_attn] = attn->forward(img_modulated, txt_modulated, img_rope, txt_rope, key_mask);
-  if (record) {
-    record("attn.hidden_states", img_attn);
-    record("attn.encoder_hidden_states", txt_attn);
-  }
+  emit("attn.hidden_states", img_attn);
+  emit("attn.encoder_hidden_states", txt_attn);
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, img[2], img_attn);
   const at::Tensor img_mlp_out = img_mlp->forward(nn::modulate(nn::layer_norm(image, eps_), img[3], img[4]));
-  if (record) record("img_mlp", img_mlp_out);
+  emit("img_mlp", img_mlp_out);
   image = nn::gated_residual(image, img[5], img_mlp_out);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, txt[2], txt_attn);
   const at::Tensor txt_mlp_out = txt_mlp->forward(nn::modulate(nn::layer_norm(text, eps_), txt[3], txt[4]));
-  if (record) record("txt_mlp", txt_mlp_out);
+  emit("txt_mlp", txt_mlp_out);
   text = nn::gated_residual(text, txt[5], txt_mlp_out);
 
   if (image.scalar_type() == at::kHalf) {
@@ -338,19 +238,6 @@ std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
 // ---------------------------------------------------------------------------------------------
 // Model
 
-QwenImageTransformer2DModelInputs QwenImageTransformer2DModelInputs::read(const io::SafetensorsFile& file) {
-  QwenImageTransformer2DModelInputs inputs;
-  inputs.hidden_states = file.read("hidden_states");
-  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
-  if (file.contains("encoder_hidden_states_mask")) inputs.encoder_hidden_states_mask = file.read("encoder_hidden_states_mask");
-  inputs.timestep = file.read("timestep");
-  if (file.contains("img_shapes")) {
-    inputs.img_shapes = shapes_from_tensor(file.read("img_shapes"), file.path());
-  } else {
-    inputs.img_shapes = shapes_from_json(parent_dir(file.path()) + "/inputs.json");
-  }
-  return inputs;
-}
 
 QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransformer2DModelConfig& config)
     : config(config), pos_embed(10000.0, config.axes_dims_rope) {
@@ -399,35 +286,29 @@ const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
   return plan;
 }
 
-std::vector<parallel::TpDivisor> QwenImageTransformer2DModel::tp_divisors() const {
+parallel::ModelTraits QwenImageTransformer2DModel::traits() const {
+  parallel::ModelTraits traits;
   // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {{"num_attention_heads", config.num_attention_heads}};
+  traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
+  return traits;
 }
 
-at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs,
-                                                const IntermediateRecorder& record) {
+at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformer2DModel");
-  TORCH_CHECK(is_materialized(), "QwenImageTransformer2DModel: forward called before the weights were loaded");
+  const std::string where = type_name();
+  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
   const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
 
   const at::Tensor& hidden_states_in = inputs.hidden_states;
-  TORCH_CHECK(hidden_states_in.defined() && hidden_states_in.dim() == 3 && hidden_states_in.size(2) == config.in_channels,
-              "QwenImageTransformer2DModel: hidden_states must be [B, N, ", config.in_channels, "], got ",
-              hidden_states_in.defined() ? hidden_states_in.sizes() : at::IntArrayRef{});
-  const int64_t batch = hidden_states_in.size(0);
-  const int64_t image_len = hidden_states_in.size(1);
+  const auto image_shape = nn::check_shape(where, "hidden_states", hidden_states_in, {"B", "N", config.in_channels});
+  const int64_t batch = image_shape[0];
+  const int64_t image_len = image_shape[1];
   const at::Tensor& text_in = inputs.encoder_hidden_states;
-  TORCH_CHECK(text_in.defined() && text_in.dim() == 3 && text_in.size(0) == batch &&
-                  text_in.size(2) == config.joint_attention_dim,
-              "QwenImageTransformer2DModel: encoder_hidden_states must be [", batch, ", L, ",
-              config.joint_attention_dim, "], got ", text_in.defined() ? text_in.sizes() : at::IntArrayRef{});
-  const int64_t text_len = text_in.size(1);
-  TORCH_CHECK(inputs.timestep.defined() && (inputs.timestep.numel() == batch || inputs.timestep.numel() == 1),
-              "QwenImageTransformer2DModel: timestep must hold one value per sample ([", batch, "]), got shape ",
-              inputs.timestep.defined() ? inputs.timestep.sizes() : at::IntArrayRef{});
-  const at::Tensor timestep = inputs.timestep.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
+  const int64_t text_len =
+      nn::check_shape(where, "encoder_hidden_states", text_in, {{"B", batch}, "L", config.joint_attention_dim})[1];
+  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device);
 
   // The grids of the image tokens: diffusers uses the first sample's list for all.
   TORCH_CHECK(!inputs.img_shapes.empty() && !inputs.img_shapes[0].empty(),
@@ -452,55 +333,50 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   std::optional<at::Tensor> key_mask;
   if (inputs.encoder_hidden_states_mask.has_value() && inputs.encoder_hidden_states_mask->defined()) {
     const at::Tensor& mask = *inputs.encoder_hidden_states_mask;
-    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == batch && mask.size(1) == text_len,
-                "QwenImageTransformer2DModel: encoder_hidden_states_mask must be [", batch, ", ", text_len,
-                "] (batch, text length), got ", mask.sizes());
+    nn::check_shape(where, "encoder_hidden_states_mask", mask, {{"B", batch}, {"L", text_len}});
     const at::Tensor text_mask = mask.to(device).to(at::kBool);
     const at::Tensor image_mask = at::ones({batch, image_len}, text_mask.options());
-    key_mask = at::cat({text_mask, image_mask}, 1).view({batch, 1, 1, text_len + image_len});
+    // [B, L + N]
+    key_mask = at::cat({text_mask, image_mask}, 1);
   }
 
   // [B, N, D]
   at::Tensor hidden_states = img_in->forward(to_model(hidden_states_in));
-  if (record) record("img_in", hidden_states);
+  emit("img_in", hidden_states);
 
   // [B, L, C] -> [B, L, D]
   const at::Tensor text_normed = txt_norm->forward(to_model(text_in));
-  if (record) record("txt_norm", text_normed);
+  emit("txt_norm", text_normed);
   at::Tensor encoder_hidden_states = txt_in->forward(text_normed);
-  if (record) record("txt_in", encoder_hidden_states);
+  emit("txt_in", encoder_hidden_states);
 
   // [B, D]
-  const at::Tensor temb = time_text_embed->forward(timestep, dtype, record);
-  if (record) record("temb", temb);
+  const at::Tensor temb = time_text_embed->forward(timestep, dtype);
+  emit("temb", temb);
 
   const QwenEmbedRope::Tables tables = pos_embed.forward(shapes, text_len, device);
-  if (record) {
-    record("rope.img.real", at::cos(tables.img_angles));
-    record("rope.img.imag", at::sin(tables.img_angles));
-    record("rope.txt.real", at::cos(tables.txt_angles));
-    record("rope.txt.imag", at::sin(tables.txt_angles));
+  if (observed()) {
+    emit("rope.img.real", at::cos(tables.img_angles));
+    emit("rope.img.imag", at::sin(tables.img_angles));
+    emit("rope.txt.real", at::cos(tables.txt_angles));
+    emit("rope.txt.imag", at::sin(tables.txt_angles));
   }
   const nn::RotaryEmbedding img_rope = rotary_from_angles(tables.img_angles);
   const nn::RotaryEmbedding txt_rope = rotary_from_angles(tables.txt_angles);
 
-  for (size_t i = 0; i < transformer_blocks->size(); ++i) {
-    const std::string name = "transformer_blocks." + std::to_string(i);
+  for (auto& block : *transformer_blocks) {
     std::tie(encoder_hidden_states, hidden_states) =
-        (*transformer_blocks)[i].forward(hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask,
-                                         prefixed_recorder(record, "debug." + name + "."));
-    if (record) {
-      record("block." + name + ".encoder_hidden_states", encoder_hidden_states);
-      record("block." + name + ".hidden_states", hidden_states);
+        block->forward(hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
+    if (observed()) {
+      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
+      emit("block." + block->path() + ".hidden_states", hidden_states);
     }
   }
 
   at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, record ? &norm_out_emb : nullptr);
-  if (record) {
-    record("norm_out.linear", norm_out_emb);
-    record("norm_out", hidden_states);
-  }
+  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
+  emit("norm_out.linear", norm_out_emb);
+  emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
   return proj_out->forward(hidden_states);
 }

@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/embeddings.h"
 #include "shardit/nn/linear.h"
@@ -78,7 +78,7 @@ class QwenTimestepProjEmbeddings : public nn::Module {
   explicit QwenTimestepProjEmbeddings(int64_t embedding_dim);
   std::string type_name() const override { return "QwenTimestepProjEmbeddings"; }
   /// timestep [B] fp32 as the pipeline passes it (t/1000) -> temb [B, D] in `dtype`.
-  at::Tensor forward(const at::Tensor& timestep, at::ScalarType dtype, const IntermediateRecorder& record);
+  at::Tensor forward(const at::Tensor& timestep, at::ScalarType dtype);
 
   nn::Timesteps time_proj;
   std::shared_ptr<nn::TimestepEmbedding> timestep_embedder;
@@ -104,7 +104,7 @@ class QwenDoubleStreamAttention : public nn::Module {
   std::string type_name() const override { return "Attention"; }
 
   /// hidden_states [B, N, D], encoder_hidden_states [B, L, D]; img_rope [N, hd], txt_rope [L, hd];
-  /// key_mask (optional) bool [B, 1, 1, L + N], true = attend. Returns {image [B, N, D], text [B, L, D]}.
+  /// key_mask (optional) bool [B, L + N], true = attend. Returns {image [B, N, D], text [B, L, D]}.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                             const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope,
                                             const std::optional<at::Tensor>& key_mask);
@@ -131,8 +131,7 @@ class QwenImageTransformerBlock : public nn::Module {
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                             const at::Tensor& temb, const nn::RotaryEmbedding& img_rope,
                                             const nn::RotaryEmbedding& txt_rope,
-                                            const std::optional<at::Tensor>& key_mask,
-                                            const IntermediateRecorder& record = {});
+                                            const std::optional<at::Tensor>& key_mask);
 
   std::shared_ptr<QwenModulation> img_mod, txt_mod;
   // img_norm1/2, txt_norm1/2: LayerNorm without affine parameters.
@@ -152,11 +151,6 @@ struct QwenImageTransformer2DModelInputs {
   /// Per sample, the list of (frame, height, width) grids of its image tokens (diffusers'
   /// img_shapes). All samples must agree; their token counts must add up to N.
   std::vector<std::vector<QwenImageShape>> img_shapes;
-
-  /// Reads the tensors named as the keyword arguments from a file. img_shapes comes from an
-  /// `img_shapes` int64 tensor ([B, K, 3] or [B, 3]) in the file if there is one, otherwise from
-  /// `non_tensor_kwargs.img_shapes` of the inputs.json next to the file.
-  static QwenImageTransformer2DModelInputs read(const io::SafetensorsFile& file);
 };
 
 class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
@@ -165,12 +159,12 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   std::string type_name() const override { return "QwenImageTransformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
-  std::vector<parallel::TpDivisor> tp_divisors() const override;
+  parallel::ModelTraits traits() const override;
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
-  /// model's dtype. `record` receives the intermediates named as in the golden data
-  /// (img_in, txt_norm, txt_in, temb.*, rope.*, block.*, debug.*, norm_out.*).
-  at::Tensor forward(const QwenImageTransformer2DModelInputs& inputs, const IntermediateRecorder& record = {});
+  /// model's dtype. Intermediates go to Module::emit (img_in, txt_norm, txt_in, temb.*, rope.*,
+  /// block.*, norm_out.*, and the blocks' own).
+  at::Tensor forward(const QwenImageTransformer2DModelInputs& inputs);
 
   at::ScalarType dtype() const { return img_in->weight.scalar_type(); }
   at::Device device() const { return img_in->weight.device(); }

@@ -17,8 +17,8 @@ AutoencoderKLFlux2Config AutoencoderKLFlux2Config::from_json(const nlohmann::jso
 }
 
 BatchNorm2d::BatchNorm2d(int64_t num_features) {
-  register_parameter("running_mean", &running_mean, {num_features});
-  register_parameter("running_var", &running_var, {num_features});
+  register_buffer("running_mean", &running_mean, {num_features});
+  register_buffer("running_var", &running_var, {num_features});
 }
 
 AutoencoderKLFlux2::AutoencoderKLFlux2(const AutoencoderKLFlux2Config& config, const std::string& source)
@@ -36,10 +36,10 @@ AutoencoderKLFlux2::AutoencoderKLFlux2(const AutoencoderKLFlux2Config& config, c
   tiling = AutoencoderKLTiling::from_config(config.sample_size, config.block_out_channels.size());
 }
 
-std::vector<std::string> AutoencoderKLFlux2::ignored_weight_prefixes() const {
-  std::vector<std::string> prefixes = AutoencoderModel::ignored_weight_prefixes();
-  prefixes.push_back("bn.num_batches_tracked");
-  return prefixes;
+parallel::ModelTraits AutoencoderKLFlux2::traits() const {
+  parallel::ModelTraits traits = AutoencoderModel::traits();
+  traits.ignored_checkpoint_keys.push_back("bn.num_batches_tracked");
+  return traits;
 }
 
 int64_t AutoencoderKLFlux2::vae_scale_factor() const {

@@ -45,9 +45,8 @@ class BatchNorm2d : public nn::Module {
   explicit BatchNorm2d(int64_t num_features);
   std::string type_name() const override { return "BatchNorm2d"; }
 
-  // TODO(buffers): running_mean / running_var are buffers in torch; registered as parameters
-  // until nn::Module has buffers (the loader reads them the same way). num_batches_tracked is
-  // not used and is skipped on load.
+  // Persistent buffers, as in torch (loaded from the checkpoint, never sharded).
+  // num_batches_tracked is not used and is skipped on load.
   at::Tensor running_mean;  ///< [num_features]
   at::Tensor running_var;   ///< [num_features]
 };
@@ -57,7 +56,7 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   explicit AutoencoderKLFlux2(const AutoencoderKLFlux2Config& config,
                               const std::string& source = "AutoencoderKLFlux2 config");
   std::string type_name() const override { return "AutoencoderKLFlux2"; }
-  std::vector<std::string> ignored_weight_prefixes() const override;
+  parallel::ModelTraits traits() const override;
 
   int64_t latent_channels() const override { return config_.latent_channels; }
   int64_t vae_scale_factor() const override;

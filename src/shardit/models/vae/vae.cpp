@@ -1,5 +1,7 @@
 #include "shardit/models/vae/vae.h"
 
+#include <utility>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -173,9 +175,18 @@ const parallel::TpPlan& AutoencoderModel::tp_plan() const {
   return plan;
 }
 
-std::vector<std::string> AutoencoderModel::ignored_weight_prefixes() const {
+parallel::ModelTraits AutoencoderModel::traits() const {
+  parallel::ModelTraits traits;
   // Decode-only: the encoder half of a diffusers VAE checkpoint is not loaded.
-  return {"encoder.", "quant_conv."};
+  traits.ignored_checkpoint_keys = {"encoder.*", "quant_conv.*"};
+  return traits;
+}
+
+IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix) {
+  if (!record) return {};
+  return [record, prefix = std::move(prefix)](const std::string& name, const at::Tensor& value) {
+    record(prefix + name, value);
+  };
 }
 
 void check_latents(const std::string& model, const at::Tensor& z, int64_t dims, int64_t channels, const char* layout) {

@@ -18,6 +18,14 @@
 
 namespace shardit::models {
 
+/// Receives the VAE decoder's named intermediates (parity tests compare them with the
+/// reference's); an empty recorder records nothing. (The transformers emit theirs through
+/// nn::Module::emit; the VAE decoders still take a recorder argument.)
+using IntermediateRecorder = std::function<void(const std::string& name, const at::Tensor& value)>;
+
+/// A recorder that prepends `prefix` to every name; empty when `record` is.
+IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix);
+
 struct DecoderOptions {
   int64_t in_channels = 3;
   int64_t out_channels = 3;
@@ -96,7 +104,7 @@ at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Te
 class AutoencoderModel : public parallel::TensorParallelModule {
  public:
   const parallel::TpPlan& tp_plan() const override;
-  std::vector<std::string> ignored_weight_prefixes() const override;
+  parallel::ModelTraits traits() const override;
 
   /// The decoder's input channels (z).
   virtual int64_t latent_channels() const = 0;

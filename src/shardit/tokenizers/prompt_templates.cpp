@@ -1,0 +1,58 @@
+#include "shardit/tokenizers/prompt_templates.h"
+
+#include <c10/util/Exception.h>
+
+namespace shardit::tokenizers {
+
+namespace {
+
+constexpr std::string_view kQwenImagePrefix =
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n";
+constexpr std::string_view kQwenImageSuffix = "<|im_end|>\n<|im_start|>assistant\n";
+
+// Qwen3's chat template for one user message, with the generation prompt and the empty think
+// block that enable_thinking=False adds.
+constexpr std::string_view kFlux2KleinPrefix = "<|im_start|>user\n";
+constexpr std::string_view kFlux2KleinSuffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+
+}  // namespace
+
+PromptTemplate parse_prompt_template(const std::string& name) {
+  if (name.empty() || name == "none") return PromptTemplate::None;
+  if (name == "qwenimage") return PromptTemplate::QwenImage;
+  if (name == "flux2_klein") return PromptTemplate::Flux2Klein;
+  TORCH_CHECK(false, "unknown prompt template '", name, "' (expected qwenimage or flux2_klein)");
+}
+
+std::string apply_prompt_template(PromptTemplate tmpl, std::string_view prompt) {
+  switch (tmpl) {
+    case PromptTemplate::None: return std::string(prompt);
+    case PromptTemplate::QwenImage: return std::string(kQwenImagePrefix).append(prompt).append(kQwenImageSuffix);
+    case PromptTemplate::Flux2Klein: return std::string(kFlux2KleinPrefix).append(prompt).append(kFlux2KleinSuffix);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled prompt template");
+}
+
+namespace {
+
+std::vector<std::string> templated(PromptTemplate tmpl, const std::vector<std::string>& prompts) {
+  std::vector<std::string> texts;
+  texts.reserve(prompts.size());
+  for (const auto& p : prompts) texts.push_back(apply_prompt_template(tmpl, p));
+  return texts;
+}
+
+}  // namespace
+
+std::vector<Encoding> encode_qwenimage_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                               int64_t max_length) {
+  return tokenizer(templated(PromptTemplate::QwenImage, prompts), max_length, Padding::Longest);
+}
+
+std::vector<Encoding> encode_flux2_klein_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                                 int64_t max_sequence_length) {
+  return tokenizer(templated(PromptTemplate::Flux2Klein, prompts), max_sequence_length, Padding::MaxLength);
+}
+
+}  // namespace shardit::tokenizers

@@ -1,0 +1,45 @@
+#pragma once
+// The prompt templates the pipelines wrap around a user's prompt before tokenizing, and the
+// tokenizer calls they make (diffusers' QwenImagePipeline and Flux2KleinPipeline).
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardit/tokenizers/tokenizer.h"
+
+namespace shardit::tokenizers {
+
+/// Prompt templates by pipeline.
+enum class PromptTemplate {
+  None,
+  QwenImage,   ///< QwenImagePipeline.prompt_template_encode (system prompt + user turn)
+  Flux2Klein,  ///< Qwen3 chat template, add_generation_prompt=True, enable_thinking=False
+};
+
+/// Parses "qwenimage" | "flux2_klein" (and "" / "none").
+PromptTemplate parse_prompt_template(const std::string& name);
+
+/// QwenImagePipeline: the number of template tokens before the prompt, dropped from the encoder
+/// output (`prompt_template_encode_start_idx`).
+constexpr int64_t kQwenImageDropIdx = 34;
+/// QwenImagePipeline.tokenizer_max_length: prompt tokens kept after the template prefix.
+constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
+/// Flux2KleinPipeline's default max_sequence_length.
+constexpr int64_t kFlux2KleinMaxSequenceLength = 512;
+
+/// `prompt` inside the template (the text the pipeline hands to the tokenizer).
+std::string apply_prompt_template(PromptTemplate tmpl, std::string_view prompt);
+
+/// QwenImagePipeline's call: the templated prompts, `max_length` = 1024 + 34 by default, truncated,
+/// right-padded to the longest row with the pad token. The encoder drops the first
+/// kQwenImageDropIdx valid tokens of each row afterwards.
+std::vector<Encoding> encode_qwenimage_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                               int64_t max_length = kQwenImageTokenizerMaxLength + kQwenImageDropIdx);
+
+/// Flux2KleinPipeline's call: each prompt in the chat template, padded ("max_length") and
+/// truncated to `max_sequence_length`.
+std::vector<Encoding> encode_flux2_klein_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                                 int64_t max_sequence_length = kFlux2KleinMaxSequenceLength);
+
+}  // namespace shardit::tokenizers

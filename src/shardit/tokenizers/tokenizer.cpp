@@ -1,0 +1,85 @@
+#include "shardit/tokenizers/tokenizer.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "shardit/tokenizers/clip_tokenizer.h"
+#include "shardit/tokenizers/t5_tokenizer.h"
+#include "shardit/tokenizers/tokenizer_json.h"
+#include "shardit/tokenizers/unicode.h"
+
+namespace shardit::tokenizers {
+
+std::string Tokenizer::valid_utf8(std::string_view text) const {
+  bool replaced = false;
+  std::string out = sanitize_utf8(text, &replaced);
+  if (replaced) {
+    std::fprintf(stderr, "note: %s: the text is not valid UTF-8; invalid bytes were replaced by U+FFFD\n",
+                 source().c_str());
+  }
+  return out;
+}
+
+std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
+  return add_special_tokens(encode_without_specials(text));
+}
+
+Encoding Tokenizer::operator()(std::string_view text, int64_t max_length, Padding padding) const {
+  return (*this)(std::vector<std::string>{std::string(text)}, max_length, padding).front();
+}
+
+std::vector<Encoding> Tokenizer::operator()(const std::vector<std::string>& texts, int64_t max_length,
+                                            Padding padding) const {
+  const int64_t reserved = num_special_tokens();
+  TORCH_CHECK(max_length > reserved, source(), ": max_length ", max_length, " leaves no room for text (the ",
+              reserved, " special token(s) need ", reserved, "); use a larger max_length");
+  std::vector<Encoding> rows;
+  rows.reserve(texts.size());
+  size_t longest = 0;
+  for (const auto& text : texts) {
+    std::vector<int64_t> ids = encode_without_specials(text);
+    Encoding row;
+    // As transformers: the special tokens are counted before truncation, then added back.
+    const int64_t total = static_cast<int64_t>(ids.size()) + reserved;
+    if (total > max_length) {
+      row.truncated_tokens = total - max_length;
+      ids.resize(ids.size() - static_cast<size_t>(row.truncated_tokens));
+      std::fprintf(stderr, "note: %s: prompt has %lld tokens, more than max_length %lld; the last %lld were dropped\n",
+                   source().c_str(), static_cast<long long>(total), static_cast<long long>(max_length),
+                   static_cast<long long>(row.truncated_tokens));
+    }
+    row.input_ids = add_special_tokens(std::move(ids));
+    row.attention_mask.assign(row.input_ids.size(), 1);
+    longest = std::max(longest, row.input_ids.size());
+    rows.push_back(std::move(row));
+  }
+  if (padding == Padding::None) return rows;
+  const size_t target = padding == Padding::MaxLength ? static_cast<size_t>(max_length) : longest;
+  const int64_t pad = pad_token_id();
+  for (auto& row : rows) {
+    if (row.input_ids.size() >= target) continue;
+    row.input_ids.resize(target, pad);
+    row.attention_mask.resize(target, 0);
+  }
+  return rows;
+}
+
+TokenizerKind parse_tokenizer_kind(const std::string& name) {
+  if (name == "clip") return TokenizerKind::Clip;
+  if (name == "t5") return TokenizerKind::T5;
+  if (name == "qwen") return TokenizerKind::Qwen;
+  TORCH_CHECK(false, "unknown tokenizer kind '", name, "' (expected clip, t5 or qwen)");
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& folder, TokenizerKind kind) {
+  switch (kind) {
+    case TokenizerKind::Clip: return std::make_unique<CLIPTokenizer>(CLIPTokenizer::from_folder(folder));
+    case TokenizerKind::T5: return std::make_unique<T5Tokenizer>(T5Tokenizer::from_folder(folder));
+    case TokenizerKind::Qwen: return std::make_unique<TokenizerJson>(TokenizerJson::from_folder(folder));
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled tokenizer kind");
+}
+
+}  // namespace shardit::tokenizers

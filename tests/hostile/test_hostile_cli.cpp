@@ -1,0 +1,648 @@
+// The CLI as a hostile user meets it: generated bad inputs, environments and signals, each run as
+// a real subprocess. Every case asserts the documented exit code, a message naming the thing, no
+// death by signal, a bounded run time, no process left behind and no file created or changed
+// (except where a case documents one). docs/reliability.md lists the guarantees tested here.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardit/io/safetensors.h"
+#include "shardit/models/builtin.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Clock = std::chrono::steady_clock;
+
+// Every process a case starts carries this variable, so that leftovers can be found in /proc
+// whatever process group or parent they ended up with.
+const std::string kMarkName = "SHARDIT_HOSTILE_CASE";
+
+struct Outcome {
+  int exit_code = -1;     // when it exited
+  int signal = 0;         // when a signal killed it
+  bool timed_out = false;
+  double seconds = 0;
+  std::string out, err;
+};
+
+struct Spawn {
+  std::vector<std::string> args;
+  std::map<std::string, std::string> env;  // added to (or replacing) the test's environment
+  std::optional<rlim_t> file_size_limit;
+};
+
+/// A started CLI process; wait() collects its output within `limit` seconds (then SIGKILL).
+class Process {
+ public:
+  Process(const Spawn& spawn, const std::string& mark) {
+    int out_pipe[2], err_pipe[2];
+    EXPECT_EQ(::pipe2(out_pipe, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(err_pipe, O_CLOEXEC), 0);
+    std::vector<std::string> env_strings;
+    std::map<std::string, std::string> env;
+    for (char** entry = environ; *entry != nullptr; ++entry) {
+      const std::string text = *entry;
+      const auto eq = text.find('=');
+      if (eq != std::string::npos) env[text.substr(0, eq)] = text.substr(eq + 1);
+    }
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+      env.erase(name);
+    }
+    for (const auto& [key, value] : spawn.env) env[key] = value;
+    env[kMarkName] = mark;
+    for (const auto& [key, value] : env) env_strings.push_back(key + "=" + value);
+    std::vector<char*> envp;
+    for (auto& entry : env_strings) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_strings{shardit::testing::cli_path()};
+    argv_strings.insert(argv_strings.end(), spawn.args.begin(), spawn.args.end());
+    std::vector<char*> argv;
+    for (auto& arg : argv_strings) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+
+    start_ = Clock::now();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::setpgid(0, 0);
+      if (spawn.file_size_limit) {
+        const rlimit limit{*spawn.file_size_limit, *spawn.file_size_limit};
+        ::setrlimit(RLIMIT_FSIZE, &limit);
+      }
+      ::dup2(out_pipe[1], 1);
+      ::dup2(err_pipe[1], 2);
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(127);
+    }
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    out_fd_ = out_pipe[0];
+    err_fd_ = err_pipe[0];
+  }
+
+  pid_t pid() const { return pid_; }
+
+  Outcome wait(double limit_seconds) {
+    Outcome outcome;
+    const auto deadline = start_ + std::chrono::duration<double>(limit_seconds);
+    int status = 0;
+    bool exited = false;
+    while (!exited || out_fd_ >= 0 || err_fd_ >= 0) {
+      if (!exited && ::waitpid(pid_, &status, WNOHANG) == pid_) exited = true;
+      if (!exited && Clock::now() > deadline) {
+        outcome.timed_out = true;
+        ::kill(-pid_, SIGKILL);
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        exited = true;
+      }
+      std::vector<pollfd> fds;
+      for (int fd : {out_fd_, err_fd_}) {
+        if (fd >= 0) fds.push_back(pollfd{fd, POLLIN, 0});
+      }
+      if (fds.empty()) continue;
+      if (::poll(fds.data(), fds.size(), exited ? 200 : 20) <= 0) {
+        if (exited) break;  // a leftover process may hold the pipe: stop reading
+        continue;
+      }
+      for (const auto& fd : fds) {
+        if (fd.revents == 0) continue;
+        char buffer[65536];
+        const ssize_t n = ::read(fd.fd, buffer, sizeof(buffer));
+        std::string& sink = fd.fd == out_fd_ ? outcome.out : outcome.err;
+        if (n > 0) {
+          if (sink.size() < (8u << 20)) sink.append(buffer, static_cast<size_t>(n));
+        } else {
+          ::close(fd.fd);
+          (fd.fd == out_fd_ ? out_fd_ : err_fd_) = -1;
+        }
+      }
+    }
+    for (int* fd : {&out_fd_, &err_fd_}) {
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+    outcome.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
+    if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
+    return outcome;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1, err_fd_ = -1;
+  Clock::time_point start_;
+};
+
+/// Processes whose environment carries `mark` (leftover ranks, whatever their parent).
+std::vector<pid_t> marked_processes(const std::string& mark) {
+  std::vector<pid_t> found;
+  const std::string needle = kMarkName + "=" + mark;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "environ", std::ios::binary);
+    const std::string environ_text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (environ_text.find(needle + '\0') != std::string::npos) found.push_back(std::stoi(name));
+  }
+  return found;
+}
+
+/// Waits up to `seconds` for every process carrying `mark` to be gone; returns those left.
+std::vector<pid_t> leftovers(const std::string& mark, double seconds = 5.0) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  std::vector<pid_t> left = marked_processes(mark);
+  while (!left.empty() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    left = marked_processes(mark);
+  }
+  for (pid_t pid : left) ::kill(pid, SIGKILL);  // never leave them to the next case
+  return left;
+}
+
+/// path -> (size, modification time) of every entry under `root`. Folders count by name only:
+/// checking that an output folder is writable creates and removes a probe file there.
+std::map<std::string, std::pair<uintmax_t, int64_t>> snapshot(const std::string& root) {
+  std::map<std::string, std::pair<uintmax_t, int64_t>> out;
+  for (const auto& entry : fs::recursive_directory_iterator(root)) {
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) {
+      out[entry.path().string()] = {0, 0};
+      continue;
+    }
+    out[entry.path().string()] = {static_cast<uintmax_t>(st.st_size),
+                                  static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  }
+  return out;
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  fs::remove(path);
+  std::ofstream(path) << text;
+}
+
+class Hostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = shardit::testing::make_temp_dir("hostile");
+    const auto builtin = shardit::models::write_builtin_model((fs::path(root_) / "model").string());
+    model_ = builtin.pipeline;
+    transformer_ = builtin.transformer;
+    inputs_ = builtin.inputs;
+    fs::create_directories(fs::path(root_) / "out");
+    mark_ = ::testing::UnitTest::GetInstance()->current_test_info()->name() + std::to_string(::getpid());
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  /// Runs the CLI and checks what every case checks: finished within `limit` seconds, not
+  /// killed by a signal, no process left. Files under the case's folder must be unchanged unless
+  /// `files_may_change`.
+  Outcome run(const Spawn& spawn, double limit = 30, bool files_may_change = false) {
+    const auto before = snapshot(root_);
+    Process process(spawn, mark_);
+    Outcome outcome = process.wait(limit);
+    EXPECT_FALSE(outcome.timed_out) << "did not finish within " << limit << " s\n" << outcome.err;
+    EXPECT_EQ(outcome.signal, 0) << "killed by signal " << outcome.signal << "\n" << outcome.err;
+    EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty()) << "processes left running";
+    if (!files_may_change) EXPECT_EQ(snapshot(root_), before) << "files were created or changed";
+    return outcome;
+  }
+
+  /// A refusal: exit code `code`, the message on stderr containing every `needles` entry.
+  void expect_refused(const Outcome& outcome, const std::vector<std::string>& needles, int code = 1) {
+    EXPECT_EQ(outcome.exit_code, code) << outcome.err;
+    for (const auto& needle : needles) EXPECT_THAT(outcome.err, HasSubstr(needle));
+    EXPECT_THAT(outcome.err, Not(HasSubstr("Exception raised from"))) << "a backtrace was printed";
+  }
+
+  std::string out_path(const std::string& name = "sample.safetensors") const {
+    return (fs::path(root_) / "out" / name).string();
+  }
+  std::vector<std::string> run_args(const std::string& out) const {
+    return {"run-transformer", "--model", model_, "--inputs", inputs_, "--out", out};
+  }
+  std::string config() const { return (fs::path(transformer_) / "config.json").string(); }
+
+  std::string root_, model_, transformer_, inputs_, mark_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Crashes
+
+TEST_F(Hostile, DeeplyNestedConfigIsRefusedWithoutCrashing) {
+  const int depth = 100000;
+  write_text(config(), std::string("{\"_class_name\": \"FluxTransformer2DModel\", \"x\": ") + std::string(depth, '[') +
+                           std::string(depth, ']') + "}");
+  for (const auto& args : {std::vector<std::string>{"inspect", model_}, run_args(out_path())}) {
+    const Outcome outcome = run({args}, 20);
+    EXPECT_THAT(outcome.err + outcome.out, HasSubstr(config()));
+    EXPECT_THAT(outcome.err + outcome.out, HasSubstr("nests JSON deeper than"));
+    EXPECT_LT(outcome.out.size(), 100000u) << "printed a huge document";
+    EXPECT_NE(outcome.exit_code, 0);
+  }
+}
+
+TEST_F(Hostile, DeepIndexAndInputsJsonAreRefused) {
+  const std::string deep = "{\"a\":" + std::string(5000, '[') + std::string(5000, ']') + "}";
+  write_text(fs::path(inputs_) / "inputs.json", deep);
+  expect_refused(run({run_args(out_path())}), {"inputs.json", "nests JSON deeper than"});
+  write_text(fs::path(transformer_) / "diffusion_pytorch_model.safetensors.index.json", deep);
+  expect_refused(run({{"inspect", transformer_}}), {"index.json", "nests JSON deeper than"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hangs
+
+TEST_F(Hostile, FifoInputsAreRefusedWithoutBlocking) {
+  const auto make_fifo = [](const fs::path& path) {
+    fs::remove(path);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  };
+  const fs::path fifo = fs::path(root_) / "weights.safetensors";
+  make_fifo(fifo);
+  expect_refused(run({{"inspect", fifo.string()}}, 10), {fifo.string(), "FIFO"});
+
+  make_fifo(fs::path(inputs_) / "inputs.safetensors");
+  expect_refused(run({run_args(out_path())}, 10), {"inputs.safetensors", "FIFO"});
+
+  make_fifo(fs::path(transformer_) / "diffusion_pytorch_model-00002-of-00002.safetensors");
+  expect_refused(run({{"inspect", transformer_}}, 10), {"00002-of-00002.safetensors", "FIFO"});
+
+  make_fifo(config());
+  expect_refused(run({{"inspect", transformer_}}, 10), {"config.json", "FIFO"});
+}
+
+TEST_F(Hostile, ForeignServerOnMasterPortIsBounded) {
+  // A server that accepts connections and never answers.
+  const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(server, 16), 0);
+  ASSERT_EQ(::getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  std::map<std::string, std::string> env = {
+      {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+
+  env["RANK"] = "1";
+  auto args = run_args(out_path());
+  args.insert(args.end(), {"--timeout", "2"});
+  const Outcome client = run({args, env}, 15);
+  expect_refused(client, {"rank 1", "127.0.0.1:" + port});
+
+  env["RANK"] = "0";
+  const Outcome host = run({args, env}, 15);
+  expect_refused(host, {"MASTER_PORT=" + port, "already in use"});
+  EXPECT_LT(host.seconds, 5.0);
+  ::close(server);
+}
+
+TEST_F(Hostile, LauncherStopsStartingRanksOnSigterm) {
+  auto args = run_args(out_path());
+  args.insert(args.begin(), {"--nproc-per-node", "16"});
+  const auto before = snapshot(root_);
+  Process process({args}, mark_);
+  // Once the launcher has started its first ranks (before that, SIGTERM simply ends it).
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (marked_processes(mark_).size() < 2 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::kill(process.pid(), SIGTERM);
+  const Outcome outcome = process.wait(30);
+  EXPECT_FALSE(outcome.timed_out);
+  EXPECT_EQ(outcome.signal, 0);
+  EXPECT_NE(outcome.exit_code, 0);
+  EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty());
+  EXPECT_FALSE(fs::exists(out_path()));
+  EXPECT_EQ(snapshot(root_), before);
+}
+
+TEST_F(Hostile, LocalRankCountIsBounded) {
+  for (const std::string n : {"0", "1000", "-3"}) {
+    const Outcome outcome = run({{"--nproc-per-node", n, "inspect", model_}}, 10);
+    EXPECT_EQ(outcome.exit_code, 2) << outcome.err;
+    EXPECT_THAT(outcome.err, HasSubstr("--nproc-per-node"));
+    EXPECT_LT(outcome.err.size(), 400u) << outcome.err;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Orphans and files
+
+TEST_F(Hostile, RanksDieWithAKilledLauncher) {
+  auto args = run_args(out_path());
+  args.insert(args.end(), {"--nproc-per-node", "2"});
+  Process process({args}, mark_);
+  // Wait until both ranks run, then kill the launcher outright.
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (marked_processes(mark_).size() < 3 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(marked_processes(mark_).size(), 3u);
+  ::kill(process.pid(), SIGKILL);
+  process.wait(10);
+  EXPECT_THAT(leftovers(mark_, 3.0), ::testing::IsEmpty()) << "ranks outlived their launcher";
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_FALSE(fs::exists(out_path())) << "a rank wrote --out after its launcher was killed";
+}
+
+TEST_F(Hostile, FailedWriteLeavesNoPartialOutput) {
+  // Writes beyond 1 KiB fail (EFBIG instead of SIGXFSZ); the sample is larger.
+  Spawn spawn{run_args(out_path())};
+  spawn.file_size_limit = 1024;
+  expect_refused(run(spawn, 30), {out_path(), "writing failed"});
+  // An existing output is left as it was.
+  write_text(out_path(), "previous");
+  expect_refused(run(spawn, 30), {out_path(), "writing failed"});
+  EXPECT_EQ(read_text(out_path()), "previous");
+}
+
+TEST_F(Hostile, OutputNamingAnInputIsRefused) {
+  const std::string inputs_file = (fs::path(inputs_) / "inputs.safetensors").string();
+  const std::string shard = (fs::path(transformer_) / "diffusion_pytorch_model-00001-of-00002.safetensors").string();
+  const std::string link = (fs::path(root_) / "out" / "link.safetensors").string();
+  fs::create_symlink(shard, link);
+  for (const auto& out : {inputs_file, shard, link}) {
+    expect_refused(run({run_args(out)}), {out, "is also an input"});
+  }
+}
+
+TEST_F(Hostile, UnwritableOutputIsRefusedBeforeLoading) {
+  for (const auto& out : {(fs::path(root_) / "missing" / "x.safetensors").string(), (fs::path(root_) / "out").string() + "/",
+                          (fs::path(root_) / "out").string()}) {
+    const Outcome outcome = run({run_args(out)});
+    expect_refused(outcome, {out});
+    EXPECT_THAT(outcome.out, Not(HasSubstr("sample"))) << "the model ran before the output was checked";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slow failures
+
+TEST_F(Hostile, HeaderWithManyTensorsParsesInLinearTime) {
+  // 100k empty tensors, then trailing bytes that make the file invalid: the parse must finish
+  // (quadratic parsing took minutes) and the error name the problem.
+  std::string header = "{";
+  for (int i = 0; i < 100000; ++i) {
+    header += (i ? "," : "") + std::string("\"t") + std::to_string(i) +
+              "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  }
+  header += "}";
+  const fs::path file = fs::path(root_) / "many.safetensors";
+  std::ofstream out(file, std::ios::binary);
+  const uint64_t size = header.size();
+  out.write(reinterpret_cast<const char*>(&size), 8);
+  out << header << "xxxx";
+  out.close();
+  const Outcome outcome = run({{"inspect", file.string()}}, 20);
+  expect_refused(outcome, {file.string(), "trailing bytes"});
+  EXPECT_LT(outcome.seconds, 10.0);
+}
+
+TEST_F(Hostile, AbsurdConfigValuesFailFastNamingTheKey) {
+  const std::string original = read_text(config());
+  const auto with = [&](const std::string& key, const std::string& value) {
+    auto json = nlohmann::json::parse(original);
+    json[key] = nlohmann::json::parse(value);
+    write_text(config(), json.dump());
+  };
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"num_layers", "100000", "out of the accepted range"},
+      {"num_single_layers", "1000000", "out of the accepted range"},
+      {"num_layers", "9223372036854775808", "out of the accepted range"},
+      {"num_layers", "2.5", "expected an integer"},
+      {"num_attention_heads", "null", "is null"},
+      {"attention_head_dim", "\"16\"", "expected an integer"},
+      {"num_attention_heads", "1048576", "larger than the accepted width"},
+  };
+  for (const auto& [key, value, reason] : cases) {
+    with(key, value);
+    const Outcome outcome = run({run_args(out_path())}, 10);
+    expect_refused(outcome, {config(), "'" + key + "'", reason});
+    EXPECT_LT(outcome.seconds, 5.0) << key << " = " << value;
+  }
+}
+
+TEST_F(Hostile, TimeoutOptionBoundsAMissingRank) {
+  // Rank 1 of 2 alone: rank 0 never comes.
+  auto args = run_args(out_path());
+  args.insert(args.begin(), {"--timeout", "2"});
+  const Outcome outcome =
+      run({args, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}}, 15);
+  expect_refused(outcome, {"rank 1", "2000 ms"});
+  EXPECT_LT(outcome.seconds, 8.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ranks that disagree
+
+TEST_F(Hostile, RanksWithDifferentWorkFailNamingTheDifference) {
+  const int port = 20000 + ::getpid() % 20000;
+  const std::map<std::string, std::string> base = {
+      {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}};
+  auto env0 = base, env1 = base;
+  env0["RANK"] = "0";
+  env1["RANK"] = "1";
+  auto args0 = run_args(out_path()), args1 = run_args(out_path());
+  args0.insert(args0.end(), {"--timeout", "10"});
+  args1.insert(args1.end(), {"--dtype", "bf16", "--timeout", "10"});
+  Process rank0({args0, env0}, mark_), rank1({args1, env1}, mark_);
+  const Outcome out0 = rank0.wait(30), out1 = rank1.wait(30);
+  for (const Outcome* outcome : {&out0, &out1}) {
+    EXPECT_EQ(outcome->signal, 0) << outcome->err;
+    EXPECT_FALSE(outcome->timed_out);
+    EXPECT_EQ(outcome->exit_code, 1) << outcome->err;
+  }
+  EXPECT_THAT(out0.err + out1.err, HasSubstr("ranks disagree on the compute dtype"));
+  EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty());
+  EXPECT_FALSE(fs::exists(out_path()));
+}
+
+TEST_F(Hostile, WorldSizeDisagreementIsNamed) {
+  const int port = 20000 + (::getpid() + 7) % 20000;
+  std::map<std::string, std::string> env0 = {
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}};
+  auto env1 = env0;
+  env1["RANK"] = "1";
+  env1["WORLD_SIZE"] = "3";
+  auto args = run_args(out_path());
+  args.insert(args.end(), {"--timeout", "5"});
+  Process rank0({args, env0}, mark_), rank1({args, env1}, mark_);
+  const Outcome out0 = rank0.wait(30), out1 = rank1.wait(30);
+  EXPECT_EQ(out0.exit_code, 1) << out0.err;
+  EXPECT_EQ(out1.exit_code, 1) << out1.err;
+  EXPECT_THAT(out0.err + out1.err, HasSubstr("world size"));
+  EXPECT_THAT(out0.err + out1.err, Not(HasSubstr("rank 1 did not join")));
+  EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty());
+}
+
+TEST_F(Hostile, NestedLaunchersAreRefused) {
+  const Outcome outcome = run({{"--nproc-per-node", "2", "inspect", model_},
+                               {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}},
+                              10);
+  expect_refused(outcome, {"--nproc-per-node 2 inside a job", "openmpi", "rank 0 of 2"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Messages
+
+TEST_F(Hostile, CommandLineMistakesNameTheMistake) {
+  const Outcome unknown = run({{"frobnicate", "--x"}}, 10);
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_THAT(unknown.err, HasSubstr("unknown command 'frobnicate'"));
+  const Outcome tp_alone = run({{"inspect", model_, "--tp", "2"}}, 10);
+  EXPECT_EQ(tp_alone.exit_code, 2);
+  EXPECT_THAT(tp_alone.err, HasSubstr("--plan"));
+}
+
+TEST_F(Hostile, GlobalOptionsWorkAfterTheSubcommand) {
+  auto args = run_args(out_path());
+  args.insert(args.end(), {"--nproc-per-node", "2", "--timeout", "60"});
+  const Outcome outcome = run({args}, 120, /*files_may_change=*/true);
+  EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
+  EXPECT_TRUE(fs::exists(out_path()));
+  // Only the output appeared in the out folder (no temporary file left).
+  EXPECT_EQ(std::distance(fs::directory_iterator(fs::path(root_) / "out"), fs::directory_iterator()), 1);
+}
+
+TEST_F(Hostile, BadFilesAreNamedWithTheReason) {
+  fs::remove(config());
+  fs::create_directory(config());
+  expect_refused(run({{"inspect", transformer_}}), {config(), "is a directory"});
+  fs::remove(config());
+  fs::create_symlink(fs::path(root_) / "nowhere.json", config());
+  expect_refused(run({{"inspect", transformer_}}), {config(), "symbolic link", "does not exist"});
+}
+
+TEST_F(Hostile, IntegerWeightsAreRefusedNamingTheTensor) {
+  const fs::path shard = fs::path(transformer_) / "diffusion_pytorch_model-00001-of-00002.safetensors";
+  auto file = shardit::io::SafetensorsFile::open(shard.string());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::string changed;
+  for (const auto& name : file->names()) {
+    at::Tensor tensor = file->read(name);
+    if (changed.empty() && name.find("norm") != std::string::npos && name.find("weight") != std::string::npos) {
+      changed = name;
+      tensor = tensor.to(at::kLong);
+    }
+    tensors.emplace_back(name, tensor);
+  }
+  file.reset();
+  ASSERT_FALSE(changed.empty());
+  shardit::io::save_safetensors(shard.string(), tensors);
+  expect_refused(run({run_args(out_path())}), {"'" + changed + "'", "I64"});
+}
+
+TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
+  const fs::path file = fs::path(root_) / "evil.safetensors";
+  shardit::io::save_safetensors(file.string(), {{"ok", at::zeros({2})}}, {{"note", "\x1b[31mred\ninjected line"}});
+  const Outcome shown = run({{"inspect", file.string()}}, 10);
+  EXPECT_EQ(shown.exit_code, 0) << shown.err;
+  EXPECT_THAT(shown.out, Not(HasSubstr("\x1b")));
+  EXPECT_THAT(shown.out, Not(HasSubstr("\ninjected line")));
+
+  const std::string header = "{\"a\\u001b[2Jb\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}}";
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  const uint64_t size = header.size();
+  out.write(reinterpret_cast<const char*>(&size), 8);
+  out << header;
+  out.close();
+  const Outcome refused = run({{"inspect", file.string()}}, 10);
+  expect_refused(refused, {"control characters"});
+  EXPECT_THAT(refused.err, Not(HasSubstr("\x1b")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decisions (docs/reliability.md, "Questionable inputs")
+
+TEST_F(Hostile, NonFiniteInputsWarnOrFailWithCheckFinite) {
+  const fs::path inputs_file = fs::path(inputs_) / "inputs.safetensors";
+  auto file = shardit::io::SafetensorsFile::open(inputs_file.string());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& name : file->names()) {
+    at::Tensor tensor = file->read(name);
+    if (name == "hidden_states") tensor.view(-1)[3] = std::numeric_limits<float>::quiet_NaN();
+    tensors.emplace_back(name, tensor);
+  }
+  file.reset();
+  shardit::io::save_safetensors(inputs_file.string(), tensors);
+
+  auto strict = run_args(out_path());
+  strict.push_back("--check-finite");
+  expect_refused(run({strict}), {"input 'hidden_states'", "NaN"});
+  const Outcome warned = run({run_args(out_path())}, 30, /*files_may_change=*/true);
+  EXPECT_EQ(warned.exit_code, 0) << warned.err;
+  EXPECT_THAT(warned.err, HasSubstr("warning: the sample has non-finite values"));
+}
+
+TEST_F(Hostile, IndexPointingOutsideTheFolderIsRefused) {
+  const fs::path index = fs::path(transformer_) / "diffusion_pytorch_model.safetensors.index.json";
+  auto json = nlohmann::json::parse(read_text(index));
+  json["weight_map"].begin().value() = "../../model/transformer/diffusion_pytorch_model-00001-of-00002.safetensors";
+  write_text(index, json.dump());
+  expect_refused(run({{"inspect", transformer_}}), {"index.json", "outside the index's folder"});
+  json["weight_map"].begin().value() = "/etc/passwd";
+  write_text(index, json.dump());
+  expect_refused(run({{"inspect", transformer_}}), {"outside the index's folder"});
+}
+
+TEST_F(Hostile, InspectUnderSeveralRanksPrintsOnce) {
+  const Outcome outcome = run({{"--nproc-per-node", "2", "inspect", model_}}, 60);
+  EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
+  size_t count = 0;
+  for (size_t at = outcome.out.find("== pipeline at"); at != std::string::npos;
+       at = outcome.out.find("== pipeline at", at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << outcome.out.substr(0, 2000);
+}
+
+TEST_F(Hostile, DamagedBuiltinModelCacheIsRebuilt) {
+  const fs::path tmp = fs::path(root_) / "tmp";
+  fs::create_directories(tmp);
+  const std::map<std::string, std::string> env = {{"TMPDIR", tmp.string()}};
+  ASSERT_EQ(run({{"inspect"}, env}, 60, true).exit_code, 0);
+  fs::path shard;
+  for (const auto& entry : fs::recursive_directory_iterator(tmp)) {
+    if (entry.path().filename() == "diffusion_pytorch_model-00002-of-00002.safetensors") shard = entry.path();
+  }
+  ASSERT_FALSE(shard.empty());
+  fs::resize_file(shard, fs::file_size(shard) / 2);
+  const Outcome outcome = run({{"run-transformer", "--out", out_path()}, env}, 60, true);
+  EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
+}
+
+}  // namespace

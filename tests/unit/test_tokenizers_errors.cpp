@@ -1,0 +1,72 @@
+// Tokenizer folders with a missing or broken file: the error names the file.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "shardit/tokenizers/prompt_templates.h"
+#include "shardit/tokenizers/tokenizer.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace shardit::tokenizers;
+using shardit::testing::error_of;
+using shardit::testing::golden_path;
+
+// A copy of a golden tokenizer folder without `drop` (and with `replace` written over `name`).
+std::string copy_without(const std::string& golden, const std::string& drop, const std::string& tag) {
+  const std::string dir = shardit::testing::make_temp_dir(tag);
+  for (const auto& entry : fs::directory_iterator(golden_path(golden))) {
+    if (entry.path().filename() == drop) continue;
+    fs::copy_file(entry.path(), fs::path(dir) / entry.path().filename());
+    fs::permissions(fs::path(dir) / entry.path().filename(), fs::perms::owner_write, fs::perm_options::add);
+  }
+  return dir;
+}
+
+TEST(TokenizersErrors, MissingFileIsNamed) {
+  const std::string clip = copy_without("text/tokenizer_flux1/tokenizer", "merges.txt", "tok_no_merges");
+  EXPECT_NE(error_of([&] { load_tokenizer(clip, TokenizerKind::Clip); }).find("no merges.txt"), std::string::npos);
+  const std::string t5 = copy_without("text/tokenizer_flux1/tokenizer_2", "spiece.model", "tok_no_spiece");
+  EXPECT_NE(error_of([&] { load_tokenizer(t5, TokenizerKind::T5); }).find("no spiece.model"), std::string::npos);
+  const std::string qwen = copy_without("text/tokenizer_qwen/tokenizer", "tokenizer.json", "tok_no_json");
+  EXPECT_NE(error_of([&] { load_tokenizer(qwen, TokenizerKind::Qwen); }).find("no tokenizer.json"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_tokenizer("/nonexistent/tokenizer", TokenizerKind::Clip); }).find("does not exist"),
+            std::string::npos);
+}
+
+TEST(TokenizersErrors, BrokenFilesAreNamed) {
+  const std::string dir = copy_without("text/tokenizer_flux1/tokenizer", "", "tok_broken");
+  std::ofstream(dir + "/vocab.json") << "{\"a\": 1,";
+  const std::string truncated = error_of([&] { load_tokenizer(dir, TokenizerKind::Clip); });
+  EXPECT_NE(truncated.find("vocab.json: invalid JSON"), std::string::npos) << truncated;
+
+  std::ofstream(dir + "/vocab.json") << std::string(100, '[') << std::string(100, ']');
+  const std::string deep = error_of([&] { load_tokenizer(dir, TokenizerKind::Clip); });
+  EXPECT_NE(deep.find("/vocab.json: file nests JSON deeper than 32 levels (at byte 32)"), std::string::npos) << deep;
+
+  const std::string t5 = copy_without("text/tokenizer_flux1/tokenizer_2", "", "tok_bad_spiece");
+  std::ofstream(t5 + "/spiece.model") << "not a model";
+  const std::string model = error_of([&] { load_tokenizer(t5, TokenizerKind::T5); });
+  EXPECT_NE(model.find("spiece.model: not a SentencePiece model"), std::string::npos) << model;
+}
+
+TEST(TokenizersErrors, UnknownNamesAndBadLengths) {
+  EXPECT_NE(error_of([] { parse_tokenizer_kind("bert"); }).find("expected clip, t5 or qwen"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_prompt_template("sdxl"); }).find("qwenimage or flux2_klein"), std::string::npos);
+  const auto clip = load_tokenizer(golden_path("text/tokenizer_flux1/tokenizer"), TokenizerKind::Clip);
+  EXPECT_NE(error_of([&] { (*clip)("a", 2, Padding::MaxLength); }).find("max_length 2 leaves no room"),
+            std::string::npos);
+}
+
+TEST(TokenizersErrors, PaddingWithoutPadTokenIsExplained) {
+  const std::string dir = copy_without("text/tokenizer_qwen/tokenizer", "tokenizer_config.json", "tok_no_pad");
+  const auto tok = load_tokenizer(dir, TokenizerKind::Qwen);
+  EXPECT_EQ(tok->encode("hi").size(), 1u);
+  EXPECT_NE(error_of([&] { (*tok)("hi", 8, Padding::MaxLength); }).find("no pad_token"), std::string::npos);
+}
+
+}  // namespace
