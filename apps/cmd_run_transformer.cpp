@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@
 namespace shardit::apps {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 struct RunTransformerOptions {
   std::string model;
