@@ -4,16 +4,27 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
+
+#include "shardit/io/model_folder.h"
 
 namespace shardit::apps {
 
 /// A subcommand's body: runs after parsing; returns the process exit code.
 using CommandBody = std::function<int()>;
 
+/// The inputs.safetensors of a golden-style case (`inputs`: the case folder or the file), checked
+/// against the case's inputs.json `model_class` when there is one.
+std::string case_inputs_file(const std::string& inputs, const io::ComponentFolder& component);
+
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
 void register_inspect(CLI::App& app, CommandBody& body);
 /// Adds `run-transformer` (one forward of a transformer on a golden-style case folder).
 void register_run_transformer(CLI::App& app, CommandBody& body);
+/// Adds `run-vae` (a VAE decode of a golden-style case folder, with intermediates).
+void register_run_vae(CLI::App& app, CommandBody& body);
+/// Adds `schedule` (a pipeline's scheduler schedule as JSON).
+void register_schedule(CLI::App& app, CommandBody& body);
 /// Adds `tokenize` (prompt ids as JSON, or a check of a tokenizer cases file).
 void register_tokenize(CLI::App& app, CommandBody& body);
 

@@ -7,6 +7,9 @@
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/models/vae/autoencoder_kl.h"
+#include "shardit/models/vae/autoencoder_kl_flux2.h"
+#include "shardit/models/vae/autoencoder_kl_qwenimage.h"
 
 namespace shardit::models {
 
@@ -41,6 +44,18 @@ const std::vector<ComponentClass>& component_classes() {
                                                                            ComponentKind::Transformer),
       module_class<QwenImageTransformer2DModel, QwenImageTransformer2DModelConfig>(
           "diffusers", "QwenImageTransformer2DModel", ComponentKind::Transformer),
+      {"diffusers", "AutoencoderKL", ComponentKind::Vae,
+       [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
+         const std::string source = folder.dir + "/config.json";
+         return std::make_shared<AutoencoderKL>(AutoencoderKLConfig::from_json(folder.config, source), source);
+       }},
+      {"diffusers", "AutoencoderKLFlux2", ComponentKind::Vae,
+       [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
+         const std::string source = folder.dir + "/config.json";
+         return std::make_shared<AutoencoderKLFlux2>(AutoencoderKLFlux2Config::from_json(folder.config, source), source);
+       }},
+      module_class<AutoencoderKLQwenImage, AutoencoderKLQwenImageConfig>("diffusers", "AutoencoderKLQwenImage",
+                                                                         ComponentKind::Vae),
   };
   return table;
 }
@@ -68,6 +83,12 @@ const ComponentClass& find_component_class(ComponentKind kind, const std::string
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder) {
   return find_component_class(ComponentKind::Transformer, folder.class_name(), folder.dir + "/config.json")
       .create_module(folder);
+}
+
+std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder) {
+  // Every Vae entry builds an AutoencoderModel.
+  return std::static_pointer_cast<AutoencoderModel>(
+      find_component_class(ComponentKind::Vae, folder.class_name(), folder.dir + "/config.json").create_module(folder));
 }
 
 }  // namespace shardit::models

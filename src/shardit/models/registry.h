@@ -16,6 +16,8 @@ enum class ComponentKind { Transformer, TextEncoder, Tokenizer, Scheduler, Vae }
 /// "transformer", "text_encoder", "tokenizer", "scheduler", "vae".
 const char* component_kind_name(ComponentKind kind);
 
+class AutoencoderModel;
+
 /// A class the registry can build: its model_index.json [library, class] pair and its kind.
 struct ComponentClass {
   std::string library;     ///< "diffusers", "transformers"
@@ -41,5 +43,11 @@ std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::Com
 
 /// The `_class_name` values of `kind` the registry accepts.
 std::vector<std::string> supported_classes(ComponentKind kind);
+
+/// The VAE class named by `folder`'s config.json `_class_name` (AutoencoderKL,
+/// AutoencoderKLFlux2, AutoencoderKLQwenImage), built from that config with its decoder
+/// parameters on the meta device (load them with TensorParallelModule::load). Errors name the
+/// folder and list the supported classes.
+std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder);
 
 }  // namespace shardit::models

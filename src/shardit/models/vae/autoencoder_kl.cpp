@@ -1,0 +1,44 @@
+#include "shardit/models/vae/autoencoder_kl.h"
+
+#include <c10/util/Exception.h>
+
+namespace shardit::models {
+
+AutoencoderKLConfig AutoencoderKLConfig::from_json(const nlohmann::json& config, const std::string& source) {
+  AutoencoderKLConfig out;
+  read_autoencoder_kl_keys(out, config, source);
+  out.scaling_factor = io::config_value<double>(config, "scaling_factor", out.scaling_factor, source);
+  if (config.contains("shift_factor") && !config.at("shift_factor").is_null()) {
+    out.shift_factor = io::config_value<double>(config, "shift_factor", 0.0, source);
+  }
+  TORCH_CHECK(out.scaling_factor != 0.0, source, ": scaling_factor must not be 0");
+  return out;
+}
+
+AutoencoderKL::AutoencoderKL(const AutoencoderKLConfig& config, const std::string& source) : config_(config) {
+  const DecoderOptions options = decoder_options(config, config.block_out_channels);
+  decoder = register_module("decoder", std::make_shared<Decoder>(options, source));
+  if (config.use_post_quant_conv) {
+    post_quant_conv = register_module(
+        "post_quant_conv",
+        std::make_shared<nn::Conv2d>(nn::Conv2dOptions(config.latent_channels, config.latent_channels, 1)));
+  }
+  tiling = AutoencoderKLTiling::from_config(config.sample_size, config.block_out_channels.size());
+}
+
+int64_t AutoencoderKL::vae_scale_factor() const { return int64_t{1} << (config_.block_out_channels.size() - 1); }
+
+at::Tensor AutoencoderKL::denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record) const {
+  check_latents(type_name(), latents, 4, config_.latent_channels, "[B, C, h, w]");
+  at::Tensor z = latents / config_.scaling_factor;
+  if (config_.shift_factor.has_value()) z = z + *config_.shift_factor;
+  if (record) record("z", z);
+  return z;
+}
+
+at::Tensor AutoencoderKL::decode(const at::Tensor& z, const IntermediateRecorder& record) {
+  check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
+  return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
+}
+
+}  // namespace shardit::models

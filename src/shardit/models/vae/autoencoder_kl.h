@@ -1,0 +1,99 @@
+#pragma once
+// diffusers' AutoencoderKL (autoencoder_kl.py), decode side: FLUX.1's VAE. The pipeline's
+// latents become z = latents / scaling_factor + shift_factor, decoded by post_quant_conv (when
+// the config has one) and the Decoder.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/models/vae/vae.h"
+
+namespace shardit::models {
+
+/// config.json of an AutoencoderKL (same keys, diffusers' defaults).
+struct AutoencoderKLConfig {
+  int64_t in_channels = 3;
+  int64_t out_channels = 3;
+  std::vector<std::string> up_block_types{"UpDecoderBlock2D"};
+  std::vector<int64_t> block_out_channels{64};
+  int64_t layers_per_block = 1;
+  std::string act_fn = "silu";
+  int64_t latent_channels = 4;
+  int64_t norm_num_groups = 32;
+  int64_t sample_size = 32;
+  double scaling_factor = 0.18215;
+  std::optional<double> shift_factor;
+  bool use_quant_conv = true;
+  bool use_post_quant_conv = true;
+  bool mid_block_add_attention = true;
+
+  static AutoencoderKLConfig from_json(const nlohmann::json& config, const std::string& source);
+};
+
+class AutoencoderKL : public AutoencoderModel {
+ public:
+  explicit AutoencoderKL(const AutoencoderKLConfig& config, const std::string& source = "AutoencoderKL config");
+  std::string type_name() const override { return "AutoencoderKL"; }
+
+  int64_t latent_channels() const override { return config_.latent_channels; }
+  int64_t vae_scale_factor() const override;
+  /// [B, C, h, w]: latents / scaling_factor (+ shift_factor) (FluxPipeline).
+  at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W]; tiled when tiling is on
+  /// and z is larger than a tile. `record` gets post_quant_conv and decoder.*.
+  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) override;
+  const AutoencoderKLConfig& config() const { return config_; }
+
+  /// The tile settings enable_tiling uses (diffusers' attributes; may be changed).
+  AutoencoderKLTiling tiling;
+
+  std::shared_ptr<Decoder> decoder;
+  std::shared_ptr<nn::Conv2d> post_quant_conv;  ///< null when use_post_quant_conv is false
+
+ private:
+  AutoencoderKLConfig config_;
+};
+
+/// Reads the config keys AutoencoderKL and AutoencoderKLFlux2 share into either config struct
+/// (absent keys keep the struct's defaults).
+template <class Config>
+void read_autoencoder_kl_keys(Config& out, const nlohmann::json& config, const std::string& source) {
+  TORCH_CHECK(config.is_object(), source, ": expected a JSON object, got ", config.type_name());
+  out.in_channels = io::config_value<int64_t>(config, "in_channels", out.in_channels, source);
+  out.out_channels = io::config_value<int64_t>(config, "out_channels", out.out_channels, source);
+  out.up_block_types = io::config_value(config, "up_block_types", out.up_block_types, source);
+  out.block_out_channels = io::config_value(config, "block_out_channels", out.block_out_channels, source);
+  out.layers_per_block = io::config_value<int64_t>(config, "layers_per_block", out.layers_per_block, source);
+  out.act_fn = io::config_value(config, "act_fn", out.act_fn, source);
+  out.latent_channels = io::config_value<int64_t>(config, "latent_channels", out.latent_channels, source);
+  out.norm_num_groups = io::config_value<int64_t>(config, "norm_num_groups", out.norm_num_groups, source);
+  out.sample_size = io::config_value<int64_t>(config, "sample_size", out.sample_size, source);
+  out.use_quant_conv = io::config_value<bool>(config, "use_quant_conv", out.use_quant_conv, source);
+  out.use_post_quant_conv = io::config_value<bool>(config, "use_post_quant_conv", out.use_post_quant_conv, source);
+  out.mid_block_add_attention =
+      io::config_value<bool>(config, "mid_block_add_attention", out.mid_block_add_attention, source);
+  TORCH_CHECK(out.latent_channels > 0, source, ": latent_channels must be positive, got ", out.latent_channels);
+  TORCH_CHECK(!out.block_out_channels.empty(), source, ": block_out_channels is empty");
+}
+
+/// The Decoder of either config, with the decoder's `block_out_channels`.
+template <class Config>
+DecoderOptions decoder_options(const Config& config, std::vector<int64_t> block_out_channels) {
+  DecoderOptions options;
+  options.in_channels = config.latent_channels;
+  options.out_channels = config.out_channels;
+  options.up_block_types = config.up_block_types;
+  options.block_out_channels = std::move(block_out_channels);
+  options.layers_per_block = config.layers_per_block;
+  options.norm_num_groups = config.norm_num_groups;
+  options.act_fn = config.act_fn;
+  options.mid_block_add_attention = config.mid_block_add_attention;
+  return options;
+}
+
+}  // namespace shardit::models

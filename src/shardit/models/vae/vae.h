@@ -1,0 +1,131 @@
+#pragma once
+// diffusers' vae.py: the 2-D `Decoder` of AutoencoderKL and AutoencoderKLFlux2, the interface
+// every shardit VAE offers the pipelines (AutoencoderMixin's role), and tiled decoding: tiles
+// decoded one at a time and blended linearly over their overlaps, as diffusers' tiled_decode.
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardit/models/registry.h"
+#include "shardit/models/vae/unet_2d_blocks.h"
+#include "shardit/nn/conv.h"
+#include "shardit/nn/group_norm.h"
+#include "shardit/parallel/tensor_parallel.h"
+
+namespace shardit::models {
+
+/// Receives the VAE decoder's named intermediates (parity tests compare them with the
+/// reference's); an empty recorder records nothing. (The transformers emit theirs through
+/// nn::Module::emit; the VAE decoders still take a recorder argument.)
+using IntermediateRecorder = std::function<void(const std::string& name, const at::Tensor& value)>;
+
+/// A recorder that prepends `prefix` to every name; empty when `record` is.
+IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix);
+
+struct DecoderOptions {
+  int64_t in_channels = 3;
+  int64_t out_channels = 3;
+  std::vector<std::string> up_block_types{"UpDecoderBlock2D"};
+  std::vector<int64_t> block_out_channels{64};
+  int64_t layers_per_block = 2;
+  int64_t norm_num_groups = 32;
+  std::string act_fn = "silu";
+  bool mid_block_add_attention = true;
+};
+
+/// conv_in -> mid_block -> up_blocks (reversed block_out_channels, each with layers_per_block + 1
+/// resnets and a 2x upsampler except the last) -> conv_norm_out -> SiLU -> conv_out.
+class Decoder : public nn::Module {
+ public:
+  /// `source` names the config in errors.
+  Decoder(const DecoderOptions& options, const std::string& source);
+  std::string type_name() const override { return "Decoder"; }
+  /// [B, in, h, w] -> [B, out, h * 2^(blocks-1), w * 2^(blocks-1)]. `record` receives conv_in,
+  /// mid_block, up_blocks.{i}, conv_norm_out (before the SiLU) and conv_out.
+  at::Tensor forward(const at::Tensor& sample, const IntermediateRecorder& record = {});
+
+  std::shared_ptr<nn::Conv2d> conv_in;
+  std::shared_ptr<UNetMidBlock2D> mid_block;
+  std::shared_ptr<nn::ModuleList<UpDecoderBlock2D>> up_blocks;
+  std::shared_ptr<nn::GroupNorm> conv_norm_out;
+  std::shared_ptr<nn::Conv2d> conv_out;
+};
+
+/// Where the tiles of a tiled decode lie, in the last two dimensions (height, width) of the
+/// latents and of the decoded sample.
+struct TileGrid {
+  int64_t tile_latent_height = 0;  ///< latent rows per tile
+  int64_t tile_latent_width = 0;
+  int64_t latent_stride_height = 0;  ///< a tile starts every stride latent rows
+  int64_t latent_stride_width = 0;
+  int64_t blend_height = 0;  ///< decoded rows blended with the tile above
+  int64_t blend_width = 0;   ///< decoded columns blended with the tile to the left
+  int64_t keep_height = 0;   ///< decoded rows kept from each tile
+  int64_t keep_width = 0;
+  /// The sample is cut to this [height, width] at the end (AutoencoderKLQwenImage), or not.
+  std::optional<std::pair<int64_t, int64_t>> crop;
+};
+
+/// diffusers' tiled_decode: tiles of the latents' last two dimensions decoded one at a time by
+/// `decode_tile`; each decoded tile is blended with the (already blended) tile above over
+/// blend_height rows and the one to the left over blend_width columns, cut to keep_height x
+/// keep_width and concatenated. Only two rows of decoded tiles are held at once.
+at::Tensor tiled_decode(const at::Tensor& z, const TileGrid& grid,
+                        const std::function<at::Tensor(const at::Tensor& tile)>& decode_tile);
+
+/// AutoencoderKL's square-tile settings (its tile_sample_min_size, tile_latent_min_size,
+/// tile_overlap_factor attributes).
+struct AutoencoderKLTiling {
+  int64_t tile_sample_min_size = 0;
+  int64_t tile_latent_min_size = 0;
+  double tile_overlap_factor = 0.25;
+
+  /// The defaults diffusers derives from the config: sample_size and sample_size /
+  /// 2^(len(block_out_channels) - 1).
+  static AutoencoderKLTiling from_config(int64_t sample_size, size_t num_blocks);
+  /// True when a latent of this size is decoded in tiles.
+  bool applies(const at::Tensor& z) const;
+  TileGrid grid() const;
+};
+
+/// AutoencoderKL's and AutoencoderKLFlux2's _decode: post_quant_conv (when not null) and the
+/// decoder, in tiles when `tiling` is given and z is larger than a tile. `record` gets
+/// post_quant_conv and decoder.* (untiled only).
+at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
+                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
+
+/// The interface of shardit's VAEs, as the pipelines use them. VAEs are replicated: their
+/// tensor-parallel plan is empty. They are decode-only: the encoder weights of a checkpoint are
+/// not loaded.
+class AutoencoderModel : public parallel::TensorParallelModule {
+ public:
+  const parallel::TpPlan& tp_plan() const override;
+  parallel::ModelTraits traits() const override;
+
+  /// The decoder's input channels (z).
+  virtual int64_t latent_channels() const = 0;
+  /// Image pixels per latent pixel along height and width (the pipelines' vae_scale_factor).
+  virtual int64_t vae_scale_factor() const = 0;
+  /// The pipeline's final latents, unpacked, to the decoder input z (the de-normalisation each
+  /// pipeline applies before vae.decode). `record` receives "z" (and model-specific steps).
+  virtual at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const = 0;
+  /// vae.decode(z).sample. `record` receives the golden intermediates (not while tiling).
+  virtual at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) = 0;
+
+  /// diffusers' enable_tiling / disable_tiling with the model's current tile settings.
+  void enable_tiling() { use_tiling_ = true; }
+  void disable_tiling() { use_tiling_ = false; }
+  bool use_tiling() const { return use_tiling_; }
+
+ protected:
+  bool use_tiling_ = false;
+};
+
+/// Checks z against a decoder input of `channels` channels and `dims` dimensions, naming `model`.
+void check_latents(const std::string& model, const at::Tensor& z, int64_t dims, int64_t channels, const char* layout);
+
+}  // namespace shardit::models

@@ -1,0 +1,109 @@
+// VAE configs, latents and checkpoints that do not fit fail with messages naming the model, the
+// key or the tensor, expected vs got.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/models/vae/autoencoder_kl.h"
+#include "shardit/models/vae/autoencoder_kl_qwenimage.h"
+#include "support/test_support.h"
+
+namespace shardit {
+namespace {
+
+using testing::error_of;
+
+nlohmann::json kl_config() {
+  return {{"_class_name", "AutoencoderKL"},       {"block_out_channels", {32, 32}},
+          {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D"}},
+          {"latent_channels", 16},                {"norm_num_groups", 8},
+          {"layers_per_block", 1},                {"use_post_quant_conv", false},
+          {"scaling_factor", 0.3611},             {"shift_factor", 0.1159}};
+}
+
+nlohmann::json qwen_config() {
+  return {{"_class_name", "AutoencoderKLQwenImage"}, {"base_dim", 16}, {"z_dim", 4}, {"dim_mult", {1, 2}},
+          {"num_res_blocks", 1}, {"temperal_downsample", {false}}, {"latents_mean", {0.0, 0.0, 0.0, 0.0}},
+          {"latents_std", {1.0, 1.0, 1.0, 1.0}}};
+}
+
+std::string write_component(const nlohmann::json& config) {
+  const std::string dir = testing::make_temp_dir("vae");
+  std::ofstream(dir + "/config.json") << config.dump();
+  return dir;
+}
+
+TEST(VaeErrors, WrongLatentChannelsAreNamed) {
+  models::AutoencoderKL vae(models::AutoencoderKLConfig::from_json(kl_config(), "config.json"));
+  nn::init_random(vae, 1);
+  const std::string message = error_of([&] { vae.decode(at::zeros({1, 8, 4, 4})); });
+  EXPECT_NE(message.find("AutoencoderKL"), std::string::npos) << message;
+  EXPECT_NE(message.find("16 latent channels"), std::string::npos) << message;
+  EXPECT_NE(message.find("[1, 8, 4, 4]"), std::string::npos) << message;
+  EXPECT_NE(error_of([&] { vae.denormalize_latents(at::zeros({1, 16, 1, 4, 4})); }).find("[B, C, h, w]"),
+            std::string::npos);
+}
+
+TEST(VaeErrors, QwenImageTakesOneFrameOfFiveDimensionalLatents) {
+  models::AutoencoderKLQwenImage vae(models::AutoencoderKLQwenImageConfig::from_json(qwen_config(), "config.json"));
+  nn::init_random(vae, 1);
+  EXPECT_NE(error_of([&] { vae.decode(at::zeros({1, 4, 4, 4})); }).find("[B, C, 1, h, w]"), std::string::npos);
+  EXPECT_NE(error_of([&] { vae.decode(at::zeros({1, 4, 2, 4, 4})); }).find("2 frames"), std::string::npos);
+  EXPECT_EQ(vae.decode(at::zeros({1, 4, 1, 4, 4})).sizes(), (std::vector<int64_t>{1, 3, 1, 8, 8}));
+}
+
+TEST(VaeErrors, BadConfigsNameTheKey) {
+  auto config = kl_config();
+  config["up_block_types"] = {"UpDecoderBlock2D"};
+  std::string message = error_of([&] { models::create_vae(io::open_component(write_component(config), "vae")); });
+  EXPECT_NE(message.find("up_block_types"), std::string::npos) << message;
+
+  config = kl_config();
+  config["up_block_types"] = {"AttnUpDecoderBlock2D", "UpDecoderBlock2D"};
+  message = error_of([&] { models::create_vae(io::open_component(write_component(config), "vae")); });
+  EXPECT_NE(message.find("AttnUpDecoderBlock2D"), std::string::npos) << message;
+
+  auto qwen = qwen_config();
+  qwen["latents_std"] = {1.0, 2.0};
+  message = error_of([&] { models::create_vae(io::open_component(write_component(qwen), "vae")); });
+  EXPECT_NE(message.find("latents_std"), std::string::npos) << message;
+  EXPECT_NE(message.find("z_dim = 4"), std::string::npos) << message;
+
+  qwen = qwen_config();
+  qwen["temperal_downsample"] = {false, true};
+  message = error_of([&] { models::create_vae(io::open_component(write_component(qwen), "vae")); });
+  EXPECT_NE(message.find("temperal_downsample"), std::string::npos) << message;
+}
+
+TEST(VaeErrors, UnknownClassListsTheSupportedOnes) {
+  auto config = kl_config();
+  config["_class_name"] = "AutoencoderTiny";
+  const std::string message =
+      error_of([&] { models::create_vae(io::open_component(write_component(config), "vae")); });
+  EXPECT_NE(message.find("AutoencoderTiny"), std::string::npos) << message;
+  EXPECT_NE(message.find("AutoencoderKLQwenImage"), std::string::npos) << message;
+}
+
+TEST(VaeErrors, CheckpointMissingADecoderWeightIsNamed) {
+  const std::string dir = write_component(kl_config());
+  auto vae = models::create_vae(io::open_component(dir, "vae"));
+  nn::init_random(*vae, 2);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& slot : vae->named_parameters()) {
+    if (slot.name != "decoder.conv_out.bias") tensors.emplace_back(slot.name, *slot.tensor);
+  }
+  tensors.emplace_back("encoder.conv_in.weight", at::zeros({2}));  // ignored: decode-only
+  io::save_safetensors(dir + "/diffusion_pytorch_model.safetensors", tensors);
+  auto fresh = models::create_vae(io::open_component(dir, "vae"));
+  const std::string message = error_of([&] { fresh->load(io::open_component(dir, "vae").weights(), {}); });
+  EXPECT_NE(message.find("decoder.conv_out.bias"), std::string::npos) << message;
+  EXPECT_EQ(message.find("encoder.conv_in.weight"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace shardit
