@@ -114,7 +114,7 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
   const auto model = models::create_transformer(*component);
   const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
   const parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
-  fmt::print("tensor-parallel plan '{}' of {} at TP={}:\n{}", options.tp_plan, model->type_name(), options.tp,
+  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, options.tp_plan,
              model->resolve(options.tp, dtype, kind).to_table());
 }
 

@@ -82,7 +82,7 @@ Planned plan_folder(const io::ModelFolder& folder) {
                                        : std::string();
     const models::ComponentClass* entry = buildable_class(class_name);
     if (entry == nullptr) {
-      planned.not_counted.emplace_back(name, class_name.empty() ? "no class" : class_name + " has no weights here or is not supported yet");
+      planned.not_counted.emplace_back(name, class_name.empty() ? "no class" : class_name + ": no weights, or not in the registry yet");
       continue;
     }
     planned.components.push_back(plan_component(folder.component(name), *entry));
@@ -92,7 +92,10 @@ Planned plan_folder(const io::ModelFolder& folder) {
   return planned;
 }
 
-std::string billions(int64_t count) { return fmt::format("{:.3f}B", static_cast<double>(count) / 1e9); }
+/// Billions, or the plain count for models under ten million parameters (test models).
+std::string billions(int64_t count) {
+  return count < 10'000'000 ? std::to_string(count) : fmt::format("{:.3f}B", static_cast<double>(count) / 1e9);
+}
 std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB); }
 
 nlohmann::json to_json(const models::ComponentMemory& memory) {
