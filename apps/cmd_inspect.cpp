@@ -111,10 +111,14 @@ at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
 void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
-  const auto model = models::create_transformer(*component);
+  const auto model = create_module(*component);
   const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
-  const parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
-  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, options.tp_plan,
+  parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
+  if (kind == parallel::TpPlanKind::Reference && model->reference_tp_plan() == nullptr) {
+    fmt::print("({} has no reference plan: showing the full plan)\n", model->type_name());
+    kind = parallel::TpPlanKind::Full;
+  }
+  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, parallel::tp_plan_kind_name(kind),
              model->resolve(options.tp, dtype, kind).to_table());
 }
 
@@ -165,10 +169,12 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   } else {
     print_tensor_table(component.weights());
   }
-  // In a pipeline only the transformer has a plan; a component folder given directly must.
-  const auto supported = models::supported_classes(models::ComponentKind::Transformer);
-  const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
-  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options);
+  // In a pipeline only the classes with plan entries show a plan table; a component folder given
+  // directly must be of a class the registry builds.
+  if (!options.plan) return;
+  const models::ComponentClass* entry = find_module_class(class_name);
+  const bool has_plan = entry != nullptr && !entry->create_module(component)->tp_plan().empty();
+  if (has_plan || !tolerate_missing_weights) print_plan(component, options);
 }
 
 int run_inspect(const InspectOptions& options) {

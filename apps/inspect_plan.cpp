@@ -50,14 +50,6 @@ PlannedComponent plan_component(const io::ComponentFolder& folder, const models:
   return {folder.name, entry.class_name, entry.kind, entry.create_module(folder), folder.config, folder.dir + "/config.json"};
 }
 
-/// The registered class named `class_name` of any kind that builds a module, or null.
-const models::ComponentClass* buildable_class(const std::string& class_name) {
-  for (const auto& entry : models::component_classes()) {
-    if (entry.class_name == class_name && entry.create_module) return &entry;
-  }
-  return nullptr;
-}
-
 struct Planned {
   std::vector<PlannedComponent> components;
   std::vector<std::pair<std::string, std::string>> not_counted;  ///< component, why
@@ -69,9 +61,9 @@ Planned plan_folder(const io::ModelFolder& folder) {
   Planned planned;
   if (!folder.is_pipeline()) {
     const io::ComponentFolder component = folder.component("");
-    const models::ComponentClass* entry = buildable_class(component.class_name());
+    const models::ComponentClass* entry = find_module_class(component.class_name());
     // An unknown class gets the registry's own error, as when the weights are present.
-    if (entry == nullptr) models::create_transformer(component);
+    if (entry == nullptr) create_module(component);
     planned.components.push_back(plan_component(component, *entry));
     return planned;
   }
@@ -80,7 +72,7 @@ Planned plan_folder(const io::ModelFolder& folder) {
     const std::string class_name = declared.is_array() && declared.size() == 2 && declared[1].is_string()
                                        ? declared[1].get<std::string>()
                                        : std::string();
-    const models::ComponentClass* entry = buildable_class(class_name);
+    const models::ComponentClass* entry = find_module_class(class_name);
     if (entry == nullptr) {
       planned.not_counted.emplace_back(name, class_name.empty() ? "no class" : class_name + ": no weights, or not in the registry yet");
       continue;
@@ -148,6 +140,18 @@ std::vector<int> verdict_degrees(int tp) {
 }
 
 }  // namespace
+
+const models::ComponentClass* find_module_class(const std::string& class_name) {
+  for (const auto& entry : models::component_classes()) {
+    if (entry.class_name == class_name && entry.create_module) return &entry;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder) {
+  const models::ComponentClass* entry = find_module_class(folder.class_name());
+  return entry != nullptr ? entry->create_module(folder) : models::create_transformer(folder);
+}
 
 void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request) {
   const Planned planned = plan_folder(folder);

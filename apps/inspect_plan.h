@@ -4,13 +4,24 @@
 // TP degree for a device size. Reads config.json files only.
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <optional>
+#include <string>
 
 #include "shardit/io/model_folder.h"
 #include "shardit/models/memory_plan.h"
+#include "shardit/models/registry.h"
 #include "shardit/parallel/plan.h"
 
 namespace shardit::apps {
+
+/// The registered class named `class_name`, of any kind, that builds a module (transformers,
+/// text encoders, VAEs); null when there is none.
+const models::ComponentClass* find_module_class(const std::string& class_name);
+
+/// The model of `folder`'s class, on the meta device: the registry's transformer error (which
+/// lists the supported classes) when no registered class builds it.
+std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder);
 
 struct MemoryPlanRequest {
   int tp = 1;
