@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/inspect_plan.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/dist/world.h"
@@ -32,6 +33,14 @@ struct InspectOptions {
   bool plan = false;
   int tp = 1;
   std::string dtype;  ///< byte counts of --plan in this dtype; "": the checkpoint's
+  std::string tp_plan = "full";
+  bool json = false;  ///< --plan: only the memory summary, as JSON
+  int64_t height = 0;  ///< with --width: activation estimates of one step
+  int64_t width = 0;
+  int64_t batch = 1;
+  int64_t text_tokens = 512;
+  std::string attention = "math";
+  double device_memory = 0;  ///< GiB; > 0: a verdict per TP degree
 };
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -102,10 +111,45 @@ at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
 void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
-  const auto model = models::create_transformer(*component);
+  const auto model = create_module(*component);
   const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
-  fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), options.tp,
-             model->resolve(options.tp, dtype).to_table());
+  parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
+  if (kind == parallel::TpPlanKind::Reference && model->reference_tp_plan() == nullptr) {
+    fmt::print("({} has no reference plan: showing the full plan)\n", model->type_name());
+    kind = parallel::TpPlanKind::Full;
+  }
+  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, parallel::tp_plan_kind_name(kind),
+             model->resolve(options.tp, dtype, kind).to_table());
+}
+
+/// The summary's request: byte counts in --dtype, else the transformer checkpoint's dtype.
+MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const InspectOptions& options) {
+  MemoryPlanRequest request;
+  request.tp = options.tp;
+  request.plan = parallel::parse_tp_plan_kind(options.tp_plan);
+  if (!options.dtype.empty()) {
+    request.dtype = parse_compute_dtype(options.dtype);
+  } else {
+    // fp32 when there is no transformer or its folder cannot be opened (the summary names why).
+    try {
+      request.dtype = checkpoint_dtype(folder.component(folder.is_pipeline() ? "transformer" : ""));
+    } catch (const std::exception&) {
+      request.dtype = at::kFloat;
+    }
+  }
+  TORCH_CHECK((options.height > 0) == (options.width > 0), "inspect --plan: give --height and --width together");
+  if (options.height > 0) {
+    models::StepShape step;
+    step.height = options.height;
+    step.width = options.width;
+    step.batch = options.batch;
+    step.text_tokens = options.text_tokens;
+    step.backend = models::parse_attention_backend(options.attention);
+    request.step = step;
+  }
+  if (options.device_memory > 0) request.device_memory_gib = options.device_memory;
+  request.json = options.json;
+  return request;
 }
 
 void print_component(const io::ComponentFolder& component, const InspectOptions& options,
@@ -114,7 +158,8 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   fmt::print("== component '{}'{} at {}\n", component.name,
              class_name.empty() ? "" : " (" + class_name + ")", component.dir);
   fmt::print("config:\n{}\n", component.config.dump(2));
-  if (tolerate_missing_weights) {
+  // --plan needs config.json only.
+  if (tolerate_missing_weights || options.plan) {
     try {
       const io::Checkpoint weights = component.weights();
       print_tensor_table(weights);
@@ -124,10 +169,12 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   } else {
     print_tensor_table(component.weights());
   }
-  // In a pipeline only the transformer has a plan; a component folder given directly must.
-  const auto supported = models::supported_classes(models::ComponentKind::Transformer);
-  const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
-  if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options);
+  // In a pipeline only the classes with plan entries show a plan table; a component folder given
+  // directly must be of a class the registry builds.
+  if (!options.plan) return;
+  const models::ComponentClass* entry = find_module_class(class_name);
+  const bool has_plan = entry != nullptr && !entry->create_module(component)->tp_plan().empty();
+  if (has_plan || !tolerate_missing_weights) print_plan(component, options);
 }
 
 int run_inspect(const InspectOptions& options) {
@@ -154,8 +201,13 @@ int run_inspect(const InspectOptions& options) {
   }
 
   const io::ModelFolder folder = io::ModelFolder::open(options.path);
+  if (options.plan && options.json) {
+    print_memory_plan(folder, memory_plan_request(folder, options));
+    return 0;
+  }
   if (!folder.is_pipeline()) {
     print_component(folder.component(""), options, /*tolerate_missing_weights=*/false);
+    if (options.plan) print_memory_plan(folder, memory_plan_request(folder, options));
     return 0;
   }
   fmt::print("== pipeline at {}\nmodel_index.json:\n{}\n", folder.root(), folder.model_index().dump(2));
@@ -170,6 +222,7 @@ int run_inspect(const InspectOptions& options) {
       status = 1;
     }
   }
+  if (options.plan && status == 0) print_memory_plan(folder, memory_plan_request(folder, options));
   return status;
 }
 
@@ -186,6 +239,31 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       ->needs("--plan");
   command->add_option("--dtype", options->dtype,
                       "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
+  command->add_option("--tp-plan", options->tp_plan,
+                      "full (ours: modulation sharded too) or reference (diffusers' _tp_plan); the summary shows both")
+      ->check(CLI::IsMember({"full", "reference"}))
+      ->needs("--plan");
+  command->add_flag("--json", options->json, "with --plan: print only the memory summary, as JSON")->needs("--plan");
+  command->add_option("--height", options->height, "with --plan: image height in pixels for the activation estimate")
+      ->check(CLI::Range(int64_t{16}, int64_t{1} << 16))
+      ->needs("--plan");
+  command->add_option("--width", options->width, "with --plan: image width in pixels")
+      ->check(CLI::Range(int64_t{16}, int64_t{1} << 16))
+      ->needs("--plan");
+  command->add_option("--batch", options->batch, "with --height/--width: batch size (1 to 1024)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->needs("--plan");
+  command->add_option("--text-tokens", options->text_tokens, "with --height/--width: text sequence length (default 512)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->needs("--plan");
+  command->add_option("--attention", options->attention,
+                      "with --height/--width: attention backend of the estimate, math or memory-efficient")
+      ->check(CLI::IsMember({"math", "memory-efficient"}))
+      ->needs("--plan");
+  command->add_option("--device-memory", options->device_memory,
+                      "with --plan: device memory in GiB; prints whether each TP degree fits, and the headroom")
+      ->check(CLI::Range(0.001, 1.0e6))
+      ->needs("--plan");
   command->callback([&body, options] {
     body = [options] {
       // inspect reads files and prints; it needs no peers. Under a multi-rank launch only rank 0

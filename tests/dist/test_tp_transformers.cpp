@@ -27,6 +27,7 @@ using shardit::parallel::LoadOptions;
 using shardit::parallel::ShardStyle;
 using shardit::parallel::TensorParallelConfig;
 using shardit::parallel::TensorParallelModule;
+using shardit::parallel::TpPlanKind;
 using shardit::testing::env_or;
 using shardit::testing::golden_path;
 using shardit::testing::is_worker;
@@ -45,15 +46,19 @@ std::shared_ptr<TensorParallelModule> create(const std::string& model_dir) {
 }
 
 /// Loads the transformer of `model_dir`; `path` is "whole", "shard-on-load" or
-/// "enable-parallelism" (load whole, then shard in memory).
-std::shared_ptr<TensorParallelModule> load(const std::string& model_dir, const std::string& path) {
+/// "enable-parallelism" (load whole, then shard in memory), with the model's `kind` of plan.
+std::shared_ptr<TensorParallelModule> load(const std::string& model_dir, const std::string& path,
+                                           TpPlanKind kind = TpPlanKind::Full) {
   const auto folder = shardit::io::open_component(model_dir, "transformer");
   auto model = shardit::models::create_transformer(folder);
   auto& world = shardit::dist::World::get();
   LoadOptions options;
+  options.plan = kind;
   if (path == "shard-on-load") options.tensor_parallel = TensorParallelConfig::from_degree(world, world.size());
   model->load(folder.weights(), options);
-  if (path == "enable-parallelism") model->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()));
+  if (path == "enable-parallelism") {
+    model->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()), kind);
+  }
   return model;
 }
 
@@ -67,7 +72,8 @@ void tp_worker() {
   auto& world = shardit::dist::World::init();
   const std::string model_dir = env_or("SHARDIT_TP_MODEL");
   const std::string path = env_or("SHARDIT_TP_PATH");
-  auto model = load(model_dir, path);
+  const TpPlanKind kind = shardit::parallel::parse_tp_plan_kind(env_or("SHARDIT_TP_PLAN"));
+  auto model = load(model_dir, path, kind);
   const at::Tensor sample = run_case(*model, env_or("SHARDIT_TP_INPUTS"));
   const at::Tensor expected = shardit::io::SafetensorsFile::open(env_or("SHARDIT_TP_REFERENCE"))->read("sample");
   const double scale = expected.abs().max().item<double>();
@@ -79,6 +85,7 @@ void tp_worker() {
   ASSERT_NE(model->resolved_plan(), nullptr);
   const auto& plan = *model->resolved_plan();
   EXPECT_EQ(plan.tp_degree, world.size());
+  EXPECT_EQ(plan.plan, kind);
   EXPECT_EQ(model->parameter_bytes(), plan.bytes_on_rank(world.rank()));
   EXPECT_LT(plan.bytes_on_rank(world.rank()), plan.replicated_bytes() + plan.sharded_bytes());
 }
@@ -99,21 +106,24 @@ std::string write_reference(const std::string& model_dir, const std::string& inp
   return path;
 }
 
-/// Runs this test as `nproc` ranks for each load path; each rank runs tp_worker().
-void expect_tp_matches(int nproc, const std::string& model_dir, const std::string& inputs_dir) {
+/// Runs this test as `nproc` ranks for each load path; each rank runs tp_worker() with the
+/// model's `kind` of plan.
+void expect_tp_matches(int nproc, const std::string& model_dir, const std::string& inputs_dir,
+                       TpPlanKind kind = TpPlanKind::Full) {
   const std::string reference = write_reference(model_dir, inputs_dir);
   for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
     EXPECT_EQ(run_ranks(nproc, {{"SHARDIT_TP_MODEL", model_dir},
                                 {"SHARDIT_TP_INPUTS", inputs_dir},
                                 {"SHARDIT_TP_PATH", path},
+                                {"SHARDIT_TP_PLAN", shardit::parallel::tp_plan_kind_name(kind)},
                                 {"SHARDIT_TP_REFERENCE", reference}}),
               0)
-        << "TP=" << nproc << " through " << path;
+        << "TP=" << nproc << " through " << path << ", plan " << shardit::parallel::tp_plan_kind_name(kind);
   }
 }
 
-void expect_golden_tp_matches(int nproc, const std::string& golden_case) {
-  expect_tp_matches(nproc, golden_path(golden_case), golden_path(golden_case));
+void expect_golden_tp_matches(int nproc, const std::string& golden_case, TpPlanKind kind = TpPlanKind::Full) {
+  expect_tp_matches(nproc, golden_path(golden_case), golden_path(golden_case), kind);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -174,6 +184,58 @@ TEST(TpQwenImage, GoldenTp2MatchesTp1) {
 TEST(TpQwenImage, GoldenTp4MatchesTp1) {
   if (is_worker()) return tp_worker();
   expect_golden_tp_matches(4, "qwenimage_b1_square");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference plans (diffusers' `_tp_plan`: modulation whole on every rank) give the same
+// outputs as TP=1 too.
+
+TEST(TpReferencePlan, GoldenFluxTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "flux_b2_nonsquare", TpPlanKind::Reference);
+}
+
+TEST(TpReferencePlan, GoldenFlux2Tp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "flux2_b1_square", TpPlanKind::Reference);
+}
+
+TEST(TpReferencePlan, GoldenKleinTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "flux2_klein_b2_nonsquare", TpPlanKind::Reference);
+}
+
+TEST(TpReferencePlan, GoldenQwenImageTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "qwenimage_b2_nonsquare", TpPlanKind::Reference);
+}
+
+TEST(TpReferencePlan, BuiltinTp3MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  const auto paths = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
+  expect_tp_matches(3, paths.pipeline, paths.inputs, TpPlanKind::Reference);
+}
+
+TEST(TpReferencePlan, GoldenModulationIsReplicatedAndTheRestAsTheFullPlan) {
+  // The reference plan is the full plan less the modulation linears, for every family.
+  for (const char* golden_case : {"flux_b1_square", "flux2_b1_square", "qwenimage_b1_square"}) {
+    SCOPED_TRACE(golden_case);
+    auto model = create(golden_path(golden_case));
+    const auto full = model->resolve(2, at::kFloat, TpPlanKind::Full);
+    const auto reference = model->resolve(2, at::kFloat, TpPlanKind::Reference);
+    ASSERT_EQ(full.parameters.size(), reference.parameters.size());
+    int differing = 0;
+    for (size_t i = 0; i < full.parameters.size(); ++i) {
+      const auto& ours = full.parameters[i];
+      const auto& theirs = reference.parameters[i];
+      if (ours.style == theirs.style) continue;
+      ++differing;
+      EXPECT_EQ(ours.style, ShardStyle::ColwiseGather) << ours.parameter;
+      EXPECT_FALSE(theirs.is_sharded()) << theirs.parameter;
+    }
+    EXPECT_GT(differing, 0);
+    EXPECT_LT(full.bytes_on_rank(0), reference.bytes_on_rank(0));
+  }
 }
 
 TEST(TpFlux2, GoldenFusedProjectionsAreSplitBlockByBlock) {

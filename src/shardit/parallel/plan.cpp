@@ -1,5 +1,7 @@
 #include "shardit/parallel/plan.h"
 
+#include <c10/util/Exception.h>
+
 namespace shardit::parallel {
 
 const char* shard_style_name(ShardStyle style) {
@@ -11,6 +13,20 @@ const char* shard_style_name(ShardStyle style) {
     case ShardStyle::ColwiseGather: return "ColwiseGather";
   }
   return "?";
+}
+
+const char* tp_plan_kind_name(TpPlanKind kind) {
+  switch (kind) {
+    case TpPlanKind::Full: return "full";
+    case TpPlanKind::Reference: return "reference";
+  }
+  return "?";
+}
+
+TpPlanKind parse_tp_plan_kind(const std::string& name) {
+  if (name == "full") return TpPlanKind::Full;
+  if (name == "reference") return TpPlanKind::Reference;
+  TORCH_CHECK(false, "unknown tensor-parallel plan '", name, "'; expected 'full' or 'reference'");
 }
 
 }  // namespace shardit::parallel

@@ -15,6 +15,15 @@ enum class ShardStyle {
 };
 const char* shard_style_name(ShardStyle style);
 
+/// Which of a model's plans to apply: `Full` is the model's own tp_plan() (modulation and the
+/// other large linears sharded); `Reference` is the reference implementation's `_tp_plan`
+/// verbatim (TensorParallelModule::reference_tp_plan), to reproduce its memory and outputs.
+enum class TpPlanKind { Full, Reference };
+/// "full", "reference".
+const char* tp_plan_kind_name(TpPlanKind kind);
+/// The kind named `name` ("full" or "reference"); an error naming `name` otherwise.
+TpPlanKind parse_tp_plan_kind(const std::string& name);
+
 /// One plan entry. `pattern` is a dotted module path with at most one `*`, standing for the
 /// index in a module list ("transformer_blocks.*.attn.to_q"). For packed styles, `blocks` are
 /// proportions of the fused dimension ({1, 1, 1} for q|k|v); empty means the layer declares the

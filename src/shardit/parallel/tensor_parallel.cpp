@@ -742,13 +742,23 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
 // ---------------------------------------------------------------------------------------------
 // TensorParallelModule
 
-void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config) {
-  resolved_plan_ = apply_tensor_parallel(*this, tp_plan(), config, traits());
+const TpPlan& TensorParallelModule::plan(TpPlanKind kind) const {
+  if (kind == TpPlanKind::Full) return tp_plan();
+  const TpPlan* reference = reference_tp_plan();
+  TORCH_CHECK(reference != nullptr, type_name(), ": the reference implementation has no tensor-parallel plan for this ",
+              "model; use the 'full' plan");
+  return *reference;
+}
+
+void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config, TpPlanKind kind) {
+  resolved_plan_ = apply_tensor_parallel(*this, plan(kind), config, traits());
+  resolved_plan_->plan = kind;
   config_ = config;
 }
 
 void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& options) {
-  resolved_plan_ = load_weights(*this, checkpoint, tp_plan(), options, traits());
+  resolved_plan_ = load_weights(*this, checkpoint, plan(options.plan), options, traits());
+  resolved_plan_->plan = options.plan;
   config_ = options.tensor_parallel;
 }
 
@@ -769,8 +779,10 @@ void TensorParallelModule::check_loaded(const std::string& where) {
   TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
 }
 
-ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype) {
-  return resolve_plan(*this, tp_plan(), tp_degree, traits(), dtype);
+ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, TpPlanKind kind) {
+  ResolvedPlan resolved = resolve_plan(*this, plan(kind), tp_degree, traits(), dtype);
+  resolved.plan = kind;
+  return resolved;
 }
 
 }  // namespace shardit::parallel

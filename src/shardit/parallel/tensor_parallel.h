@@ -70,6 +70,7 @@ struct ShardSpec {
 /// resolved_plan) for inspect, tests and benchmarks.
 struct ResolvedPlan {
   int tp_degree = 1;
+  TpPlanKind plan = TpPlanKind::Full;  ///< which of the model's plans (TensorParallelModule::plan)
   at::ScalarType dtype = at::kFloat;  ///< the dtype the byte counts are in
   std::vector<ShardSpec> parameters;  ///< every state tensor of the model, in model order
   int64_t replicated_bytes() const;   ///< bytes every rank holds whole
@@ -118,6 +119,8 @@ struct LoadOptions {
   at::Device device = at::kCPU;
   /// Tensor parallelism applied while loading; nullopt: load whole.
   std::optional<TensorParallelConfig> tensor_parallel;
+  /// Which of the model's plans tensor_parallel applies (TensorParallelModule::load).
+  TpPlanKind plan = TpPlanKind::Full;
 };
 
 /// Fills a model's (meta) parameters and persistent buffers from a checkpoint. With
@@ -133,17 +136,22 @@ class TensorParallelModule : public nn::Module {
  public:
   /// The model's plan, as data.
   virtual const TpPlan& tp_plan() const = 0;
+  /// The reference implementation's plan for this model (diffusers' `_tp_plan`, entry for
+  /// entry), so its memory and outputs can be reproduced; null when the reference has none.
+  virtual const TpPlan* reference_tp_plan() const { return nullptr; }
+  /// tp_plan() or reference_tp_plan(); an error naming the model when it has no reference plan.
+  const TpPlan& plan(TpPlanKind kind) const;
   /// Head-count constraints, keep-in-fp32 modules, key aliases.
   virtual ModelTraits traits() const { return {}; }
 
   /// Shards this (loaded) model in memory.
-  void enable_parallelism(const TensorParallelConfig& config);
+  void enable_parallelism(const TensorParallelConfig& config, TpPlanKind kind = TpPlanKind::Full);
   /// Loads weights, sharded on the fly when options.tensor_parallel is set.
   void load(const io::Checkpoint& checkpoint, const LoadOptions& options);
   /// Casts to `dtype` (keep-in-fp32 modules stay fp32) and moves to `device`.
   void to(at::Device device, at::ScalarType dtype);
   /// The plan resolved at `tp_degree` without loading anything (for `shardit inspect --plan`).
-  ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat);
+  ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat, TpPlanKind kind = TpPlanKind::Full);
   int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
   /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
   const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }

@@ -280,29 +280,43 @@ const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
   // layer). Our addition: the AdaLN modulation linears (D -> 6D / 3D, a quarter of FLUX.1's
   // parameters) are split colwise and all-gathered instead of held whole on every rank.
   // Replicated (not listed): embedders, norm_out and proj_out (small), and the per-head RMSNorms.
+  // The reference plan plus the modulation linears.
+  static const parallel::TpPlan plan = [this] {
+    parallel::TpPlan ours = {
+        {"transformer_blocks.*.norm1.linear", ShardStyle::ColwiseGather},
+        {"transformer_blocks.*.norm1_context.linear", ShardStyle::ColwiseGather},
+        {"single_transformer_blocks.*.norm.linear", ShardStyle::ColwiseGather},
+    };
+    const parallel::TpPlan& reference = *reference_tp_plan();
+    ours.insert(ours.end(), reference.begin(), reference.end());
+    return ours;
+  }();
+  return plan;
+}
+
+const parallel::TpPlan* FluxTransformer2DModel::reference_tp_plan() const {
+  using parallel::ShardStyle;
+  // tp_plan() without the modulation linears: diffusers keeps them whole on every rank.
   static const parallel::TpPlan plan = {
-      {"transformer_blocks.*.norm1.linear", ShardStyle::ColwiseGather},
-      {"transformer_blocks.*.norm1_context.linear", ShardStyle::ColwiseGather},
       {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
       {"transformer_blocks.*.attn.add_q_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
-      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
       {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
       {"transformer_blocks.*.ff.net.0.proj", ShardStyle::Colwise},
       {"transformer_blocks.*.ff.net.2", ShardStyle::Rowwise},
       {"transformer_blocks.*.ff_context.net.0.proj", ShardStyle::Colwise},
       {"transformer_blocks.*.ff_context.net.2", ShardStyle::Rowwise},
-      {"single_transformer_blocks.*.norm.linear", ShardStyle::ColwiseGather},
       {"single_transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
       {"single_transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
       {"single_transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
       {"single_transformer_blocks.*.proj_mlp", ShardStyle::Colwise},
       {"single_transformer_blocks.*.proj_out", ShardStyle::PackedRowwise},
   };
-  return plan;
+  return &plan;
 }
 
 parallel::ModelTraits FluxTransformer2DModel::traits() const {

@@ -310,10 +310,25 @@ const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   // [attn D | mlp M]: packed rowwise. Our addition: the three shared modulation linears
   // (D -> 6D, 6D, 3D) split colwise and all-gathered instead of held whole on every rank.
   // Replicated (not listed): embedders, norm_out and proj_out (small), the per-head RMSNorms.
+  // The reference plan plus the modulation linears.
+  static const parallel::TpPlan plan = [this] {
+    parallel::TpPlan ours = {
+        {"double_stream_modulation_img.linear", ShardStyle::ColwiseGather},
+        {"double_stream_modulation_txt.linear", ShardStyle::ColwiseGather},
+        {"single_stream_modulation.linear", ShardStyle::ColwiseGather},
+    };
+    const parallel::TpPlan& reference = *reference_tp_plan();
+    ours.insert(ours.end(), reference.begin(), reference.end());
+    return ours;
+  }();
+  return plan;
+}
+
+const parallel::TpPlan* Flux2Transformer2DModel::reference_tp_plan() const {
+  using parallel::ShardStyle;
+  // tp_plan() without the shared modulation linears: diffusers keeps them whole on every rank.
+  // The FF linear_in is [gate | up], equal halves: blocks {1, 1} as the reference writes them.
   static const parallel::TpPlan plan = {
-      {"double_stream_modulation_img.linear", ShardStyle::ColwiseGather},
-      {"double_stream_modulation_txt.linear", ShardStyle::ColwiseGather},
-      {"single_stream_modulation.linear", ShardStyle::ColwiseGather},
       {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
@@ -322,14 +337,14 @@ const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
       {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
-      {"transformer_blocks.*.ff.linear_in", ShardStyle::PackedColwise},
+      {"transformer_blocks.*.ff.linear_in", ShardStyle::PackedColwise, {1, 1}},
       {"transformer_blocks.*.ff.linear_out", ShardStyle::Rowwise},
-      {"transformer_blocks.*.ff_context.linear_in", ShardStyle::PackedColwise},
+      {"transformer_blocks.*.ff_context.linear_in", ShardStyle::PackedColwise, {1, 1}},
       {"transformer_blocks.*.ff_context.linear_out", ShardStyle::Rowwise},
       {"single_transformer_blocks.*.attn.to_qkv_mlp_proj", ShardStyle::PackedColwise},
       {"single_transformer_blocks.*.attn.to_out", ShardStyle::PackedRowwise},
   };
-  return plan;
+  return &plan;
 }
 
 parallel::ModelTraits Flux2Transformer2DModel::traits() const {

@@ -267,23 +267,37 @@ const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
   // colwise / rowwise. Our addition: the modulation linears (D -> 6D, a third of the weights) are
   // split colwise and all-gathered. Replicated (not listed): embedders, txt_norm, norm_out,
   // proj_out (small), and the per-head RMSNorms.
+  // The reference plan plus the modulation linears.
+  static const parallel::TpPlan plan = [this] {
+    parallel::TpPlan ours = {
+        {"transformer_blocks.*.img_mod.1", ShardStyle::ColwiseGather},
+        {"transformer_blocks.*.txt_mod.1", ShardStyle::ColwiseGather},
+    };
+    const parallel::TpPlan& reference = *reference_tp_plan();
+    ours.insert(ours.end(), reference.begin(), reference.end());
+    return ours;
+  }();
+  return plan;
+}
+
+const parallel::TpPlan* QwenImageTransformer2DModel::reference_tp_plan() const {
+  using parallel::ShardStyle;
+  // tp_plan() without img_mod / txt_mod: diffusers keeps the modulation whole on every rank.
   static const parallel::TpPlan plan = {
-      {"transformer_blocks.*.img_mod.1", ShardStyle::ColwiseGather},
-      {"transformer_blocks.*.txt_mod.1", ShardStyle::ColwiseGather},
       {"transformer_blocks.*.attn.to_q", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_k", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.to_v", ShardStyle::Colwise},
+      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
       {"transformer_blocks.*.attn.add_q_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.add_k_proj", ShardStyle::Colwise},
       {"transformer_blocks.*.attn.add_v_proj", ShardStyle::Colwise},
-      {"transformer_blocks.*.attn.to_out.0", ShardStyle::Rowwise},
       {"transformer_blocks.*.attn.to_add_out", ShardStyle::Rowwise},
       {"transformer_blocks.*.img_mlp.net.0.proj", ShardStyle::Colwise},
       {"transformer_blocks.*.img_mlp.net.2", ShardStyle::Rowwise},
       {"transformer_blocks.*.txt_mlp.net.0.proj", ShardStyle::Colwise},
       {"transformer_blocks.*.txt_mlp.net.2", ShardStyle::Rowwise},
   };
-  return plan;
+  return &plan;
 }
 
 parallel::ModelTraits QwenImageTransformer2DModel::traits() const {

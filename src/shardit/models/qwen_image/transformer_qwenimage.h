@@ -159,6 +159,8 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   std::string type_name() const override { return "QwenImageTransformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
+  /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
+  const parallel::TpPlan* reference_tp_plan() const override;
   parallel::ModelTraits traits() const override;
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the

@@ -1,0 +1,261 @@
+#include "apps/inspect_plan.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "shardit/core/dtype.h"
+#include "shardit/core/error.h"
+#include "shardit/models/registry.h"
+
+namespace shardit::apps {
+
+namespace {
+
+using parallel::TpPlanKind;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+/// One component the registry builds, on the meta device.
+struct PlannedComponent {
+  std::string name;
+  std::string class_name;
+  models::ComponentKind kind;
+  std::shared_ptr<parallel::TensorParallelModule> model;
+  nlohmann::json config;
+  std::string source;  ///< its config.json
+
+  /// A component with no plan entries is replicated at every degree.
+  bool shardable() const { return !model->tp_plan().empty(); }
+  bool has_reference() const { return model->reference_tp_plan() != nullptr; }
+
+  /// Its memory at `tp` under `kind` (the full plan for a class the reference has no plan for).
+  models::ComponentMemory memory(int tp, TpPlanKind kind, at::ScalarType dtype) const {
+    const TpPlanKind used = kind == TpPlanKind::Reference && !has_reference() ? TpPlanKind::Full : kind;
+    models::ComponentMemory memory = models::memory_of(model->resolve(shardable() ? tp : 1, dtype, used));
+    memory.component = name;
+    memory.class_name = class_name;
+    if (!shardable()) memory.plan = "replicated";
+    memory.tp_degree = tp;
+    return memory;
+  }
+};
+
+PlannedComponent plan_component(const io::ComponentFolder& folder, const models::ComponentClass& entry) {
+  return {folder.name, entry.class_name, entry.kind, entry.create_module(folder), folder.config, folder.dir + "/config.json"};
+}
+
+struct Planned {
+  std::vector<PlannedComponent> components;
+  std::vector<std::pair<std::string, std::string>> not_counted;  ///< component, why
+};
+
+/// The components of `folder`: a component folder must be of a registered class (the registry's
+/// error otherwise); a pipeline's components are built when their class is registered.
+Planned plan_folder(const io::ModelFolder& folder) {
+  Planned planned;
+  if (!folder.is_pipeline()) {
+    const io::ComponentFolder component = folder.component("");
+    const models::ComponentClass* entry = find_module_class(component.class_name());
+    // An unknown class gets the registry's own error, as when the weights are present.
+    if (entry == nullptr) create_module(component);
+    planned.components.push_back(plan_component(component, *entry));
+    return planned;
+  }
+  for (const auto& name : folder.components()) {
+    const nlohmann::json& declared = folder.model_index().at(name);
+    const std::string class_name = declared.is_array() && declared.size() == 2 && declared[1].is_string()
+                                       ? declared[1].get<std::string>()
+                                       : std::string();
+    const models::ComponentClass* entry = find_module_class(class_name);
+    if (entry == nullptr) {
+      planned.not_counted.emplace_back(name, class_name.empty() ? "no class" : class_name + ": no weights, or not in the registry yet");
+      continue;
+    }
+    planned.components.push_back(plan_component(folder.component(name), *entry));
+  }
+  TORCH_CHECK(!planned.components.empty(), folder.root(), ": no component of a supported class; supported transformers: ",
+              fmt::format("{}", fmt::join(models::supported_classes(models::ComponentKind::Transformer), ", ")));
+  return planned;
+}
+
+/// Billions, or the plain count for models under ten million parameters (test models).
+std::string billions(int64_t count) {
+  return count < 10'000'000 ? std::to_string(count) : fmt::format("{:.3f}B", static_cast<double>(count) / 1e9);
+}
+std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB); }
+
+nlohmann::json to_json(const models::ComponentMemory& memory) {
+  return {{"component", memory.component},
+          {"class_name", memory.class_name},
+          {"plan", memory.plan},
+          {"tp_degree", memory.tp_degree},
+          {"parameters_total", memory.parameters_total},
+          {"parameters_replicated", memory.parameters_replicated},
+          {"parameters_sharded", memory.parameters_sharded},
+          {"per_rank_parameters", memory.per_rank_parameters},
+          {"bytes_total", memory.bytes_total},
+          {"per_rank_bytes", memory.per_rank_bytes}};
+}
+
+/// Activation peaks of one step per rank at `tp`: the largest transformer step and VAE decode
+/// (they run one after the other, so the larger one counts).
+struct Activations {
+  int64_t transformer = 0;
+  int64_t vae_decode = 0;
+  int64_t peak() const { return std::max(transformer, vae_decode); }
+};
+
+Activations activations(const Planned& planned, int tp, const MemoryPlanRequest& request) {
+  Activations out;
+  if (!request.step) return out;
+  for (const auto& component : planned.components) {
+    if (component.kind == models::ComponentKind::Transformer) {
+      out.transformer = std::max(out.transformer, models::transformer_step_activation_bytes(
+                                                      *component.model, tp, request.dtype, *request.step));
+    } else if (component.kind == models::ComponentKind::Vae) {
+      out.vae_decode = std::max(out.vae_decode, models::vae_decode_activation_bytes(component.config, component.source,
+                                                                                   request.dtype, *request.step));
+    }
+  }
+  return out;
+}
+
+/// The weights one rank holds at `tp` under `kind`, over every counted component.
+int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, at::ScalarType dtype) {
+  int64_t bytes = 0;
+  for (const auto& component : planned.components) bytes += component.memory(tp, kind, dtype).per_rank_bytes;
+  return bytes;
+}
+
+/// The degrees a verdict is given for: 1, 2, 4, 8 and the requested one.
+std::vector<int> verdict_degrees(int tp) {
+  std::set<int> degrees = {1, 2, 4, 8, tp};
+  return {degrees.begin(), degrees.end()};
+}
+
+}  // namespace
+
+const models::ComponentClass* find_module_class(const std::string& class_name) {
+  for (const auto& entry : models::component_classes()) {
+    if (entry.class_name == class_name && entry.create_module) return &entry;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder) {
+  const models::ComponentClass* entry = find_module_class(folder.class_name());
+  return entry != nullptr ? entry->create_module(folder) : models::create_transformer(folder);
+}
+
+void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request) {
+  const Planned planned = plan_folder(folder);
+  const std::vector<TpPlanKind> kinds = {TpPlanKind::Full, TpPlanKind::Reference};
+  const std::string dtype = c10::toString(request.dtype);
+
+  // Per component, both plans at the requested degree (resolver errors surface here).
+  std::vector<std::vector<models::ComponentMemory>> rows;
+  for (const auto& component : planned.components) {
+    std::vector<models::ComponentMemory> both;
+    for (TpPlanKind kind : kinds) both.push_back(component.memory(request.tp, kind, request.dtype));
+    rows.push_back(both);
+  }
+  const size_t chosen = request.plan == TpPlanKind::Full ? 0 : 1;
+
+  nlohmann::json json = {{"tp_degree", request.tp}, {"plan", parallel::tp_plan_kind_name(request.plan)}, {"dtype", dtype}};
+  nlohmann::json components = nlohmann::json::array();
+  for (const auto& both : rows) {
+    nlohmann::json entry = to_json(both[chosen]);
+    for (size_t k = 0; k < kinds.size(); ++k) entry["plans"][parallel::tp_plan_kind_name(kinds[k])] = to_json(both[k]);
+    components.push_back(entry);
+  }
+  json["components"] = components;
+  json["not_counted"] = nlohmann::json::array();
+  for (const auto& [name, why] : planned.not_counted) json["not_counted"].push_back({{"component", name}, {"reason", why}});
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    int64_t parameters = 0;
+    int64_t bytes = 0;
+    for (const auto& both : rows) {
+      parameters += both[k].per_rank_parameters;
+      bytes += both[k].per_rank_bytes;
+    }
+    json["pipeline"][parallel::tp_plan_kind_name(kinds[k])] = {{"per_rank_parameters", parameters}, {"per_rank_bytes", bytes}};
+  }
+
+  const Activations step = activations(planned, request.tp, request);
+  if (request.step) {
+    json["activations"] = {{"height", request.step->height},
+                           {"width", request.step->width},
+                           {"batch", request.step->batch},
+                           {"text_tokens", request.step->text_tokens},
+                           {"attention_backend", models::attention_backend_name(request.step->backend)},
+                           {"transformer_step_bytes_per_rank", step.transformer},
+                           {"vae_decode_bytes", step.vae_decode}};
+  }
+  std::vector<std::string> verdict_lines;
+  if (request.device_memory_gib) {
+    const auto capacity = static_cast<int64_t>(*request.device_memory_gib * kGiB);
+    nlohmann::json verdicts = nlohmann::json::array();
+    for (int tp : verdict_degrees(request.tp)) {
+      for (TpPlanKind kind : kinds) {
+        nlohmann::json verdict = {{"tp_degree", tp}, {"plan", parallel::tp_plan_kind_name(kind)}};
+        try {
+          const int64_t needed = per_rank_weights(planned, tp, kind, request.dtype) + activations(planned, tp, request).peak();
+          verdict["per_rank_bytes"] = needed;
+          verdict["fits"] = needed <= capacity;
+          verdict["headroom_bytes"] = capacity - needed;
+          verdict_lines.push_back(fmt::format("| {} | {} | {} | {} | {} |", tp, parallel::tp_plan_kind_name(kind),
+                                              gib(needed), needed <= capacity ? "fits" : "does not fit",
+                                              gib(capacity - needed)));
+        } catch (const std::exception& e) {
+          verdict["fits"] = false;
+          verdict["error"] = error_message(e);
+          verdict_lines.push_back(fmt::format("| {} | {} | - | cannot shard: {} | - |", tp,
+                                              parallel::tp_plan_kind_name(kind), error_message(e)));
+        }
+        verdicts.push_back(verdict);
+      }
+    }
+    json["device_memory_bytes"] = capacity;
+    json["verdicts"] = verdicts;
+  }
+
+  if (request.json) {
+    fmt::print("{}\n", json.dump(2));
+    return;
+  }
+  fmt::print("memory plan at TP={}, {} (plan '{}' chosen; both shown):\n", request.tp, dtype,
+             parallel::tp_plan_kind_name(request.plan));
+  fmt::print("| component | class | plan | TP | parameters | replicated | sharded | per rank | per rank bytes |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& both : rows) {
+    for (const auto& memory : both) {
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", memory.component, memory.class_name, memory.plan,
+                 memory.tp_degree, billions(memory.parameters_total), billions(memory.parameters_replicated),
+                 billions(memory.parameters_sharded), billions(memory.per_rank_parameters), gib(memory.per_rank_bytes));
+    }
+  }
+  for (TpPlanKind kind : kinds) {
+    const auto& total = json["pipeline"][parallel::tp_plan_kind_name(kind)];
+    fmt::print("all components, plan '{}': {} parameters, {} per rank\n", parallel::tp_plan_kind_name(kind),
+               billions(total["per_rank_parameters"].get<int64_t>()), gib(total["per_rank_bytes"].get<int64_t>()));
+  }
+  for (const auto& [name, why] : planned.not_counted) fmt::print("not counted: {} ({})\n", name, why);
+  if (request.step) {
+    fmt::print("activations per rank at {}x{}, batch {}, {} text tokens, {} attention: transformer step {}, VAE decode {}\n",
+               request.step->height, request.step->width, request.step->batch, request.step->text_tokens,
+               models::attention_backend_name(request.step->backend), gib(step.transformer), gib(step.vae_decode));
+  }
+  if (request.device_memory_gib) {
+    fmt::print("on a {:.1f} GiB device (weights per rank + the larger activation peak):\n", *request.device_memory_gib);
+    fmt::print("| TP | plan | needed per rank | verdict | headroom |\n|---|---|---|---|---|\n");
+    for (const auto& line : verdict_lines) fmt::print("{}\n", line);
+  }
+}
+
+}  // namespace shardit::apps

@@ -1,0 +1,43 @@
+#pragma once
+// `shardit inspect --plan`'s memory summary: per component and for the pipeline, parameters and
+// bytes replicated / sharded / per rank under both plans, activation estimates, and a verdict per
+// TP degree for a device size. Reads config.json files only.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/models/memory_plan.h"
+#include "shardit/models/registry.h"
+#include "shardit/parallel/plan.h"
+
+namespace shardit::apps {
+
+/// The registered class named `class_name`, of any kind, that builds a module (transformers,
+/// text encoders, VAEs); null when there is none.
+const models::ComponentClass* find_module_class(const std::string& class_name);
+
+/// The model of `folder`'s class, on the meta device: the registry's transformer error (which
+/// lists the supported classes) when no registered class builds it.
+std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder);
+
+struct MemoryPlanRequest {
+  int tp = 1;
+  parallel::TpPlanKind plan = parallel::TpPlanKind::Full;
+  at::ScalarType dtype = at::kFloat;
+  /// With a step shape: activation estimates of one transformer step and of the VAE decode.
+  std::optional<models::StepShape> step;
+  /// Device memory in GiB: a verdict per TP degree.
+  std::optional<double> device_memory_gib;
+  bool json = false;
+};
+
+/// Prints the summary of `folder` (one component or a pipeline) as text or JSON. Unknown classes,
+/// config errors and TP degrees that cannot divide are the registry's and resolver's own errors;
+/// in a pipeline, components of classes the registry does not build (tokenizers, schedulers,
+/// text encoders not yet supported) are listed as not counted.
+void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request);
+
+}  // namespace shardit::apps

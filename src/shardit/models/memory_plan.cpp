@@ -1,0 +1,206 @@
+#include "shardit/models/memory_plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/models/qwen_image/transformer_qwenimage.h"
+
+namespace shardit::models {
+
+ComponentMemory memory_of(const parallel::ResolvedPlan& resolved) {
+  ComponentMemory memory;
+  memory.plan = parallel::tp_plan_kind_name(resolved.plan);
+  memory.tp_degree = resolved.tp_degree;
+  std::vector<int64_t> rank_parameters(static_cast<size_t>(resolved.tp_degree), 0);
+  for (const auto& spec : resolved.parameters) {
+    int64_t numel = 1;
+    for (int64_t size : spec.full_shape) numel *= size;
+    memory.bytes_total += spec.full_bytes();
+    if (spec.is_buffer) continue;
+    memory.parameters_total += numel;
+    if (!spec.is_sharded()) {
+      memory.parameters_replicated += numel;
+      for (auto& count : rank_parameters) count += numel;
+      continue;
+    }
+    memory.parameters_sharded += numel;
+    const int64_t row = numel / spec.full_shape[static_cast<size_t>(spec.dim)];
+    for (int rank = 0; rank < resolved.tp_degree; ++rank) {
+      int64_t held = 0;
+      for (const auto& range : spec.ranges_per_rank[static_cast<size_t>(rank)]) held += range.size();
+      rank_parameters[static_cast<size_t>(rank)] += held * row;
+    }
+  }
+  for (int rank = 0; rank < resolved.tp_degree; ++rank) {
+    memory.per_rank_parameters = std::max(memory.per_rank_parameters, rank_parameters[static_cast<size_t>(rank)]);
+    memory.per_rank_bytes = std::max(memory.per_rank_bytes, resolved.bytes_on_rank(rank));
+  }
+  return memory;
+}
+
+const char* attention_backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::Math: return "math";
+    case AttentionBackend::MemoryEfficient: return "memory-efficient";
+  }
+  return "?";
+}
+
+AttentionBackend parse_attention_backend(const std::string& name) {
+  if (name == "math") return AttentionBackend::Math;
+  if (name == "memory-efficient") return AttentionBackend::MemoryEfficient;
+  TORCH_CHECK(false, "unknown attention backend '", name, "'; expected 'math' or 'memory-efficient'");
+}
+
+namespace {
+
+/// The live tensors of one phase of a block, in elements per token: `full` are [B, S, x] tensors
+/// every rank holds whole (the residual stream, norms, outputs after the all-reduce), `local`
+/// the ones split by the TP degree (projections to heads, MLP hidden).
+struct Phase {
+  int64_t tokens;
+  int64_t full;
+  int64_t local;
+  bool attention = false;  ///< holds the attention scores too
+};
+
+/// What sizes a transformer step: the phases of its blocks and its attention.
+struct StepModel {
+  std::vector<Phase> phases;
+  int64_t attention_tokens;   ///< the joint sequence attention runs over
+  int64_t heads;
+  int64_t head_dim;
+};
+
+/// Latent tokens of an image: 8x VAE downsampling, then patch_size x 2 packing (FLUX packs 2x2
+/// latents into one token; Qwen-Image's patch_size 2 is that packing).
+int64_t image_tokens(const StepShape& shape, int64_t pixels_per_token) {
+  TORCH_CHECK(shape.height > 0 && shape.width > 0 && shape.height % pixels_per_token == 0 &&
+                  shape.width % pixels_per_token == 0,
+              "--height and --width must be positive multiples of ", pixels_per_token, " pixels, got ", shape.height,
+              "x", shape.width);
+  return (shape.height / pixels_per_token) * (shape.width / pixels_per_token);
+}
+
+// Counts of the live tensors, in units of the inner dim D per token, read from the block code.
+// Attention phase, at the scores' peak (the product with v): full are the block input and its
+// normed, modulated copy (2); local are q, k after the per-head RMSNorm and v (3), q and k after
+// RoPE (2, the normed ones stay referenced), and the product's operand copy and output (2): 7.
+// Double blocks also hold the joint [text; image] cat of q, k, v: +3.
+StepModel flux_step(const FluxTransformer2DModelConfig& config, const StepShape& shape) {
+  const int64_t n = image_tokens(shape, 16);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  const int64_t mlp = 4 * d;
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  if (config.num_single_layers > 0) {
+    // Single block: MLP hidden (gelu in place) beside attention; then cat[attn | mlp] into
+    // proj_out, its full output, the gated residual.
+    step.phases.push_back({s, 2 * d, 7 * d + mlp, true});
+    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
+  }
+  if (config.num_layers > 0) {
+    step.phases.push_back({s, 2 * d, 10 * d, true});
+    // Feed-forward of the image stream: hidden, normed, output full; GELU hidden local.
+    step.phases.push_back({n, 3 * d, mlp});
+  }
+  return step;
+}
+
+StepModel flux2_step(const Flux2Transformer2DModelConfig& config, const StepShape& shape) {
+  const int64_t n = image_tokens(shape, 16);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  const int64_t mlp = config.mlp_hidden_dim();
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  if (config.num_single_layers > 0) {
+    // Single block: the fused [q|k|v|gate|up] output (v stays a view of it) and the SwiGLU
+    // result beside the normed and rotated q, k and the product's operands.
+    step.phases.push_back({s, 2 * d, (3 * d + 2 * mlp) + mlp + 6 * d, true});
+    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
+  }
+  if (config.num_layers > 0) {
+    step.phases.push_back({s, 2 * d, 10 * d, true});
+    // SwiGLU feed-forward: [gate | up] and the product local.
+    step.phases.push_back({n, 3 * d, 3 * mlp});
+  }
+  return step;
+}
+
+StepModel qwen_image_step(const QwenImageTransformer2DModelConfig& config, const StepShape& shape) {
+  const int64_t n = image_tokens(shape, 8 * config.patch_size);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  step.phases.push_back({s, 2 * d, 10 * d, true});
+  step.phases.push_back({n, 3 * d, 4 * d});
+  return step;
+}
+
+StepModel step_model(const parallel::TensorParallelModule& model, const StepShape& shape) {
+  if (const auto* flux = dynamic_cast<const FluxTransformer2DModel*>(&model)) return flux_step(flux->config, shape);
+  if (const auto* flux2 = dynamic_cast<const Flux2Transformer2DModel*>(&model)) return flux2_step(flux2->config, shape);
+  if (const auto* qwen = dynamic_cast<const QwenImageTransformer2DModel*>(&model)) {
+    return qwen_image_step(qwen->config, shape);
+  }
+  TORCH_CHECK(false, model.type_name(), ": no activation estimate for this class");
+}
+
+/// The attention scores one rank holds at once.
+int64_t scores_bytes(const StepModel& step, int tp_degree, at::ScalarType dtype, const StepShape& shape) {
+  if (shape.backend == AttentionBackend::MemoryEfficient) return 0;
+  const int64_t local_heads = step.heads / tp_degree;
+  const int64_t per_head = shape.batch * step.attention_tokens * step.attention_tokens * 4;
+  const int64_t group = std::clamp<int64_t>(shape.scores_budget_bytes / per_head, 1, std::max<int64_t>(1, local_heads));
+  // Scores in the model dtype, the softmax in fp32, then its cast back: all live at the cast.
+  const double element = static_cast<double>(at::elementSize(dtype)) / 4.0;
+  const double copies = element >= 1.0 ? 2.0 : 1.0 + 2.0 * element;
+  return static_cast<int64_t>(copies * static_cast<double>(group * per_head));
+}
+
+}  // namespace
+
+int64_t transformer_step_activation_bytes(const parallel::TensorParallelModule& model, int tp_degree,
+                                          at::ScalarType dtype, const StepShape& shape) {
+  TORCH_CHECK(shape.batch > 0 && shape.text_tokens >= 0, "--batch must be positive and text tokens non-negative, got ",
+              shape.batch, " and ", shape.text_tokens);
+  const StepModel step = step_model(model, shape);
+  const int64_t element = static_cast<int64_t>(at::elementSize(dtype));
+  int64_t peak = 0;
+  for (size_t i = 0; i < step.phases.size(); ++i) {
+    const Phase& phase = step.phases[i];
+    int64_t bytes = shape.batch * phase.tokens * (phase.full + phase.local / tp_degree) * element;
+    if (phase.attention) bytes += scores_bytes(step, tp_degree, dtype, shape);
+    peak = std::max(peak, bytes);
+  }
+  return peak;
+}
+
+int64_t vae_decode_activation_bytes(const nlohmann::json& config, const std::string& source, at::ScalarType dtype,
+                                    const StepShape& shape) {
+  // AutoencoderKL / AutoencoderKLFlux2 name the widths block_out_channels; AutoencoderKLQwenImage
+  // base_dim * dim_mult.
+  std::vector<int64_t> widths = io::config_value<std::vector<int64_t>>(config, "block_out_channels", {}, source);
+  if (widths.empty()) {
+    const int64_t base = io::config_value<int64_t>(config, "base_dim", 96, source);
+    for (int64_t mult : io::config_value<std::vector<int64_t>>(config, "dim_mult", {1, 2, 4, 4}, source)) {
+      widths.push_back(base * mult);
+    }
+  }
+  TORCH_CHECK(widths.size() >= 2, source, ": expected at least two decoder widths, got ", widths.size());
+  const int64_t pixels = shape.batch * shape.height * shape.width;
+  const int64_t element = static_cast<int64_t>(at::elementSize(dtype));
+  // At full resolution: the upsampled input of the last up block (widths[1] channels), then its
+  // resnets at widths[0]: input, GroupNorm/SiLU output, conv output, residual sum.
+  const int64_t full_resolution = pixels * (widths[1] + 3 * widths[0]) * element;
+  // The mid block's single-head attention over every latent pixel (8x downsampled): fp32 scores
+  // and softmax, one head, so no grouping bounds it.
+  const int64_t latent = shape.batch * (shape.height / 8) * (shape.width / 8);
+  const int64_t attention = 2 * latent * (latent / shape.batch) * 4;
+  return std::max(full_resolution, attention);
+}
+
+}  // namespace shardit::models
