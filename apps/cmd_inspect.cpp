@@ -102,7 +102,7 @@ at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
 void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
-  const auto model = models::create_transformer(*component);
+  const auto model = models::create_module_component(*component);
   const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
   fmt::print("tensor-parallel plan of {} at TP={}:\n{}", model->type_name(), options.tp,
              model->resolve(options.tp, dtype).to_table());
@@ -124,8 +124,11 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   } else {
     print_tensor_table(component.weights());
   }
-  // In a pipeline only the transformer has a plan; a component folder given directly must.
-  const auto supported = models::supported_classes(models::ComponentKind::Transformer);
+  // In a pipeline the transformer and the text encoders have plans; a component folder given
+  // directly must.
+  auto supported = models::supported_classes(models::ComponentKind::Transformer);
+  const auto encoders = models::supported_classes(models::ComponentKind::TextEncoder);
+  supported.insert(supported.end(), encoders.begin(), encoders.end());
   const bool has_plan = std::find(supported.begin(), supported.end(), class_name) != supported.end();
   if (options.plan && (has_plan || !tolerate_missing_weights)) print_plan(component, options);
 }

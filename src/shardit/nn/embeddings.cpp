@@ -34,16 +34,6 @@ at::Tensor Timesteps::forward(const at::Tensor& timesteps) const {
   return emb;
 }
 
-at::Tensor activate(const at::Tensor& x, Activation act_fn) {
-  switch (act_fn) {
-    case Activation::SiLU:
-      return at::silu(x);
-    case Activation::GeluTanh:
-      return at::gelu(x, "tanh");
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown activation");
-}
-
 TimestepEmbedding::TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim, bool bias) {
   linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_channels, time_embed_dim).with_bias(bias)));
   linear_2 =

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "shardit/nn/activations.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
 
@@ -51,8 +52,6 @@ class TimestepEmbedding : public Module {
   std::shared_ptr<Linear> linear_2;
 };
 
-enum class Activation { SiLU, GeluTanh };
-
 /// diffusers' PixArtAlphaTextProjection: linear_2(act_1(linear_1(caption))).
 class PixArtAlphaTextProjection : public Module {
  public:
@@ -67,8 +66,5 @@ class PixArtAlphaTextProjection : public Module {
  private:
   Activation act_fn_;
 };
-
-/// The activation functions diffusers names "silu" and "gelu-approximate" (GELU, tanh form).
-at::Tensor activate(const at::Tensor& x, Activation act_fn);
 
 }  // namespace shardit::nn
