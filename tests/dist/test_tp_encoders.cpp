@@ -205,4 +205,21 @@ TEST(TpEncoderPlan, GoldenInspectPlanShowsReplicatedPlusShardedOverN) {
   }
 }
 
+TEST(RunEncoderCli, GoldenTp2WritesEveryGoldenOutput) {
+  // The CLI at TP=2 writes the golden names, with the golden values.
+  const std::string dir = golden_path("text/clip_text");
+  const std::string out = shardit::testing::make_temp_dir("run-encoder") + "/outputs.safetensors";
+  std::string output;
+  const int status = shardit::testing::run_command(
+      shardit::testing::cli_path() + " --nproc-per-node 2 run-encoder --model " + dir + " --inputs " + dir + " --out " + out,
+      &output);
+  ASSERT_EQ(status, 0) << output;
+  const auto written = shardit::io::SafetensorsFile::open(out);
+  const auto golden = shardit::io::SafetensorsFile::open(dir + "/outputs.safetensors");
+  for (const std::string& name : golden->names()) {
+    ASSERT_TRUE(written->contains(name)) << name << " not written";
+    EXPECT_TRUE(tensors_close(name, written->read(name), golden->read(name), 1e-4, 1e-4));
+  }
+}
+
 }  // namespace
