@@ -11,15 +11,15 @@ namespace shardit::models {
 
 Qwen3Config qwen2_5_vl_text_config_from_json(const nlohmann::json& json, const std::string& source) {
   const bool nested = !json.contains("hidden_size") && json.contains("text_config") && json.at("text_config").is_object();
-  return Qwen3Config::from_json(nested ? json.at("text_config") : json, nested ? source + " (text_config)" : source,
-                                {"default", "mrope"});
+  Qwen3Config config = Qwen3Config::from_json(nested ? json.at("text_config") : json,
+                                              nested ? source + " (text_config)" : source, {"default", "mrope"});
+  // Qwen2.5-VL's attention always has q/k/v biases (its config has no attention_bias key).
+  config.attention_bias = true;
+  return config;
 }
 
 Qwen2_5_VLForConditionalGeneration::Qwen2_5_VLForConditionalGeneration(const Qwen3Config& config) : config(config) {
-  Qwen3Config text = config;
-  // Qwen2.5-VL's attention always has q/k/v biases (no attention_bias key).
-  text.attention_bias = true;
-  model = register_module("model", std::make_shared<Qwen3Model>(text, /*qk_norm=*/false));
+  model = register_module("model", std::make_shared<Qwen3Model>(config, /*qk_norm=*/false));
   // transformers >= 4.52 saves the text model as model.language_model.*.
   for (const auto& slot : named_states()) {
     key_aliases_.push_back({slot.name, {"model.language_model." + slot.name.substr(std::string("model.").size())}});

@@ -21,7 +21,8 @@
 namespace shardit::models {
 
 /// config.json of Qwen2_5_VLForConditionalGeneration: the text decoder's keys (top level, or under
-/// `text_config` as newer transformers write them); rope_scaling "default" or "mrope".
+/// `text_config` as newer transformers write them); rope_scaling "default" or "mrope";
+/// attention_bias is always true (q/k/v biases).
 Qwen3Config qwen2_5_vl_text_config_from_json(const nlohmann::json& json, const std::string& source);
 
 /// transformers' Qwen2_5_VLForConditionalGeneration, text path: `model.*` (checkpoints written by
