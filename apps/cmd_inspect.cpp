@@ -111,7 +111,7 @@ at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
 void print_plan(const std::optional<io::ComponentFolder>& component, const InspectOptions& options) {
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
-  const auto model = create_module(*component);
+  const auto model = models::create_module_component(*component);
   const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
   parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
   if (kind == parallel::TpPlanKind::Reference && model->reference_tp_plan() == nullptr) {

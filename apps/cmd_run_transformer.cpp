@@ -37,18 +37,6 @@ struct RunTransformerOptions {
   bool check_finite = false;
 };
 
-/// "name dtype [shape]" per tensor, one per line: what two ranks compare to know that they read
-/// the same tensors.
-template <class File>
-std::string tensor_table(const File& file) {
-  std::string table;
-  for (const auto& name : file.names()) {
-    const io::TensorInfo& info = file.info(name);
-    table += fmt::format("{} {} [{}]\n", name, io::st_dtype_name(info.dtype), fmt::join(info.shape, ", "));
-  }
-  return table;
-}
-
 bool is_floating(io::StDtype dtype) {
   switch (dtype) {
     case io::StDtype::F64:
@@ -138,11 +126,8 @@ int run_transformer(const RunTransformerOptions& given) {
     }
   }
 
-  parallel::LoadOptions load_options;
-  load_options.dtype = dtype;
-  load_options.device = world.device();
-  const int tp = options.tp > 0 ? options.tp : world.size();
-  if (world.size() > 1 || tp != 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
+  const parallel::LoadOptions load_options = command_load_options(world, dtype, options.tp);
+  const int tp = load_options.tensor_parallel ? load_options.tensor_parallel->tp_degree() : 1;
 
   const auto load_start = std::chrono::steady_clock::now();
   model->load(weights, load_options);

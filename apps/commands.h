@@ -2,11 +2,15 @@
 // Each CLI subcommand lives in its own apps/cmd_<name>.cpp and registers itself here. The CLI is
 // thin: it parses, calls the library, prints.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <functional>
 #include <string>
 
+#include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
+#include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::apps {
 
@@ -17,8 +21,26 @@ using CommandBody = std::function<int()>;
 /// against the case's inputs.json `model_class` when there is one.
 std::string case_inputs_file(const std::string& inputs, const io::ComponentFolder& component);
 
+/// "name dtype [shape]" per tensor of a Checkpoint or SafetensorsFile, one per line: what two
+/// ranks compare (World::agree) to know that they read the same tensors.
+template <class File>
+std::string tensor_table(const File& file) {
+  std::string table;
+  for (const auto& name : file.names()) {
+    const io::TensorInfo& info = file.info(name);
+    table += fmt::format("{} {} [{}]\n", name, io::st_dtype_name(info.dtype), fmt::join(info.shape, ", "));
+  }
+  return table;
+}
+
+/// How a command loads its model: `dtype`, the world's device, and tensor parallelism over `tp`
+/// ranks (0: the whole world; none on a world of one at tp 1).
+parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp);
+
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
 void register_inspect(CLI::App& app, CommandBody& body);
+/// Adds `run-encoder` (a text encoder on a golden-style case folder, outputs under golden names).
+void register_run_encoder(CLI::App& app, CommandBody& body);
 /// Adds `run-transformer` (one forward of a transformer on a golden-style case folder).
 void register_run_transformer(CLI::App& app, CommandBody& body);
 /// Adds `run-vae` (a VAE decode of a golden-style case folder, with intermediates).

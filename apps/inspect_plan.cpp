@@ -1,5 +1,6 @@
 #include "apps/inspect_plan.h"
 
+#include <filesystem>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -63,7 +64,7 @@ Planned plan_folder(const io::ModelFolder& folder) {
     const io::ComponentFolder component = folder.component("");
     const models::ComponentClass* entry = find_module_class(component.class_name());
     // An unknown class gets the registry's own error, as when the weights are present.
-    if (entry == nullptr) create_module(component);
+    if (entry == nullptr) models::create_module_component(component);
     planned.components.push_back(plan_component(component, *entry));
     return planned;
   }
@@ -75,6 +76,10 @@ Planned plan_folder(const io::ModelFolder& folder) {
     const models::ComponentClass* entry = find_module_class(class_name);
     if (entry == nullptr) {
       planned.not_counted.emplace_back(name, class_name.empty() ? "no class" : class_name + ": no weights, or not in the registry yet");
+      continue;
+    }
+    if (!std::filesystem::is_directory(std::filesystem::path(folder.root()) / name)) {
+      planned.not_counted.emplace_back(name, class_name + ": no " + name + "/ folder here");
       continue;
     }
     planned.components.push_back(plan_component(folder.component(name), *entry));
@@ -148,10 +153,6 @@ const models::ComponentClass* find_module_class(const std::string& class_name) {
   return nullptr;
 }
 
-std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder) {
-  const models::ComponentClass* entry = find_module_class(folder.class_name());
-  return entry != nullptr ? entry->create_module(folder) : models::create_transformer(folder);
-}
 
 void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request) {
   const Planned planned = plan_folder(folder);

@@ -19,9 +19,6 @@ namespace shardit::apps {
 /// text encoders, VAEs); null when there is none.
 const models::ComponentClass* find_module_class(const std::string& class_name);
 
-/// The model of `folder`'s class, on the meta device: the registry's transformer error (which
-/// lists the supported classes) when no registered class builds it.
-std::shared_ptr<parallel::TensorParallelModule> create_module(const io::ComponentFolder& folder);
 
 struct MemoryPlanRequest {
   int tp = 1;

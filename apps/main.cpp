@@ -106,6 +106,7 @@ int main(int argc, char** argv) {
 
   shardit::apps::CommandBody body;
   shardit::apps::register_inspect(app, body);
+  shardit::apps::register_run_encoder(app, body);
   shardit::apps::register_run_transformer(app, body);
   shardit::apps::register_run_vae(app, body);
   shardit::apps::register_schedule(app, body);

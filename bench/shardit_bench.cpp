@@ -5,6 +5,8 @@
 //   shardit-bench forward [--nproc-per-node N] [--dtype f32|bf16] [--height 512 --width 512]
 //                         [--text-tokens 512] [--double 2 --single 4] [--model <folder>]
 //   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
+//   shardit-bench encoder [--nproc-per-node N] --encoder clip|t5|qwen3|qwen2_5_vl [--layers 2]
+//                         [--text-tokens 512] [--dtype f32|bf16]
 //
 // Without --model, both build a synthetic diffusers folder with FLUX.1-dev widths (3072 hidden,
 // 24 heads x 128, MLP x4, joint_attention_dim 4096) and random bf16 weights, in sharded
@@ -34,8 +36,13 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/clip/modeling_clip.h"
 #include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/qwen/modeling_qwen2_5_vl.h"
+#include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/models/registry.h"
+#include "shardit/models/t5/modeling_t5.h"
+#include "shardit/nn/module.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 namespace {
@@ -46,7 +53,7 @@ using shardit::models::FluxTransformer2DModelConfig;
 using Clock = std::chrono::steady_clock;
 
 struct BenchOptions {
-  std::string mode;  // forward | load
+  std::string mode;  // forward | load | encoder
   int nproc_per_node = 1;
   std::string model_dir;
   std::string cache_dir = (fs::temp_directory_path() / "shardit-bench").string();
@@ -63,6 +70,8 @@ struct BenchOptions {
   std::string json_out;
   std::string label;
   bool profile = false;
+  std::string encoder = "t5";
+  int encoder_layers = 2;
 };
 
 double seconds_since(Clock::time_point start) {
@@ -455,6 +464,103 @@ int run_load(const BenchOptions& options) {
   return 0;
 }
 
+/// The config.json of a text encoder at its released widths (CLIP-L, T5-XXL, Qwen3-4B of FLUX.2
+/// [klein] 4B, Qwen2.5-VL-7B of Qwen-Image) with `layers` layers.
+nlohmann::json encoder_config(const std::string& encoder, int layers) {
+  if (encoder == "clip") {
+    return {{"architectures", {"CLIPTextModel"}}, {"vocab_size", 49408}, {"hidden_size", 768},
+            {"intermediate_size", 3072}, {"num_hidden_layers", layers}, {"num_attention_heads", 12},
+            {"max_position_embeddings", 77}, {"hidden_act", "quick_gelu"}, {"eos_token_id", 2}};
+  }
+  if (encoder == "t5") {
+    return {{"architectures", {"T5EncoderModel"}}, {"vocab_size", 32128}, {"d_model", 4096}, {"d_kv", 64},
+            {"d_ff", 10240}, {"num_layers", layers}, {"num_heads", 64}, {"feed_forward_proj", "gated-gelu"}};
+  }
+  if (encoder == "qwen3") {
+    return {{"architectures", {"Qwen3ForCausalLM"}}, {"vocab_size", 151936}, {"hidden_size", 2560},
+            {"intermediate_size", 9728}, {"num_hidden_layers", layers}, {"num_attention_heads", 32},
+            {"num_key_value_heads", 8}, {"head_dim", 128}, {"rope_theta", 1000000.0}, {"tie_word_embeddings", true}};
+  }
+  TORCH_CHECK(encoder == "qwen2_5_vl", "--encoder must be clip, t5, qwen3 or qwen2_5_vl, got '", encoder, "'");
+  return {{"architectures", {"Qwen2_5_VLForConditionalGeneration"}}, {"vocab_size", 152064}, {"hidden_size", 3584},
+          {"intermediate_size", 18944}, {"num_hidden_layers", layers}, {"num_attention_heads", 28},
+          {"num_key_value_heads", 4}, {"rope_theta", 1000000.0},
+          {"rope_scaling", {{"type", "mrope"}, {"mrope_section", {16, 24, 24}}}}};
+}
+
+/// Forward latency and per-rank parameter bytes of a text encoder at real widths (random weights,
+/// sharded in memory), on one prompt of --text-tokens tokens (CLIP: 77).
+int run_encoder(const BenchOptions& options) {
+  auto& world = shardit::dist::World::init();
+  const int tp = world.size();
+  const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
+  shardit::io::ComponentFolder folder;
+  folder.dir = "(synthetic " + options.encoder + ")";
+  folder.name = "text_encoder";
+  folder.config = encoder_config(options.encoder, options.encoder_layers);
+  auto model = shardit::models::create_text_encoder(folder);
+  shardit::nn::init_random(*model, 20261130, dtype);
+  if (tp > 1) model->enable_parallelism(shardit::parallel::TensorParallelConfig::from_degree(world, tp));
+  const int64_t parameter_bytes = model->parameter_bytes();
+  const auto plan = tp > 1 ? *model->resolved_plan() : model->resolve(1, dtype);
+
+  const int64_t tokens = options.encoder == "clip" ? 77 : options.text_tokens;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const at::Tensor ids = at::randint(1000, {options.batch, tokens}, generator, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor mask = at::ones({options.batch, tokens}, at::kLong);
+  const auto step = [&] {
+    if (auto* clip = dynamic_cast<shardit::models::CLIPTextModel*>(model.get())) return clip->forward(ids).pooler_output;
+    if (auto* t5 = dynamic_cast<shardit::models::T5EncoderModel*>(model.get())) return t5->forward(ids);
+    if (auto* qwen3 = dynamic_cast<shardit::models::Qwen3ForCausalLM*>(model.get())) {
+      return qwen3->forward(ids, mask).last_hidden_state;
+    }
+    return dynamic_cast<shardit::models::Qwen2_5_VLForConditionalGeneration&>(*model).forward(ids, mask).last_hidden_state;
+  };
+  for (int i = 0; i < options.warmup; ++i) step();
+  std::vector<double> step_seconds;
+  for (int i = 0; i < options.repeats; ++i) {
+    world.group()->barrier();
+    const auto start = Clock::now();
+    step();
+    step_seconds.push_back(seconds_since(start));
+  }
+  std::vector<double> sorted = step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  at::Tensor bytes = at::tensor({static_cast<double>(parameter_bytes), static_cast<double>(peak_rss_bytes())}, at::kDouble)
+                         .unsqueeze(0);
+  bytes = world.group()->all_gather(bytes, 0);
+  if (world.rank() != 0) return 0;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (int r = 0; r < tp; ++r) {
+    per_rank.push_back({{"rank", r},
+                        {"parameter_bytes", static_cast<int64_t>(bytes[r][0].item<double>())},
+                        {"peak_rss_bytes", static_cast<int64_t>(bytes[r][1].item<double>())}});
+  }
+  const int64_t whole_bytes = plan.replicated_bytes() + plan.sharded_bytes();
+  nlohmann::json result = {
+      {"benchmark", "encoder"},
+      {"label", options.label},
+      {"encoder", model->type_name()},
+      {"layers", options.encoder_layers},
+      {"tp_degree", tp},
+      {"threads_per_rank", at::get_num_threads()},
+      {"dtype", options.dtype},
+      {"batch", options.batch},
+      {"tokens", tokens},
+      {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}, {"all", step_seconds}}},
+      {"whole_parameter_bytes", whole_bytes},
+      {"per_rank", per_rank},
+  };
+  char row[512];
+  std::snprintf(row, sizeof(row), "| encoder | %s (%d layers) | %s | TP=%d x %d thr | %lld tokens | %.3f s (%.3f–%.3f) | %s of %s |",
+                model->type_name().c_str(), options.encoder_layers, options.dtype.c_str(), tp, at::get_num_threads(),
+                static_cast<long long>(tokens), median, sorted.front(), sorted.back(),
+                human_bytes(parameter_bytes).c_str(), human_bytes(whole_bytes).c_str());
+  emit(options, result, row);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -478,17 +584,26 @@ int main(int argc, char** argv) {
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
+  auto* encoder = app.add_subcommand("encoder", "text-encoder forward latency and parameter bytes per rank");
+  encoder->add_option("--encoder", options.encoder, "clip, t5, qwen3 or qwen2_5_vl (real widths)");
+  encoder->add_option("--layers", options.encoder_layers, "layers of the synthetic encoder")->check(CLI::PositiveNumber);
+  encoder->add_option("--text-tokens", options.text_tokens, "prompt tokens (CLIP: always 77)");
+  encoder->add_option("--batch", options.batch, "batch size");
+  encoder->add_option("--warmup", options.warmup, "untimed steps first");
+  encoder->add_option("--repeats", options.repeats, "timed steps");
   app.require_subcommand(1);
   // Common options may also follow the subcommand.
   forward->fallthrough();
   load->fallthrough();
+  encoder->fallthrough();
   CLI11_PARSE(app, argc, argv);
-  options.mode = forward->parsed() ? "forward" : "load";
+  options.mode = forward->parsed() ? "forward" : encoder->parsed() ? "encoder" : "load";
 
   if (options.nproc_per_node > 1) {
     return shardit::dist::relaunch_as_local_ranks(argc, argv, options.nproc_per_node);
   }
   try {
+    if (options.mode == "encoder") return run_encoder(options);
     return options.mode == "forward" ? run_forward(options) : run_load(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shardit-bench: error: %s\n", shardit::error_message(e).c_str());

@@ -165,7 +165,7 @@ TEST(MemoryPlanCli, UnknownClassHasTheSameErrorAsWithWeights) {
   std::ofstream(dir + "/config.json") << R"({"_class_name": "SD3Transformer2DModel"})";
   std::string output;
   EXPECT_NE(shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan " + dir + " 2>&1", &output), 0);
-  EXPECT_THAT(output, HasSubstr("unsupported transformer class 'SD3Transformer2DModel'"));
+  EXPECT_THAT(output, HasSubstr("unsupported model class 'SD3Transformer2DModel'"));
   EXPECT_THAT(output, HasSubstr("FluxTransformer2DModel"));
 }
 

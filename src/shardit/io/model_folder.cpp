@@ -50,7 +50,14 @@ std::string folder_name(const std::string& path) {
 
 std::string ComponentFolder::class_name() const {
   const auto it = config.find("_class_name");
-  return it != config.end() && it->is_string() ? it->get<std::string>() : std::string();
+  if (it != config.end() && it->is_string()) return it->get<std::string>();
+  // transformers' configs name the class in a one-entry `architectures` list.
+  const auto architectures = config.find("architectures");
+  if (architectures != config.end() && architectures->is_array() && architectures->size() == 1 &&
+      (*architectures)[0].is_string()) {
+    return (*architectures)[0].get<std::string>();
+  }
+  return std::string();
 }
 
 Checkpoint ComponentFolder::weights() const {
@@ -177,6 +184,13 @@ bool ConfigReader::boolean(const char* key, bool fallback) const {
   if (value == nullptr) return fallback;
   TORCH_CHECK(value->is_boolean(), source_, ": key '", key, "' is ", brief(*value), ", expected true or false");
   return value->get<bool>();
+}
+
+std::string ConfigReader::string(const char* key, std::string fallback) const {
+  const nlohmann::json* value = find(key, "a string");
+  if (value == nullptr) return fallback;
+  TORCH_CHECK(value->is_string(), source_, ": key '", key, "' is ", brief(*value), ", expected a string");
+  return value->get<std::string>();
 }
 
 std::vector<int64_t> ConfigReader::integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,

@@ -19,7 +19,8 @@ struct ComponentFolder {
   std::string dir;
   std::string name;        ///< component name ("transformer"), or the folder name
   nlohmann::json config;   ///< config.json
-  /// `_class_name` of the config, or "" when absent.
+  /// `_class_name` of the config (diffusers), else the single entry of `architectures`
+  /// (transformers), or "" when neither is there.
   std::string class_name() const;
   /// Opens the component's weights (error naming the folder when none are there).
   Checkpoint weights() const;
@@ -90,6 +91,8 @@ class ConfigReader {
   /// A finite number (integer or not) in [min, max].
   double number(const char* key, double fallback, double min, double max) const;
   bool boolean(const char* key, bool fallback) const;
+  /// A string (an activation name, a projection kind).
+  std::string string(const char* key, std::string fallback) const;
   /// A list of at most `max_count` integers, each in [min, max].
   std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,
                                 size_t max_count) const;

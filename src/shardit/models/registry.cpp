@@ -4,9 +4,13 @@
 
 #include <sstream>
 
+#include "shardit/models/clip/modeling_clip.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/models/qwen/modeling_qwen2_5_vl.h"
+#include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/models/t5/modeling_t5.h"
 #include "shardit/models/vae/autoencoder_kl.h"
 #include "shardit/models/vae/autoencoder_kl_flux2.h"
 #include "shardit/models/vae/autoencoder_kl_qwenimage.h"
@@ -60,6 +64,14 @@ const std::vector<ComponentClass>& component_classes() {
        }},
       module_class<AutoencoderKLQwenImage, AutoencoderKLQwenImageConfig>("diffusers", "AutoencoderKLQwenImage",
                                                                          ComponentKind::Vae),
+      module_class<CLIPTextModel, CLIPTextConfig>("transformers", "CLIPTextModel", ComponentKind::TextEncoder),
+      module_class<T5EncoderModel, T5Config>("transformers", "T5EncoderModel", ComponentKind::TextEncoder),
+      module_class<Qwen3ForCausalLM, Qwen3Config>("transformers", "Qwen3ForCausalLM", ComponentKind::TextEncoder),
+      {"transformers", "Qwen2_5_VLForConditionalGeneration", ComponentKind::TextEncoder,
+       [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
+         return std::make_shared<Qwen2_5_VLForConditionalGeneration>(
+             qwen2_5_vl_text_config_from_json(folder.config, folder.dir + "/config.json"));
+       }},
       tokenizer_class("CLIPTokenizer", tokenizers::TokenizerKind::Clip),
       tokenizer_class("CLIPTokenizerFast", tokenizers::TokenizerKind::Clip),
       tokenizer_class("T5Tokenizer", tokenizers::TokenizerKind::T5),
@@ -104,6 +116,24 @@ std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folde
 schedulers::FlowMatchEulerDiscreteScheduler create_scheduler(const std::string& folder, const std::string& class_name) {
   find_component_class(ComponentKind::Scheduler, class_name, folder);
   return schedulers::FlowMatchEulerDiscreteScheduler::from_pretrained(folder);
+}
+
+std::shared_ptr<parallel::TensorParallelModule> create_text_encoder(const io::ComponentFolder& folder) {
+  return find_component_class(ComponentKind::TextEncoder, folder.class_name(), folder.dir + "/config.json")
+      .create_module(folder);
+}
+
+std::shared_ptr<parallel::TensorParallelModule> create_module_component(const io::ComponentFolder& folder) {
+  const std::string class_name = folder.class_name();
+  for (const auto& entry : component_classes()) {
+    if (entry.class_name == class_name && entry.create_module) return entry.create_module(folder);
+  }
+  std::ostringstream supported;
+  for (const auto& entry : component_classes()) {
+    if (entry.create_module) supported << (supported.tellp() > 0 ? ", " : "") << entry.class_name;
+  }
+  TORCH_CHECK(false, folder.dir, "/config.json: unsupported model class '",
+              class_name.empty() ? "(no _class_name or architectures)" : class_name, "'; supported: ", supported.str());
 }
 
 std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder) {

@@ -53,6 +53,14 @@ std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folde
 /// `folder`/scheduler_config.json.
 schedulers::FlowMatchEulerDiscreteScheduler create_scheduler(const std::string& folder, const std::string& class_name);
 
+/// The text-encoder class named by `folder`'s config.json (`architectures`, as transformers writes
+/// it: CLIPTextModel, T5EncoderModel, Qwen3ForCausalLM, Qwen2_5_VLForConditionalGeneration), built
+/// with its parameters on the meta device. Errors name the folder and list the supported classes.
+std::shared_ptr<parallel::TensorParallelModule> create_text_encoder(const io::ComponentFolder& folder);
+
+/// Any module component (transformer, text encoder, VAE) by the class its config.json names.
+std::shared_ptr<parallel::TensorParallelModule> create_module_component(const io::ComponentFolder& folder);
+
 /// The `_class_name` values of `kind` the registry accepts.
 std::vector<std::string> supported_classes(ComponentKind kind);
 

@@ -112,13 +112,45 @@ HeadsQKV with_rope(const HeadsQKV& qkv, const RotaryEmbedding* rope) {
 
 }  // namespace
 
-at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std::optional<at::Tensor>& mask) {
-  const HeadsQKV rotated = with_rope(qkv, rope);
+at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std::optional<at::Tensor>& mask,
+                     std::optional<double> scale) {
+  HeadsQKV rotated = with_rope(qkv, rope);
+  const int64_t query_heads = rotated.query.size(2);
+  const int64_t kv_heads = rotated.key.size(2);
+  if (kv_heads != query_heads) {
+    TORCH_CHECK(kv_heads > 0 && query_heads % kv_heads == 0 && rotated.value.size(2) == kv_heads,
+                "attention: ", query_heads, " query heads cannot share ", kv_heads,
+                " key/value heads (grouped-query attention needs a divisor of the query heads)");
+    // [B, S, H_kv, hd] -> [B, S, H_q, hd]: each key/value head serves H_q / H_kv consecutive query heads
+    rotated.key = rotated.key.repeat_interleave(query_heads / kv_heads, 2);
+    rotated.value = rotated.value.repeat_interleave(query_heads / kv_heads, 2);
+  }
   // [B, H_local, S, hd]
   const at::Tensor attended = scaled_dot_product_attention(
-      rotated.query.transpose(1, 2), rotated.key.transpose(1, 2), rotated.value.transpose(1, 2), mask);
+      rotated.query.transpose(1, 2), rotated.key.transpose(1, 2), rotated.value.transpose(1, 2), mask, scale);
   // [B, S, H_local * hd]
   return attended.transpose(1, 2).flatten(2).to(rotated.query.scalar_type());
+}
+
+at::Tensor additive_attention_mask(int64_t seq_len, const std::optional<at::Tensor>& key_mask, bool causal,
+                                   at::ScalarType dtype, at::Device device) {
+  const at::Tensor positions = at::arange(seq_len, at::TensorOptions().dtype(at::kLong).device(device));
+  // [1, 1, S, S]: true = may attend (key j <= query i when causal)
+  at::Tensor allowed = causal ? positions.unsqueeze(1).ge(positions.unsqueeze(0))
+                              : at::ones({seq_len, seq_len}, at::TensorOptions().dtype(at::kBool).device(device));
+  allowed = allowed.unsqueeze(0).unsqueeze(0);
+  if (key_mask.has_value() && key_mask->defined()) {
+    TORCH_CHECK(key_mask->dim() == 2 && key_mask->size(1) == seq_len, "attention mask must be [B, ", seq_len,
+                "], got ", key_mask->sizes());
+    // [B, 1, 1, S]
+    allowed = allowed.logical_and(key_mask->to(device).ne(0).unsqueeze(1).unsqueeze(1));
+  }
+  const double lowest = dtype == at::kBFloat16 ? -3.3895313892515355e38
+                        : dtype == at::kHalf   ? -65504.0
+                                               : static_cast<double>(std::numeric_limits<float>::lowest());
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  // [B or 1, 1, S, S]
+  return at::zeros(allowed.sizes(), options).masked_fill_(allowed.logical_not(), lowest);
 }
 
 std::pair<at::Tensor, at::Tensor> joint_attention(const HeadsQKV& text, const HeadsQKV& image,

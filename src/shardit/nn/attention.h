@@ -51,9 +51,21 @@ HeadsQKV split_qkv_heads(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const RMSNorm* norm_k, int64_t head_dim);
 
 /// Attention of one sequence with RoPE on q and k (null: none): [B, S, H_local * head_dim] in
-/// the query's dtype. mask as scaled_dot_product_attention's, over [B, H, S, S].
+/// the query's dtype. mask as scaled_dot_product_attention's, over [B, H, S, S]; scale defaults to
+/// 1/sqrt(head_dim). Grouped-query attention: key/value may hold fewer heads than the query (a
+/// divisor of its count); query head h then uses key/value head h / (H_q / H_kv), as transformers'
+/// repeat_kv. Under tensor parallelism the local counts are used, whatever they are.
 at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope,
-                     const std::optional<at::Tensor>& mask = std::nullopt);
+                     const std::optional<at::Tensor>& mask = std::nullopt,
+                     std::optional<double> scale = std::nullopt);
+
+/// transformers' additive attention mask of the eager path: 0 where query i may attend key j,
+/// finfo(dtype).min elsewhere. `causal`: keys j <= i only; `key_mask` (optional, [B, S], nonzero =
+/// token): padded keys are masked too. A query row with no key left gets min everywhere, so its
+/// softmax is uniform over all keys, as in the reference. Returns [B (1 without key_mask), 1, S, S]
+/// in `dtype` on `device`.
+at::Tensor additive_attention_mask(int64_t seq_len, const std::optional<at::Tensor>& key_mask, bool causal,
+                                   at::ScalarType dtype, at::Device device);
 
 /// The joint attention of the MMDiT transformers: text and image streams, each with its RoPE
 /// table (null: none), attend over the joint [text; image] sequence. Returns the text part

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "shardit/nn/activations.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
 
@@ -51,8 +52,7 @@ class TimestepEmbedding : public Module {
   std::shared_ptr<Linear> linear_2;
 };
 
-/// diffusers' PixArtAlphaTextProjection with act_fn="silu" (the FLUX family's pooled-text
-/// projection): linear_2(silu(linear_1(caption))).
+/// diffusers' PixArtAlphaTextProjection: linear_2(act_1(linear_1(caption))).
 class PixArtAlphaTextProjection : public Module {
  public:
   PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size);

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <numeric>
+#include <vector>
 #include <utility>
 
 namespace shardit::nn {
@@ -18,6 +19,22 @@ RotaryEmbedding rotary_pos_embed_1d(int64_t dim, const at::Tensor& pos, double t
   // [S, dim]: each frequency twice, (2k, 2k+1)
   return {angles.cos().repeat_interleave(2, 1).to(at::kFloat),
           angles.sin().repeat_interleave(2, 1).to(at::kFloat)};
+}
+
+RotaryEmbedding rotary_pos_embed_rotate_half(int64_t dim, const at::Tensor& positions, double theta) {
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "rotary embedding: head dimension must be positive and even, got ", dim);
+  TORCH_CHECK(positions.dim() == 2 && !at::isFloatingType(positions.scalar_type()),
+              "rotary embedding: positions must be integer [B, S], got ", positions.scalar_type(), " ",
+              positions.sizes());
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(positions.device());
+  // [dim/2], fp32 as transformers' _compute_default_rope_parameters
+  const at::Tensor inv_freq = 1.0 / at::pow(theta, at::arange(0, dim, 2, f32.dtype(at::kLong)).to(at::kFloat) /
+                                                       static_cast<double>(dim));
+  // [B, S, dim/2]
+  const at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;
+  // [B, S, dim]
+  const at::Tensor emb = at::cat({angles, angles}, -1);
+  return {emb.cos(), emb.sin(), /*rotate_half=*/true};
 }
 
 FluxPosEmbed::FluxPosEmbed(double theta, std::vector<int64_t> axes_dim)
@@ -41,8 +58,32 @@ RotaryEmbedding FluxPosEmbed::forward(const at::Tensor& ids) const {
   return {at::cat(cos_parts, 1), at::cat(sin_parts, 1)};
 }
 
+namespace {
+
+at::Tensor apply_rotary_emb_rotate_half(const at::Tensor& x, const RotaryEmbedding& rope) {
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  const int64_t head_dim = x.size(3);
+  const bool batched = rope.cos.dim() == 3;
+  TORCH_CHECK((rope.cos.dim() == 2 || (batched && (rope.cos.size(0) == batch || rope.cos.size(0) == 1))) &&
+                  rope.cos.size(-2) == seq && rope.cos.size(-1) == head_dim && rope.sin.sizes() == rope.cos.sizes(),
+              "apply_rotary_emb: cos/sin have shape ", rope.cos.sizes(), " and ", rope.sin.sizes(), ", expected [",
+              seq, ", ", head_dim, "] or [", batch, ", ", seq, ", ", head_dim, "] to match x of shape ", x.sizes());
+  const at::Tensor x32 = x.to(at::kFloat);
+  // [B or 1, S, 1, D]
+  const at::Tensor cos = (batched ? rope.cos : rope.cos.unsqueeze(0)).unsqueeze(2);
+  const at::Tensor sin = (batched ? rope.sin : rope.sin.unsqueeze(0)).unsqueeze(2);
+  const std::vector<at::Tensor> halves = x32.chunk(2, -1);
+  // [B, S, H, D]: [-x2, x1]
+  const at::Tensor rotated = at::cat({halves[1].neg(), halves[0]}, -1);
+  return (x32 * cos + rotated * sin).to(x.scalar_type());
+}
+
+}  // namespace
+
 at::Tensor apply_rotary_emb(const at::Tensor& x, const RotaryEmbedding& rope) {
   TORCH_CHECK(x.dim() == 4, "apply_rotary_emb: x must be [B, S, H, D], got shape ", x.sizes());
+  if (rope.rotate_half) return apply_rotary_emb_rotate_half(x, rope);
   const int64_t seq = x.size(1);
   const int64_t head_dim = x.size(3);
   TORCH_CHECK(rope.cos.dim() == 2 && rope.cos.size(0) == seq && rope.cos.size(1) == head_dim &&

@@ -63,6 +63,8 @@ struct LayerMatch {
   /// Vocab-parallel embedding: contiguous ranges of ceil(size / degree), the last ones shorter,
   /// so any degree works.
   bool uneven = false;
+  /// Head-replicable colwise entry (ModelTraits::replicable_heads): its head count, 0 otherwise.
+  int64_t replicable_heads = 0;
 
   const at::Tensor& weight() const { return linear ? linear->weight : embedding->weight; }
 };
@@ -72,6 +74,10 @@ struct Constraint {
   int64_t size;
   std::string plan_key;
   std::string what;
+  /// A head count that a degree may also be a multiple of (its heads are then replicated).
+  bool replicable = false;
+
+  bool accepts(int64_t degree) const { return size % degree == 0 || (replicable && degree % size == 0); }
 };
 
 struct Resolution {
@@ -265,6 +271,18 @@ std::vector<std::vector<io::Range>> uneven_ranges(int64_t size, int tp_degree) {
   return per_rank;
 }
 
+/// Head-replicated ranges: `heads` blocks of size / heads; rank r holds block r / (degree / heads).
+std::vector<std::vector<io::Range>> replicated_head_ranges(int64_t size, int64_t heads, int tp_degree) {
+  const int64_t block = size / heads;
+  const int64_t replicas = tp_degree / heads;
+  std::vector<std::vector<io::Range>> per_rank(tp_degree);
+  for (int r = 0; r < tp_degree; ++r) {
+    const int64_t head = r / replicas;
+    per_rank[r].push_back({head * block, (head + 1) * block});
+  }
+  return per_rank;
+}
+
 std::vector<std::vector<io::Range>> ranges_for(const std::vector<int64_t>& blocks, int tp_degree) {
   std::vector<std::vector<io::Range>> per_rank(tp_degree);
   int64_t offset = 0;
@@ -280,7 +298,7 @@ std::string working_degrees(const std::vector<Constraint>& constraints) {
   std::string out;
   for (int d = 1; d <= kMaxSuggestedDegree; ++d) {
     const bool ok = std::all_of(constraints.begin(), constraints.end(),
-                                [d](const Constraint& c) { return c.size % d == 0; });
+                                [d](const Constraint& c) { return c.accepts(d); });
     if (ok) out += (out.empty() ? "" : ", ") + std::to_string(d);
   }
   return out;
@@ -333,9 +351,36 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const M
   for (const TpDivisor& divisor : traits.divisors) {
     constraints.push_back({divisor.value, "", divisor.what + " = " + std::to_string(divisor.value)});
   }
+  std::map<std::string, const ReplicableHeads*> replicable;  // plan key -> rule
+  for (const ReplicableHeads& rule : traits.replicable_heads) {
+    TORCH_CHECK(rule.heads >= 1, "replicable heads '", rule.what, "': the head count must be >= 1, got ", rule.heads);
+    constraints.push_back({rule.heads, "",
+                           rule.what + " = " + std::to_string(rule.heads) + " (or a multiple of it: heads replicated)",
+                           /*replicable=*/true});
+    for (const std::string& key : rule.plan_keys) {
+      const bool in_plan = std::any_of(plan.begin(), plan.end(), [&](const PlanEntry& e) { return e.pattern == key; });
+      TORCH_CHECK(in_plan, "replicable heads '", rule.what, "' name the plan key '", key,
+                  "', which is not in the tp_plan");
+      replicable[key] = &rule;
+    }
+  }
   for (LayerMatch& layer : result.layers) {
     lay_out(layer);
     if (layer.uneven) continue;  // any degree works
+    const auto rule = replicable.find(layer.entry->pattern);
+    if (rule != replicable.end()) {
+      TORCH_CHECK(layer.linear != nullptr && layer.entry->style == ShardStyle::Colwise, "tp_plan key '",
+                  layer.entry->pattern, "' is listed with replicable heads ('", rule->second->what,
+                  "'), so it must put Colwise on a Linear; it puts ", shard_style_name(layer.entry->style), " on a ",
+                  layer.module->type_name());
+      const int64_t out = layer.weight().size(0);
+      TORCH_CHECK(out % rule->second->heads == 0, "tp_plan key '", layer.entry->pattern, "': '", layer.path,
+                  ".weight' has ", out, " output rows, not a multiple of ", rule->second->what, " = ",
+                  rule->second->heads);
+      // The head rule above decides the degree; whole heads split or replicate.
+      layer.replicable_heads = rule->second->heads;
+      continue;
+    }
     const at::Tensor& weight = layer.weight();
     const std::string tensor = layer.path + ".weight";
     const int64_t full = weight.size(layer.weight_dim);
@@ -354,7 +399,7 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const M
 
   // 3. Validate the degree against all of them before anything moves.
   for (const Constraint& c : constraints) {
-    if (c.size % tp_degree == 0) continue;
+    if (c.accepts(tp_degree)) continue;
     TORCH_CHECK(false, c.plan_key.empty() ? std::string() : "tp_plan key '" + c.plan_key + "': ", c.what,
                 ", which does not divide by tp_degree ", tp_degree, "; degrees that would work (up to ",
                 kMaxSuggestedDegree, "): ", working_degrees(constraints));
@@ -383,8 +428,14 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const M
       if (is_weight || layer.bias_sharded) {
         spec.style = layer.entry->style;
         spec.dim = is_weight ? layer.weight_dim : 0;
-        spec.ranges_per_rank = layer.uneven ? uneven_ranges(layer.blocks[0], tp_degree)
-                                            : ranges_for(layer.blocks, tp_degree);
+        if (layer.uneven) {
+          spec.ranges_per_rank = uneven_ranges(layer.blocks[0], tp_degree);
+        } else if (layer.replicable_heads > 0 && tp_degree > layer.replicable_heads) {
+          spec.ranges_per_rank = replicated_head_ranges(layer.blocks[0], layer.replicable_heads, tp_degree);
+          spec.replicas = tp_degree / layer.replicable_heads;
+        } else {
+          spec.ranges_per_rank = ranges_for(layer.blocks, tp_degree);
+        }
       }
     }
     resolved.parameters.push_back(std::move(spec));
@@ -508,6 +559,14 @@ int64_t ResolvedPlan::sharded_bytes() const {
   return total;
 }
 
+int64_t ResolvedPlan::head_replica_bytes() const {
+  int64_t total = 0;
+  for (const ShardSpec& spec : parameters) {
+    if (spec.is_sharded()) total += spec.full_bytes() * (spec.replicas - 1);
+  }
+  return total;
+}
+
 int64_t ResolvedPlan::bytes_on_rank(int tp_rank) const {
   TORCH_CHECK(tp_rank >= 0 && tp_rank < tp_degree, "bytes_on_rank: tp_rank ", tp_rank, " out of range [0, ",
               tp_degree, ")");
@@ -536,7 +595,10 @@ std::string ResolvedPlan::to_table() const {
   std::vector<Row> rows{{"parameter", "style", "full shape", "per-rank shape", "bytes/rank"}};
   for (const ShardSpec& spec : parameters) {
     std::string style = spec.style ? shard_style_name(*spec.style) : "replicated";
-    if (spec.is_sharded()) style += " (dim " + std::to_string(spec.dim) + ")";
+    if (spec.is_sharded()) {
+      style += " (dim " + std::to_string(spec.dim) +
+               (spec.replicas > 1 ? ", heads on " + std::to_string(spec.replicas) + " ranks each" : std::string()) + ")";
+    }
     const auto local = spec.local_shape(0);
     rows.push_back({spec.parameter, style, c10::str(c10::IntArrayRef(spec.full_shape)),
                     c10::str(c10::IntArrayRef(local)), std::to_string(spec.bytes_on_rank(0))});
@@ -560,8 +622,15 @@ std::string ResolvedPlan::to_table() const {
   const int64_t sharded = sharded_bytes();
   const int64_t per_rank = bytes_on_rank(0);
   out << "replicated: " << replicated << " bytes (" << human_bytes(replicated) << ") on every rank\n";
-  out << "sharded:    " << sharded << " bytes (" << human_bytes(sharded) << ") / " << tp_degree << " = "
-      << sharded / tp_degree << " bytes per rank\n";
+  const int64_t head_replicas = head_replica_bytes();
+  if (head_replicas == 0) {
+    out << "sharded:    " << sharded << " bytes (" << human_bytes(sharded) << ") / " << tp_degree << " = "
+        << sharded / tp_degree << " bytes per rank\n";
+  } else {
+    out << "sharded:    " << sharded << " bytes (" << human_bytes(sharded) << ") + " << head_replicas
+        << " bytes of replicated key/value heads, / " << tp_degree << " = " << (sharded + head_replicas) / tp_degree
+        << " bytes per rank\n";
+  }
   out << "per rank:   " << per_rank << " bytes (" << human_bytes(per_rank) << ") of " << replicated + sharded
       << " bytes (" << human_bytes(replicated + sharded) << ") in all\n";
   return out.str();

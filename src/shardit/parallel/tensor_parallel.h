@@ -55,6 +55,9 @@ struct ShardSpec {
   int64_t dim = -1;                 ///< the split dimension, -1 when replicated
   /// Per rank, the ranges of `dim` it holds (concatenated in this order).
   std::vector<std::vector<io::Range>> ranges_per_rank;
+  /// Ranks holding each slice: 1, or degree / heads for a head-replicated entry
+  /// (ModelTraits::replicable_heads), whose rank r holds head r / replicas whole.
+  int64_t replicas = 1;
   int64_t element_size = 4;         ///< bytes per element in the loaded dtype
   bool is_buffer = false;
   bool is_floating = true;
@@ -75,11 +78,25 @@ struct ResolvedPlan {
   std::vector<ShardSpec> parameters;  ///< every state tensor of the model, in model order
   int64_t replicated_bytes() const;   ///< bytes every rank holds whole
   int64_t sharded_bytes() const;      ///< full bytes of the sharded parameters
+  /// Extra bytes the head-replicated tensors take over all ranks (each slice held `replicas`
+  /// times): every rank holds replicated + (sharded + head_replica_bytes) / tp_degree.
+  int64_t head_replica_bytes() const;
   int64_t bytes_on_rank(int tp_rank) const;
   int64_t total_elements() const;
   const ShardSpec& spec(const std::string& parameter) const;
   /// A human-readable table: parameter, style, full shape, per-rank shape, bytes.
   std::string to_table() const;
+};
+
+/// Colwise plan entries whose output is `heads` equal head blocks that may be replicated across
+/// ranks (vLLM's key/value head replication for grouped-query attention): at a degree dividing
+/// `heads` each rank holds heads / degree of them (a plain colwise split); at a multiple of
+/// `heads`, rank r holds head r / (degree / heads) whole, like the degree / heads - 1 ranks next
+/// to it. Any other degree is refused, listing the ones that work.
+struct ReplicableHeads {
+  std::vector<std::string> plan_keys;  ///< "layers.*.self_attn.k_proj", exactly as in the plan
+  std::string what;                    ///< "num_key_value_heads", for messages
+  int64_t heads;
 };
 
 /// What the model declares besides its plan, for resolving and loading.
@@ -95,6 +112,8 @@ struct ModelTraits {
   /// Checkpoint keys the model does not use, as globs with `*` standing for any run of characters
   /// (transformers' `_keys_to_ignore_on_load_unexpected`).
   std::vector<std::string> ignored_checkpoint_keys;
+  /// Colwise entries that split by heads below the head count and replicate heads above it.
+  std::vector<ReplicableHeads> replicable_heads;
 };
 
 /// Resolves `plan` against `model` at `tp_degree`. Validates before anything moves: each key
