@@ -4,6 +4,7 @@
 // merged weights: 1e-6 absolute (diffusers' own float64 cross-check of its merge is <= 1.1e-7).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -168,6 +169,83 @@ TEST(LoraCli, GoldenInspectPrintsFormatTargetsAndRankBytes) {
   EXPECT_NE(output.find("single_transformer_blocks.0.proj_mlp"), std::string::npos) << output;
   EXPECT_NE(output.find("rows [192, 448)"), std::string::npos) << output;
   EXPECT_NE(output.find("rank 1 of TP=2:"), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace shardit
+
+namespace shardit {
+namespace {
+
+/// The case's sample with adapter `replaced` read from `path` instead (same name and weight).
+void expect_variant_gives_sample(const std::string& case_name, const std::string& replaced, const std::string& path) {
+  const std::string dir = testing::golden_path(case_name);
+  verify::LoraCase lora_case = verify::read_lora_case(dir);
+  for (auto& adapter : lora_case.adapters) {
+    if (adapter.name == replaced) adapter.file = path;
+  }
+  auto model = testing::load_transformer(dir);
+  auto adapters = verify::load_lora_case(*model, lora_case);
+  const auto outputs = io::SafetensorsFile::open(dir + "/outputs.safetensors");
+  EXPECT_TRUE(testing::tensors_close(case_name + " sample via " + path, testing::run_case(*model, dir),
+                                     outputs->read("sample"), 1e-4, 1e-4));
+}
+
+std::string rewrite(const std::string& source, const std::string& name,
+                    const std::function<std::string(const std::string&)>& rename,
+                    const std::vector<std::pair<std::string, at::Tensor>>& extra = {}) {
+  const auto file = io::SafetensorsFile::open(source);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const std::string& key : file->names()) tensors.emplace_back(rename(key), file->read(key));
+  for (const auto& entry : extra) tensors.push_back(entry);
+  const std::string path = testing::make_temp_dir("lora-variants") + "/" + name;
+  io::save_safetensors(path, tensors);
+  return path;
+}
+
+std::string replace_all(std::string text, const std::string& from, const std::string& to) {
+  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+    text.replace(at, from.size(), to);
+  }
+  return text;
+}
+
+// PEFT's `base_model.model.` prefix and `.default.` adapter names read as BFL `diffusion_model.`.
+TEST(LoraVariants, GoldenPeftPrefixAndAdapterNameKeys) {
+  const std::string path =
+      rewrite(testing::golden_path("lora_flux2_bfl/bfl.safetensors"), "bfl_peft.safetensors", [](const std::string& key) {
+        return replace_all(replace_all(key, "diffusion_model.", "base_model.model."), ".weight", ".default.weight");
+      });
+  expect_variant_gives_sample("lora_flux2_bfl", "bfl", path);
+}
+
+// lora_alpha / r from per-module `.alpha` keys instead of the metadata (detail: alpha 4, r 8).
+TEST(LoraVariants, GoldenAlphaKeysInsteadOfMetadata) {
+  const std::string source = testing::golden_path("lora_flux1_two_adapters/detail.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> alphas;
+  for (const std::string& key : io::SafetensorsFile::open(source)->names()) {
+    const std::string suffix = ".lora_A.weight";
+    if (key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      alphas.emplace_back(key.substr(0, key.size() - suffix.size()) + ".alpha", at::scalar_tensor(4.0));
+    }
+  }
+  const std::string path =
+      rewrite(source, "detail_alpha.safetensors", [](const std::string& key) { return key; }, alphas);
+  ASSERT_TRUE(io::SafetensorsFile::open(path)->metadata().count("lora_adapter_metadata") == 0);
+  expect_variant_gives_sample("lora_flux1_two_adapters", "detail", path);
+}
+
+// kohya names on the ComfyUI prefix: `diffusion_model.<BFL module>.lora_down.weight` + alpha.
+TEST(LoraVariants, GoldenComfyUiKohyaNames) {
+  const std::string source = testing::golden_path("lora_flux1_kohya/kohya.safetensors");
+  const std::string path = rewrite(source, "comfy.safetensors", [](const std::string& key) {
+    const size_t dot = key.find('.');
+    std::string stem = key.substr(std::string("lora_unet_").size(), dot - 10);
+    // double_blocks_0_img_attn_qkv -> double_blocks.0.img_attn.qkv (only the block index needs dots:
+    // the converter compares names with `_`)
+    return "diffusion_model." + replace_all(stem, "_blocks_", "_blocks.") + key.substr(dot);
+  });
+  expect_variant_gives_sample("lora_flux1_kohya", "kohya", path);
 }
 
 }  // namespace

@@ -350,7 +350,8 @@ PeftConfig peft_config(const io::SafetensorsFile& file) {
 void convert_diffusers(const io::SafetensorsFile& file, const ModelLinears& linears, LoraAdapterSpec& spec) {
   const PeftConfig config = peft_config(file);
   spec.format = config.present ? "diffusers+metadata" : "diffusers";
-  for (const SourcePair& pair : pairs_of(file, "transformer.", {{".lora_A.weight", ".lora_B.weight"}}, "diffusers")) {
+  const Suffixes suffixes = {{".lora_A.weight", ".lora_B.weight"}, {".lora_A.default.weight", ".lora_B.default.weight"}};
+  for (const SourcePair& pair : pairs_of(file, "transformer.", suffixes, "diffusers")) {
     const int64_t rank = rank_of(file, pair);
     double scaling = 1.0;
     if (config.present) {
@@ -365,11 +366,14 @@ void convert_diffusers(const io::SafetensorsFile& file, const ModelLinears& line
   }
 }
 
-/// kohya (`lora_unet_`) and ComfyUI/BFL/ai-toolkit (`diffusion_model.`) files.
+/// kohya (`lora_unet_`) and ComfyUI/BFL/ai-toolkit (`diffusion_model.`, PEFT's
+/// `base_model.model.`) files.
 void convert_prefixed(const io::SafetensorsFile& file, const ModelLinears& linears, const std::string& prefix,
                       LoraAdapterSpec& spec) {
   const bool kohya = prefix == "lora_unet_";
-  const Suffixes suffixes = {{".lora_down.weight", ".lora_up.weight"}, {".lora_A.weight", ".lora_B.weight"}};
+  const Suffixes suffixes = {{".lora_down.weight", ".lora_up.weight"},
+                             {".lora_A.weight", ".lora_B.weight"},
+                             {".lora_A.default.weight", ".lora_B.default.weight"}};
   spec.format = kohya ? "kohya" : "bfl";
   for (const SourcePair& pair : pairs_of(file, prefix, suffixes, spec.format)) {
     if (linears.family == Family::Flux1 && kohya && is_flux1_unloaded_top_level(pair.stem)) {
@@ -442,12 +446,14 @@ parallel::LoraAdapterSpec read_lora_spec(const std::string& path, parallel::Tens
     convert_xlabs(*file, linears, spec);
   } else if (any([](const std::string& key) { return starts_with(key, "diffusion_model."); })) {
     convert_prefixed(*file, linears, "diffusion_model.", spec);
+  } else if (any([](const std::string& key) { return starts_with(key, "base_model.model."); })) {
+    convert_prefixed(*file, linears, "base_model.model.", spec);
   } else if (any([](const std::string& key) { return starts_with(key, "transformer."); })) {
     convert_diffusers(*file, linears, spec);
   } else {
     TORCH_CHECK(false, path, ": unknown LoRA format (first key '", first,
                 "'); known: diffusers/PEFT 'transformer.<module>.lora_A.weight', kohya 'lora_unet_*', XLabs "
-                "'double_blocks.<i>.processor.*', BFL/ai-toolkit 'diffusion_model.*'");
+                "'double_blocks.<i>.processor.*', BFL/ai-toolkit 'diffusion_model.*' or 'base_model.model.*'");
   }
   TORCH_CHECK(!spec.targets.empty(), path, ": the ", spec.format, " LoRA targets no module of ", linears.model_name,
               " (skipped: ", c10::Join(", ", spec.skipped), ")");
