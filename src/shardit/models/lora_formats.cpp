@@ -45,6 +45,7 @@ struct SourcePair {
   std::string down;   ///< lora_A
   std::string up;     ///< lora_B
   std::string alpha;  ///< "" when absent
+  size_t suffix = 0;  ///< which of the format's (down, up) suffix pairs the down factor uses
 };
 
 /// The factor suffixes of one format: (down, up).
@@ -92,19 +93,23 @@ std::vector<SourcePair> pairs_of(const io::SafetensorsFile& file, const std::str
     return pairs[it->second];
   };
   for (const std::string& key : file.names()) {
+    size_t suffix_index = 0;
     TORCH_CHECK(starts_with(key, prefix), file.path(), ": key '", key, "' does not start with '", prefix,
                 "' like the other keys of this ", format, " LoRA; the file mixes formats or is not a LoRA");
     const std::string rest = key.substr(prefix.size());
     bool matched = false;
     for (const auto& [down, up] : suffixes) {
       if (ends_with(rest, down)) {
-        pair_for(rest.substr(0, rest.size() - down.size())).down = key;
+        SourcePair& pair = pair_for(rest.substr(0, rest.size() - down.size()));
+        pair.down = key;
+        pair.suffix = suffix_index;
         matched = true;
       } else if (ends_with(rest, up)) {
         pair_for(rest.substr(0, rest.size() - up.size())).up = key;
         matched = true;
       }
       if (matched) break;
+      ++suffix_index;
     }
     if (!matched && ends_with(rest, ".alpha")) {
       pair_for(rest.substr(0, rest.size() - 6)).alpha = key;
@@ -232,7 +237,19 @@ std::vector<std::string> bfl_targets(Family family, const std::string& name) {
       {"linear1", {"attn.to_qkv_mlp_proj"}},
       {"linear2", {"attn.to_out"}},
   };
-  static const Table flux2_top = {{"img_in", {"x_embedder"}}, {"txt_in", {"context_embedder"}}};
+  static const Table flux2_top = {
+      {"img_in", {"x_embedder"}},
+      {"txt_in", {"context_embedder"}},
+      {"time_in_in_layer", {"time_guidance_embed.timestep_embedder.linear_1"}},
+      {"time_in_out_layer", {"time_guidance_embed.timestep_embedder.linear_2"}},
+      {"guidance_in_in_layer", {"time_guidance_embed.guidance_embedder.linear_1"}},
+      {"guidance_in_out_layer", {"time_guidance_embed.guidance_embedder.linear_2"}},
+      {"final_layer_linear", {"proj_out"}},
+      {"final_layer_adaLN_modulation_1", {"norm_out.linear"}},
+      {"single_stream_modulation_lin", {"single_stream_modulation.linear"}},
+      {"double_stream_modulation_img_lin", {"double_stream_modulation_img.linear"}},
+      {"double_stream_modulation_txt_lin", {"double_stream_modulation_txt.linear"}},
+  };
   std::string kind;
   std::string index;
   std::string rest;
@@ -276,6 +293,14 @@ std::vector<std::string> modules_for(const io::SafetensorsFile& file, const Mode
       return {found->second};
     }
     return {name};
+  }
+  if (linears.family == Family::Flux2 && !underscore_names) {
+    // Some FLUX.2 exports already hold diffusers block names (and `sformer_blocks.` for
+    // `transformer_blocks.`).
+    for (const std::string prefix : {"transformer_blocks.", "single_transformer_blocks."}) {
+      if (starts_with(name, prefix)) return {name};
+    }
+    if (starts_with(name, "sformer_blocks.")) return {"tran" + name};
   }
   const std::vector<std::string> modules = bfl_targets(linears.family, underscored(name));
   TORCH_CHECK(!modules.empty(), file.path(), ": key '", pair.up, "' names '", name, "', which is not a ",
@@ -381,12 +406,19 @@ void convert_prefixed(const io::SafetensorsFile& file, const ModelLinears& linea
       continue;
     }
     const int64_t rank = rank_of(file, pair);
+    const bool down_up_names = pair.suffix == 0;
     double alpha = static_cast<double>(rank);
-    if (!pair.alpha.empty()) {
+    if (linears.family == Family::QwenImage && !down_up_names) {
+      // diffusers drops the alphas of a Qwen-Image lora_A/lora_B file: scale 1.
+    } else if (linears.family == Family::Flux2 && !kohya) {
+      TORCH_CHECK(pair.alpha.empty(), file.path(), ": key '", pair.alpha,
+                  "': a FLUX.2 BFL/ai-toolkit LoRA carries no alpha (diffusers refuses it too); remove the alpha "
+                  "keys or fold them into the weights");
+    } else if (!pair.alpha.empty()) {
       alpha = alpha_of(file, pair, spec);
     } else {
-      TORCH_CHECK(!(kohya && linears.family == Family::QwenImage), file.path(), ": '", prefix, pair.stem,
-                  "' has no '.alpha'; a Qwen-Image kohya LoRA gives every module its alpha");
+      TORCH_CHECK(linears.family != Family::QwenImage, file.path(), ": '", prefix, pair.stem,
+                  "' has no '.alpha'; a Qwen-Image kohya LoRA (lora_down/lora_up) gives every module its alpha");
     }
     const auto [a_factor, b_factor] = kohya_factors(alpha, rank);
     add_targets(file, linears, pair, modules_for(file, linears, pair, pair.stem, kohya), a_factor, b_factor, 1.0, spec);
