@@ -219,6 +219,13 @@ TEST(LoraVariants, GoldenPeftPrefixAndAdapterNameKeys) {
   expect_variant_gives_sample("lora_flux2_bfl", "bfl", path);
 }
 
+// XLabs keys under ComfyUI's `diffusion_model.` prefix.
+TEST(LoraVariants, GoldenXlabsWithDiffusionModelPrefix) {
+  const std::string path = rewrite(testing::golden_path("lora_flux1_xlabs/xlabs.safetensors"), "xlabs_prefixed.safetensors",
+                                   [](const std::string& key) { return "diffusion_model." + key; });
+  expect_variant_gives_sample("lora_flux1_xlabs", "xlabs", path);
+}
+
 // lora_alpha / r from per-module `.alpha` keys instead of the metadata (detail: alpha 4, r 8).
 TEST(LoraVariants, GoldenAlphaKeysInsteadOfMetadata) {
   const std::string source = testing::golden_path("lora_flux1_two_adapters/detail.safetensors");

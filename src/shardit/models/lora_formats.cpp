@@ -437,21 +437,24 @@ void convert_xlabs(const io::SafetensorsFile& file, const ModelLinears& linears,
   };
   static const std::map<std::string, std::vector<std::string>> single_sources = {
       {"qkv_lora", {"attn.to_q", "attn.to_k", "attn.to_v"}},
+      {"proj_lora", {"proj_out"}},
   };
   for (const SourcePair& pair : pairs_of(file, "", {{".down.weight", ".up.weight"}}, "XLabs")) {
     TORCH_CHECK(pair.alpha.empty(), file.path(), ": key '", pair.alpha, "': XLabs LoRAs carry no alpha");
-    // "double_blocks.<i>.processor.<source>"
-    const size_t processor = pair.stem.find(".processor.");
+    // "[diffusion_model.]double_blocks.<i>.processor.<source>"
+    const std::string stem =
+        starts_with(pair.stem, "diffusion_model.") ? pair.stem.substr(std::string("diffusion_model.").size()) : pair.stem;
+    const size_t processor = stem.find(".processor.");
     std::string kind;
     std::string index;
     std::string rest;
     const bool is_block = processor != std::string::npos &&
-                          split_block(underscored(pair.stem.substr(0, processor)) + "_x", kind, index, rest);
+                          split_block(underscored(stem.substr(0, processor)) + "_x", kind, index, rest);
     const auto& table = kind == "double_blocks" ? double_sources : single_sources;
-    const auto found = is_block ? table.find(pair.stem.substr(processor + 11)) : table.end();
+    const auto found = is_block ? table.find(stem.substr(processor + 11)) : table.end();
     TORCH_CHECK(found != table.end(), file.path(), ": key '", pair.up,
                 "' is not an XLabs FLUX.1 source (double_blocks.<i>.processor.qkv_lora1/2, proj_lora1/2, "
-                "single_blocks.<i>.processor.qkv_lora)");
+                "single_blocks.<i>.processor.qkv_lora, proj_lora)");
     std::vector<std::string> modules;
     for (const std::string& module : found->second) {
       modules.push_back(block_module(kind == "double_blocks" ? "transformer_blocks" : "single_transformer_blocks",
