@@ -9,9 +9,11 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardit/dist/world.h"
+#include "shardit/models/builtin.h"
 #include "shardit/models/lora_formats.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/linear.h"
@@ -23,6 +25,7 @@
 
 namespace {
 
+using shardit::parallel::TensorParallelModule;
 using shardit::testing::env_or;
 using shardit::testing::golden_path;
 using shardit::testing::is_worker;
@@ -100,6 +103,77 @@ void expect_lora_tp(int nproc) {
   for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
     EXPECT_EQ(run_ranks(nproc, {{"SHARDIT_LORA_CASES", cases}, {"SHARDIT_TP_PATH", path}}), 0)
         << "TP=" << nproc << " through " << path;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every Linear of the built-in tiny model (12 heads: TP=3), including the layers no golden case
+// targets (embedders, modulation, time embedding, final norm and projection), with two random
+// adapters (one with per-module alphas): TP=3 must give the single-rank output, unfused and fused.
+// Tolerance as in test_tp_transformers.cpp: 1e-5 of max|reference| (fp32 sum order only).
+
+std::string write_random_lora(TensorParallelModule& model, const std::string& path, int64_t rank, bool alphas,
+                              uint64_t seed) {
+  at::manual_seed(seed);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, module] : model.named_modules()) {
+    const auto* layer = dynamic_cast<const shardit::nn::Linear*>(module);
+    if (layer == nullptr) continue;
+    const auto& options = layer->options();
+    tensors.emplace_back("transformer." + name + ".lora_A.weight", at::randn({rank, options.in_features}) * 0.1);
+    tensors.emplace_back("transformer." + name + ".lora_B.weight", at::randn({options.out_features, rank}) * 0.1);
+    if (alphas) tensors.emplace_back("transformer." + name + ".alpha", at::scalar_tensor(static_cast<double>(rank) / 2));
+  }
+  shardit::io::save_safetensors(path, tensors);
+  return path;
+}
+
+/// Loads the two adapters at weights 0.6 and -0.4 with runtime scale 0.8, runs, then fuses at 0.8.
+std::pair<at::Tensor, at::Tensor> run_random_loras(const std::string& model_dir, const std::string& inputs_dir,
+                                                   const std::string& path, const std::string& lora_dir) {
+  auto model = load_transformer(model_dir, path);
+  shardit::parallel::LoraAdapters adapters(*model);
+  for (const std::string name : {"first", "second"}) {
+    adapters.load(name, shardit::models::read_lora_spec(lora_dir + "/" + name + ".safetensors", *model));
+  }
+  adapters.set_adapters({"first", "second"}, {0.6, -0.4});
+  adapters.set_scale(0.8);
+  const at::Tensor unfused = run_case(*model, inputs_dir);
+  adapters.fuse(0.8);
+  return {unfused, run_case(*model, inputs_dir)};
+}
+
+TEST(TpLora, BuiltinEveryLinearAtTp3) {
+  if (is_worker()) {
+    shardit::dist::World::init();
+    const auto [unfused, fused] = run_random_loras(env_or("SHARDIT_TP_MODEL"), env_or("SHARDIT_TP_INPUTS"),
+                                                   env_or("SHARDIT_TP_PATH"), env_or("SHARDIT_LORA_DIR"));
+    const auto reference = shardit::io::SafetensorsFile::open(env_or("SHARDIT_LORA_DIR") + "/reference.safetensors");
+    for (const auto& [name, sample] : {std::pair{"unfused", unfused}, std::pair{"fused", fused}}) {
+      const at::Tensor expected = reference->read(name);
+      EXPECT_TRUE(tensors_close(std::string(name) + " at TP=3 (" + env_or("SHARDIT_TP_PATH") + ")", sample, expected,
+                                1e-5 * expected.abs().max().item<double>(), 0.0));
+    }
+    return;
+  }
+  const auto paths = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
+  const std::string lora_dir = shardit::testing::make_temp_dir("lora-builtin");
+  auto model = load_transformer(paths.pipeline);
+  write_random_lora(*model, lora_dir + "/first.safetensors", 4, false, 1);
+  write_random_lora(*model, lora_dir + "/second.safetensors", 6, true, 2);
+  const at::Tensor base = run_case(*model, paths.inputs);
+  const auto [unfused, fused] = run_random_loras(paths.pipeline, paths.inputs, "whole", lora_dir);
+  // The adapters matter, and fusing gives the unfused result.
+  EXPECT_GT((unfused - base).abs().max().item<double>(), 1e-2 * base.abs().max().item<double>());
+  EXPECT_TRUE(tensors_close("fused vs unfused at TP=1", fused, unfused, 1e-5 * unfused.abs().max().item<double>(), 0.0));
+  shardit::io::save_safetensors(lora_dir + "/reference.safetensors", {{"unfused", unfused}, {"fused", fused}});
+  for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
+    EXPECT_EQ(run_ranks(3, {{"SHARDIT_TP_MODEL", paths.pipeline},
+                            {"SHARDIT_TP_INPUTS", paths.inputs},
+                            {"SHARDIT_TP_PATH", path},
+                            {"SHARDIT_LORA_DIR", lora_dir}}),
+              0)
+        << "TP=3 through " << path;
   }
 }
 
