@@ -109,7 +109,14 @@ int64_t lora_bytes_on_rank(const LoraAdapterSpec& spec, const io::SafetensorsFil
 LoraAdapters::LoraAdapters(TensorParallelModule& model)
     : model_(model), selection_(std::make_shared<nn::LoraSelection>()) {}
 
-LoraAdapters::~LoraAdapters() = default;
+LoraAdapters::~LoraAdapters() {
+  // The adapters belong to this object: the model runs without them afterwards.
+  for (auto& [path, module] : model_.named_modules()) {
+    auto* layer = dynamic_cast<nn::Linear*>(module);
+    if (layer == nullptr) continue;
+    for (const std::string& name : names_) layer->remove_lora(name);
+  }
+}
 
 nn::Linear& LoraAdapters::linear(const std::string& module, const std::string& context) const {
   auto* layer = dynamic_cast<nn::Linear*>(model_.find_module(module));

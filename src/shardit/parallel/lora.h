@@ -63,7 +63,8 @@ int64_t lora_bytes_on_rank(const LoraAdapterSpec& spec, const io::SafetensorsFil
 class LoraAdapters {
  public:
   /// `model` must be loaded (its resolved plan is what the adapters are sharded by) and must
-  /// outlive this object.
+  /// outlive this object. Destroying it removes its unfused adapters from the model (fused
+  /// ones stay in the weights).
   explicit LoraAdapters(TensorParallelModule& model);
   ~LoraAdapters();
   LoraAdapters(const LoraAdapters&) = delete;
