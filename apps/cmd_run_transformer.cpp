@@ -119,10 +119,13 @@ int run_transformer(const RunTransformerOptions& given) {
                   " holds a '", component.class_name(), "'");
     }
   }
+  std::vector<models::LoraRequest> loras;
+  for (const std::string& argument : options.lora) loras.push_back(models::parse_lora_request(argument));
   if (world.rank() == 0) {
     std::vector<std::string> inputs = {inputs_path, inputs_json.string(), (fs::path(component.dir) / "config.json").string(),
                                        weights.path()};
     for (const auto& file : weights.files()) inputs.push_back(file->path());
+    for (const auto& lora : loras) inputs.push_back(lora.path);
     io::check_output_path(options.out, inputs);
   }
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
@@ -134,10 +137,8 @@ int run_transformer(const RunTransformerOptions& given) {
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
   world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
-  std::vector<models::LoraRequest> loras;
-  for (const std::string& argument : options.lora) {
-    loras.push_back(models::parse_lora_request(argument));
-    world.agree("LoRA " + argument, tensor_table(*io::SafetensorsFile::open(loras.back().path)));
+  for (const auto& lora : loras) {
+    world.agree("LoRA " + lora.path, tensor_table(*io::SafetensorsFile::open(lora.path)));
   }
 
   if (options.check_finite) {
