@@ -153,6 +153,8 @@ void print_lora(const std::string& path, const InspectOptions& options) {
   }
   for (const auto& key : spec.skipped) fmt::print("  skipped (diffusers does not load it): {}\n", key);
   const auto file = io::SafetensorsFile::open(path);
+  const int64_t whole = parallel::lora_bytes_on_rank(spec, *file, model->resolve(1, dtype), 0);
+  fmt::print("unsharded: {} bytes ({}) in {}\n", whole, human_bytes(whole), c10::toString(dtype));
   for (int rank = 0; rank < options.tp; ++rank) {
     const int64_t bytes = parallel::lora_bytes_on_rank(spec, *file, plan, rank);
     fmt::print("rank {} of TP={}: {} bytes ({}) in {}\n", rank, options.tp, bytes, human_bytes(bytes),
