@@ -1,6 +1,7 @@
 // `shardit inspect <path>`: the config and tensor table of a .safetensors file, a component folder
 // or a diffusers pipeline folder.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/models/lora_formats.h"
 #include "shardit/models/registry.h"
 
 namespace shardit::apps {
@@ -41,6 +43,7 @@ struct InspectOptions {
   int64_t text_tokens = 512;
   std::string attention = "math";
   double device_memory = 0;  ///< GiB; > 0: a verdict per TP degree
+  std::string model;  ///< the transformer a LoRA file is inspected for
 };
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -177,6 +180,35 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
   if (has_plan || !tolerate_missing_weights) print_plan(component, options);
 }
 
+/// A LoRA file converted for the transformer of `options.model`: format, rank, alpha, each
+/// target with its source rows, and the bytes each rank reads at --tp.
+void print_lora(const std::string& path, const InspectOptions& options) {
+  const io::ComponentFolder component = io::open_component(options.model, "transformer");
+  const auto model = models::create_transformer(component);
+  const parallel::LoraAdapterSpec spec = models::read_lora_spec(path, *model);
+  const at::ScalarType dtype = options.dtype.empty() ? at::kFloat : parse_compute_dtype(options.dtype);
+  const parallel::ResolvedPlan plan = model->resolve(options.tp, dtype);
+  fmt::print("LoRA for {}: format {}, rank {}, alpha {}\n", model->type_name(), spec.format, spec.rank,
+             spec.alphas.empty() ? std::string("none (lora_alpha = r)") : fmt::format("{}", fmt::join(spec.alphas, ", ")));
+  fmt::print("{} target modules:\n", spec.targets.size());
+  for (const auto& target : spec.targets) {
+    const std::string rows = target.lora_B.rows < 0 ? ""
+                                                    : fmt::format(" rows [{}, {})", target.lora_B.row_begin,
+                                                                  target.lora_B.row_begin + target.lora_B.rows);
+    fmt::print("  {:<48} <- {}{} scaling {:g}\n", target.module, target.lora_B.key, rows,
+               target.scaling * target.lora_A.factor * target.lora_B.factor);
+  }
+  for (const auto& key : spec.skipped) fmt::print("  skipped (diffusers does not load it): {}\n", key);
+  const auto file = io::SafetensorsFile::open(path);
+  const int64_t whole = parallel::lora_bytes_on_rank(spec, *file, model->resolve(1, dtype), 0);
+  fmt::print("unsharded: {} bytes ({}) in {}\n", whole, human_bytes(whole), c10::toString(dtype));
+  for (int rank = 0; rank < options.tp; ++rank) {
+    const int64_t bytes = parallel::lora_bytes_on_rank(spec, *file, plan, rank);
+    fmt::print("rank {} of TP={}: {} bytes ({}) in {}\n", rank, options.tp, bytes, human_bytes(bytes),
+               c10::toString(dtype));
+  }
+}
+
 int run_inspect(const InspectOptions& options) {
   if (options.path.empty()) {
     InspectOptions builtin = options;
@@ -196,7 +228,11 @@ int run_inspect(const InspectOptions& options) {
       for (const auto& [key, value] : file->metadata()) fmt::print("  {}: {}\n", io::quoted(key), io::quoted(value));
     }
     print_tensor_table(checkpoint);
-    if (options.plan) print_plan(std::nullopt, options);
+    if (!options.model.empty()) {
+      print_lora(options.path, options);
+    } else if (options.plan) {
+      print_plan(std::nullopt, options);
+    }
     return 0;
   }
 
@@ -234,6 +270,9 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
   command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
+  command->add_option("--model", options->model,
+                      "for a LoRA file: the transformer (component or pipeline folder) it is for; prints its format, "
+                      "rank, alpha, targets and the bytes per rank at --tp (with --plan)");
   command->add_option("--tp", options->tp, "tensor-parallel degree for --plan (1 to 4096)")
       ->check(CLI::Range(1, 4096))
       ->needs("--plan");

@@ -18,6 +18,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/models/lora_formats.h"
 #include "shardit/models/registry.h"
 #include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -35,6 +36,9 @@ struct RunTransformerOptions {
   std::string dtype = "f32";
   int tp = 0;  ///< 0: the world size
   bool check_finite = false;
+  std::vector<std::string> lora;  ///< FILE[:WEIGHT], repeatable
+  double lora_scale = 1.0;
+  bool fuse_lora = false;
 };
 
 bool is_floating(io::StDtype dtype) {
@@ -103,10 +107,13 @@ int run_transformer(const RunTransformerOptions& given) {
                   " holds a '", component.class_name(), "'");
     }
   }
+  std::vector<models::LoraRequest> loras;
+  for (const std::string& argument : options.lora) loras.push_back(models::parse_lora_request(argument));
   if (world.rank() == 0) {
     std::vector<std::string> inputs = {inputs_path, inputs_json.string(), (fs::path(component.dir) / "config.json").string(),
                                        weights.path()};
     for (const auto& file : weights.files()) inputs.push_back(file->path());
+    for (const auto& lora : loras) inputs.push_back(lora.path);
     io::check_output_path(options.out, inputs);
   }
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
@@ -118,6 +125,9 @@ int run_transformer(const RunTransformerOptions& given) {
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
   world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
+  for (const auto& lora : loras) {
+    world.agree("LoRA " + lora.path, tensor_table(*io::SafetensorsFile::open(lora.path)));
+  }
 
   if (options.check_finite) {
     for (const auto& name : inputs_file->names()) {
@@ -131,6 +141,7 @@ int run_transformer(const RunTransformerOptions& given) {
 
   const auto load_start = std::chrono::steady_clock::now();
   model->load(weights, load_options);
+  const auto adapters = models::load_lora_requests(*model, loras, options.lora_scale, options.fuse_lora);
   const auto forward_start = std::chrono::steady_clock::now();
 
   const at::Tensor sample = verify::forward_from_file(*model, *inputs_file);
@@ -173,6 +184,10 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
       ->check(CLI::PositiveNumber);
   command->add_flag("--check-finite", options->check_finite,
                     "fail (writing nothing) when an input or the sample holds NaN or Inf; without it, a warning");
+  command->add_option("--lora", options->lora,
+                      "LoRA adapter FILE[:WEIGHT] (repeatable; named after the file; weight 1 by default)");
+  command->add_option("--lora-scale", options->lora_scale, "runtime scale multiplying every LoRA adapter");
+  command->add_flag("--fuse-lora", options->fuse_lora, "merge the LoRA adapters into the weights at load");
   command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });
 }
 

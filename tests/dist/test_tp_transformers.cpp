@@ -23,14 +23,14 @@
 
 namespace {
 
-using shardit::parallel::LoadOptions;
 using shardit::parallel::ShardStyle;
-using shardit::parallel::TensorParallelConfig;
 using shardit::parallel::TensorParallelModule;
 using shardit::parallel::TpPlanKind;
 using shardit::testing::env_or;
 using shardit::testing::golden_path;
 using shardit::testing::is_worker;
+using shardit::testing::load_transformer;
+using shardit::testing::run_case;
 using shardit::testing::run_ranks;
 using shardit::testing::tensors_close;
 using ::testing::HasSubstr;
@@ -45,27 +45,6 @@ std::shared_ptr<TensorParallelModule> create(const std::string& model_dir) {
   return shardit::models::create_transformer(shardit::io::open_component(model_dir, "transformer"));
 }
 
-/// Loads the transformer of `model_dir`; `path` is "whole", "shard-on-load" or
-/// "enable-parallelism" (load whole, then shard in memory), with the model's `kind` of plan.
-std::shared_ptr<TensorParallelModule> load(const std::string& model_dir, const std::string& path,
-                                           TpPlanKind kind = TpPlanKind::Full) {
-  const auto folder = shardit::io::open_component(model_dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  auto& world = shardit::dist::World::get();
-  LoadOptions options;
-  options.plan = kind;
-  if (path == "shard-on-load") options.tensor_parallel = TensorParallelConfig::from_degree(world, world.size());
-  model->load(folder.weights(), options);
-  if (path == "enable-parallelism") {
-    model->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()), kind);
-  }
-  return model;
-}
-
-at::Tensor run_case(TensorParallelModule& model, const std::string& inputs_dir) {
-  return shardit::verify::forward_from_file(model, *shardit::io::SafetensorsFile::open(inputs_dir + "/inputs.safetensors"));
-}
-
 /// Worker body: load through `SHARDIT_TP_PATH`, run, compare with the reference written by the
 /// parent (TP=1 in this same build), and check each rank holds exactly its share of the bytes.
 void tp_worker() {
@@ -73,7 +52,7 @@ void tp_worker() {
   const std::string model_dir = env_or("SHARDIT_TP_MODEL");
   const std::string path = env_or("SHARDIT_TP_PATH");
   const TpPlanKind kind = shardit::parallel::parse_tp_plan_kind(env_or("SHARDIT_TP_PLAN"));
-  auto model = load(model_dir, path, kind);
+  auto model = load_transformer(model_dir, path, kind);
   const at::Tensor sample = run_case(*model, env_or("SHARDIT_TP_INPUTS"));
   const at::Tensor expected = shardit::io::SafetensorsFile::open(env_or("SHARDIT_TP_REFERENCE"))->read("sample");
   const double scale = expected.abs().max().item<double>();
@@ -94,7 +73,7 @@ void tp_worker() {
 /// case has golden outputs, the reference must match them, so every comparison is anchored to
 /// diffusers.
 std::string write_reference(const std::string& model_dir, const std::string& inputs_dir) {
-  auto model = load(model_dir, "whole");
+  auto model = load_transformer(model_dir);
   const at::Tensor sample = run_case(*model, inputs_dir);
   const std::string golden = inputs_dir + "/outputs.safetensors";
   if (std::filesystem::exists(golden)) {

@@ -11,7 +11,38 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "shardit/dist/world.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/parallel/tensor_parallel.h"
+#include "shardit/verify/transformer_case.h"
+
 namespace shardit::testing {
+
+std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::string& model_dir,
+                                                                 const std::string& path, parallel::TpPlanKind kind) {
+  const auto folder = io::open_component(model_dir, "transformer");
+  auto model = models::create_transformer(folder);
+  parallel::LoadOptions options;
+  options.plan = kind;
+  if (path == "shard-on-load") {
+    auto& world = dist::World::get();
+    options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, world.size());
+  } else if (path != "whole" && path != "enable-parallelism") {
+    throw std::invalid_argument("load_transformer: unknown load path '" + path + "'");
+  }
+  model->load(folder.weights(), options);
+  if (path == "enable-parallelism") {
+    auto& world = dist::World::get();
+    model->enable_parallelism(parallel::TensorParallelConfig::from_degree(world, world.size()), kind);
+  }
+  return model;
+}
+
+at::Tensor run_case(parallel::TensorParallelModule& model, const std::string& inputs_dir) {
+  return verify::forward_from_file(model, *io::SafetensorsFile::open(inputs_dir + "/inputs.safetensors"));
+}
 
 std::string golden_path(const std::string& relative) {
   // Under CTest every case knows its labels (tests/CMakeLists.txt): one that reads the golden data

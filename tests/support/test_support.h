@@ -5,10 +5,26 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "shardit/parallel/plan.h"
+
+namespace shardit::parallel {
+class TensorParallelModule;
+}
+
 namespace shardit::testing {
+
+/// Loads the transformer of `model_dir` through `path`: "whole", "shard-on-load" (TP over the
+/// whole world, each rank reading its slices) or "enable-parallelism" (load whole, then shard).
+std::shared_ptr<parallel::TensorParallelModule> load_transformer(
+    const std::string& model_dir, const std::string& path = "whole",
+    parallel::TpPlanKind kind = parallel::TpPlanKind::Full);
+
+/// One forward of `model` on `<inputs_dir>/inputs.safetensors`; returns the sample.
+at::Tensor run_case(parallel::TensorParallelModule& model, const std::string& inputs_dir);
 
 /// Absolute path of a file or folder inside the golden data (../shared/golden, or
 /// $SHARDIT_GOLDEN_DIR). Throws, failing the test, when the data is missing, and when the test runs

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <numeric>
 #include <utility>
 
@@ -49,20 +50,27 @@ at::Tensor Linear::forward(const at::Tensor& x) {
               " features, the weight ", weight.sizes(), " expects ", weight.size(1));
   switch (mode_) {
     case LinearParallel::None:
-    case LinearParallel::Colwise:
+    case LinearParallel::Colwise: {
       // [..., out] or [..., out_local]
-      return at::linear(x, weight, bias);
+      if (loras_.empty()) return at::linear(x, weight, bias);
+      at::Tensor y = at::linear(x, weight, bias);
+      add_lora_deltas(y, x);
+      return y;
+    }
 
     case LinearParallel::Rowwise: {
       // Partial sums X_r A_r^T; the bias must be added once, after the sum.
       at::Tensor y = at::linear(x, weight);  // [..., out], partial
+      // Σ_r (x_r A_rᵀ) Bᵀ = (x Aᵀ) Bᵀ: each rank's LoRA partial joins the same all-reduce.
+      if (!loras_.empty()) add_lora_deltas(y, x);
       group_->all_reduce(y);                 // [..., out], full sum
       if (bias.defined()) y.add_(bias);
       return y;
     }
 
     case LinearParallel::ColwiseGather: {
-      const at::Tensor local = at::linear(x, weight, bias);              // [..., out_local]
+      at::Tensor local = at::linear(x, weight, bias);                    // [..., out_local]
+      if (!loras_.empty()) add_lora_deltas(local, x);
       at::Tensor gathered = group_->all_gather(local, local.dim() - 1);  // [..., out], rank-major
       if (gather_blocks_.empty()) return gathered;
       // Packed output: gathered = [r0: b0_0 b1_0 ..., r1: b0_1 b1_1 ...]; the original order is
@@ -83,6 +91,41 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     }
   }
   TORCH_INTERNAL_ASSERT(false, "Linear: unknown parallel mode");
+}
+
+void Linear::add_lora_deltas(at::Tensor& y, const at::Tensor& x) const {
+  if (!lora_selection_) return;
+  for (const auto& [adapter, adapter_weight] : lora_selection_->weights) {
+    for (const LoraLayer& layer : loras_) {
+      if (layer.adapter != adapter) continue;
+      const double factor = layer.scaling * adapter_weight * lora_selection_->scale;
+      if (factor == 0.0) continue;
+      const at::Tensor down = at::linear(x, layer.lora_A);  // [..., r]
+      y.add_(at::linear(down, layer.lora_B), factor);       // [..., out_local]
+    }
+  }
+}
+
+void Linear::add_lora(LoraLayer layer, std::shared_ptr<const LoraSelection> selection) {
+  TORCH_CHECK(layer.lora_A.dim() == 2 && layer.lora_B.dim() == 2 && layer.lora_A.size(0) == layer.lora_B.size(1),
+              "Linear::add_lora('", layer.adapter, "'): lora_A ", layer.lora_A.sizes(), " and lora_B ",
+              layer.lora_B.sizes(), " are not [r, in] and [out, r] of one rank r");
+  TORCH_CHECK(layer.lora_A.size(1) == weight.size(1) && layer.lora_B.size(0) == weight.size(0),
+              "Linear::add_lora('", layer.adapter, "'): lora_B @ lora_A is [", layer.lora_B.size(0), ", ",
+              layer.lora_A.size(1), "], expected this rank's weight shape ", weight.sizes());
+  TORCH_CHECK(selection != nullptr, "Linear::add_lora('", layer.adapter, "'): no adapter selection given");
+  TORCH_CHECK(loras_.empty() || lora_selection_ == selection, "Linear::add_lora('", layer.adapter,
+              "'): the layer's other adapters are switched by another selection; keep one per model");
+  remove_lora(layer.adapter);
+  loras_.push_back(std::move(layer));
+  lora_selection_ = std::move(selection);
+}
+
+void Linear::remove_lora(const std::string& adapter) {
+  loras_.erase(std::remove_if(loras_.begin(), loras_.end(),
+                              [&](const LoraLayer& layer) { return layer.adapter == adapter; }),
+               loras_.end());
+  if (loras_.empty()) lora_selection_.reset();
 }
 
 void Linear::set_parallel(LinearParallel mode, std::shared_ptr<dist::Group> group,

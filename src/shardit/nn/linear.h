@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "shardit/dist/group.h"
@@ -35,6 +37,26 @@ struct LinearOptions {
   LinearOptions& with_out_blocks(std::vector<int64_t> blocks) { out_blocks = std::move(blocks); return *this; }
 };
 
+/// One LoRA adapter held by a Linear (PEFT's lora.Linear): it adds
+/// scaling · weight · scale · lora_B (lora_A x) to the output, where `weight` and `scale` come from
+/// the model's LoraSelection. Under tensor parallelism each rank holds the slices that make its
+/// share of the full delta B·A: colwise layers split lora_B by output rows (lora_A whole), rowwise
+/// layers split lora_A by input columns (lora_B whole; the partial products join the all-reduce).
+struct LoraLayer {
+  std::string adapter;
+  at::Tensor lora_A;     ///< [r, in] ([r, in_local] when rowwise)
+  at::Tensor lora_B;     ///< [out, r] ([out_local, r] when colwise)
+  double scaling = 1.0;  ///< lora_alpha / r
+};
+
+/// Which adapters are active, at which weights (diffusers' set_adapters), and the runtime scale
+/// multiplying them all (diffusers' `scale` attention kwarg). One per model, shared by its Linears,
+/// so switching adapters between forwards is one assignment.
+struct LoraSelection {
+  std::vector<std::pair<std::string, double>> weights;  ///< adapter name -> adapter weight
+  double scale = 1.0;
+};
+
 /// How a Linear's output relates to the other ranks'. Set by parallel::apply_tensor_parallel.
 enum class LinearParallel { None, Colwise, Rowwise, ColwiseGather };
 
@@ -52,6 +74,15 @@ class Linear : public Module {
   void set_parallel(LinearParallel mode, std::shared_ptr<dist::Group> group,
                     std::vector<int64_t> gather_blocks = {});
   LinearParallel parallel_mode() const { return mode_; }
+
+  /// Adds an unfused adapter, applied in forward while `selection` lists it. Shapes are checked
+  /// against this rank's weight. Replaces an adapter of the same name.
+  void add_lora(LoraLayer layer, std::shared_ptr<const LoraSelection> selection);
+  /// Drops the adapter `adapter` (no-op when absent).
+  void remove_lora(const std::string& adapter);
+  const std::vector<LoraLayer>& loras() const { return loras_; }
+  /// The selection switching this layer's adapters; null without adapters.
+  const std::shared_ptr<const LoraSelection>& lora_selection() const { return lora_selection_; }
   const LinearOptions& options() const { return options_; }
 
   at::Tensor weight;  ///< [out, in] (a shard of it once parallel)
@@ -62,6 +93,12 @@ class Linear : public Module {
   LinearParallel mode_ = LinearParallel::None;
   std::shared_ptr<dist::Group> group_;
   std::vector<int64_t> gather_blocks_;
+  std::vector<LoraLayer> loras_;
+  std::shared_ptr<const LoraSelection> lora_selection_;
+
+  /// Adds the active adapters' deltas to `y` (local output, or partial sums before the
+  /// all-reduce when rowwise).
+  void add_lora_deltas(at::Tensor& y, const at::Tensor& x) const;
 };
 
 }  // namespace shardit::nn
