@@ -61,13 +61,12 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
   const auto float_options = q.options().dtype(at::kFloat);
   at::Tensor output = at::empty({batch, heads, s_q, head_dim}, q.options());
   at::Tensor lse = at::empty({batch, heads, s_q}, float_options);
-  // Scaling q once costs S_q * D products instead of S_q * S_kv.
-  const at::Tensor q_scaled = q * scale;
   const at::Tensor k_t = k.transpose(-2, -1);
 
   for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
     const int64_t nq = std::min(query_block, s_q - q0);
-    const at::Tensor qb = q_scaled.narrow(2, q0, nq);
+    // Scaling q costs nq * D products instead of nq * S_kv; per block, so no scaled copy of all of q.
+    const at::Tensor qb = q.narrow(2, q0, nq) * scale;
     // Running maximum, running sum and unnormalised output of this query block.
     // [B, H, nq, 1], [B, H, nq, 1], [B, H, nq, D]
     at::Tensor running_max = at::full({batch, heads, nq, 1}, kNegInf, float_options);

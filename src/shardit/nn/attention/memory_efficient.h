@@ -15,7 +15,7 @@ namespace shardit::nn {
 struct MemoryEfficientOptions {
   int64_t query_block = 0;
   int64_t key_block = 0;
-  int64_t scores_budget_bytes = int64_t{8} << 20;
+  int64_t scores_budget_bytes = int64_t{4} << 20;
 };
 
 /// The attention output and the log-sum-exp of each query's scaled, masked scores: what ring
