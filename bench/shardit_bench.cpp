@@ -399,8 +399,9 @@ int run_attention(const BenchOptions& options) {
   const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
   const int64_t s = options.attention_tokens, h = options.attention_heads, d = options.attention_head_dim;
   at::manual_seed(0);
-  const at::Tensor q = at::randn({1, h, s, d}).to(dtype), k = at::randn({1, h, s, d}).to(dtype),
-                   v = at::randn({1, h, s, d}).to(dtype);
+  // [B, H, S, D] views of [B, S, H, D] tensors, as the transformers pass them.
+  const auto heads_view = [&] { return at::randn({1, s, h, d}).to(dtype).transpose(1, 2); };
+  const at::Tensor q = heads_view(), k = heads_view(), v = heads_view();
   std::vector<double> step_seconds;
   int64_t peak_growth = 0;
   for (int i = 0; i < options.warmup + options.repeats; ++i) {

@@ -61,6 +61,9 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
   const auto float_options = q.options().dtype(at::kFloat);
   at::Tensor output = at::empty({batch, heads, s_q, head_dim}, q.options());
   at::Tensor lse = at::empty({batch, heads, s_q}, float_options);
+  // k and v stay as given (the transformers pass transposed views of [B, S, H, D]): copying them
+  // into [B, H, S, D] order once would add 2 x S x H x D to the peak, while the GEMM's per-block
+  // copies cost ~1% of the attention's time at 4608 tokens (measured: no difference at 1536).
   const at::Tensor k_t = k.transpose(-2, -1);
 
   for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
