@@ -224,6 +224,28 @@ TEST_P(AttentionBackendsGolden, EveryBackendMatchesMathAndTheGoldenSample) {
   }
 }
 
+TEST(AttentionBackendsCli, GoldenCheckBackendsComparesEveryBackendWithMathAndCountsWhatRan) {
+  const std::string dir = shardit::testing::golden_path("qwenimage_b2_nonsquare");
+  std::string output;
+  const int status = shardit::testing::run_command(shardit::testing::cli_path() + " check-backends --model " + dir, &output);
+  EXPECT_EQ(status, 0) << output;
+  for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    if (backend.rfind("test_", 0) == 0) continue;
+    EXPECT_NE(output.find(backend), std::string::npos) << output;
+    // Each backend's row names the backend that ran, with its number of calls.
+    EXPECT_NE(output.find(backend + " x"), std::string::npos) << output;
+  }
+  EXPECT_EQ(output.find("FAIL"), std::string::npos) << output;
+}
+
+TEST(AttentionBackendsCli, UnknownBackendFailsBeforeAnyWork) {
+  std::string output;
+  const int status = shardit::testing::run_command(
+      shardit::testing::cli_path() + " --attention-backend flash9 run-transformer --out /nonexistent/x.safetensors", &output);
+  EXPECT_EQ(status, 1) << output;
+  EXPECT_NE(output.find("attention backend 'flash9' is not available"), std::string::npos) << output;
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, AttentionBackendsGolden,
                          ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
                                            "qwenimage_b2_nonsquare"));
