@@ -49,5 +49,7 @@ void register_run_vae(CLI::App& app, CommandBody& body);
 void register_schedule(CLI::App& app, CommandBody& body);
 /// Adds `tokenize` (prompt ids as JSON, or a check of a tokenizer cases file).
 void register_tokenize(CLI::App& app, CommandBody& body);
+/// Adds `check-backends` (each attention backend against math on a model).
+void register_check_backends(CLI::App& app, CommandBody& body);
 
 }  // namespace shardit::apps

@@ -17,6 +17,7 @@
 #include "shardit/dist/launch_env.h"
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/world.h"
+#include "shardit/nn/attention/backends.h"
 
 namespace {
 
@@ -71,7 +72,7 @@ std::string unknown_command(const CLI::App& app, int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--") break;
     if (arg.rfind("-", 0) == 0) {
-      if (arg.find('=') == std::string::npos && (arg == "--nproc-per-node" || arg == "--timeout")) ++i;
+      if (arg.find('=') == std::string::npos && (arg == "--nproc-per-node" || arg == "--timeout" || arg == "--attention-backend")) ++i;
       continue;
     }
     for (const CLI::App* sub : app.get_subcommands({})) {
@@ -103,6 +104,10 @@ int main(int argc, char** argv) {
                  "seconds to wait for another rank (rendezvous, agreement, each collective) before failing; "
                  "default 120, or SHARDIT_DIST_TIMEOUT_MS")
       ->check(CLI::Range(0.001, 86400.0));
+  std::string attention_backend;
+  app.add_option("--attention-backend", attention_backend,
+                 "attention backend: auto (the device's default), math, memory_efficient, or sdpa where "
+                 "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
 
   shardit::apps::CommandBody body;
   shardit::apps::register_inspect(app, body);
@@ -111,6 +116,7 @@ int main(int argc, char** argv) {
   shardit::apps::register_run_vae(app, body);
   shardit::apps::register_schedule(app, body);
   shardit::apps::register_tokenize(app, body);
+  shardit::apps::register_check_backends(app, body);
 
   try {
     app.parse(argc, argv);
@@ -133,6 +139,7 @@ int main(int argc, char** argv) {
       const long ms = std::max(1L, static_cast<long>(timeout_seconds * 1000.0));
       ::setenv("SHARDIT_DIST_TIMEOUT_MS", std::to_string(ms).c_str(), 1);
     }
+    if (!attention_backend.empty()) shardit::nn::set_attention_backend(attention_backend);
     if (nproc_per_node > 1) {
       const auto env = shardit::dist::LaunchEnv::from_environment();
       TORCH_CHECK(env.world_size == 1, "--nproc-per-node ", nproc_per_node, " inside a job that ",

@@ -7,6 +7,10 @@
 //   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
 //   shardit-bench encoder [--nproc-per-node N] --encoder clip|t5|qwen3|qwen2_5_vl [--layers 2]
 //                         [--text-tokens 512] [--dtype f32|bf16]
+//   shardit-bench attention [--tokens 4608] [--heads 24] [--head-dim 128]  (one attention call)
+//
+// --attention-backend (auto, math, memory_efficient, sdpa where built) selects the attention
+// backend of every subcommand.
 //
 // Without --model, both build a synthetic diffusers folder with FLUX.1-dev widths (3072 hidden,
 // 24 heads x 128, MLP x4, joint_attention_dim 4096) and random bf16 weights, in sharded
@@ -43,6 +47,8 @@
 #include "shardit/models/registry.h"
 #include "shardit/models/t5/modeling_t5.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/attention.h"
+#include "shardit/nn/attention/backends.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 namespace {
@@ -72,6 +78,10 @@ struct BenchOptions {
   bool profile = false;
   std::string encoder = "t5";
   int encoder_layers = 2;
+  std::string attention_backend = "auto";
+  int attention_tokens = 4608;
+  int attention_heads = 24;
+  int attention_head_dim = 128;
 };
 
 double seconds_since(Clock::time_point start) {
@@ -84,6 +94,23 @@ int64_t peak_rss_bytes() {
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
+
+/// Peak resident set from /proc (VmHWM), which, unlike getrusage, reset_peak_rss() can reset.
+int64_t vm_hwm_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmHWM:") {
+      int64_t kib = 0;
+      status >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+/// Resets VmHWM to the current resident set (Linux 4.0+: "5" to clear_refs).
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 /// Current resident set, in bytes.
 int64_t current_rss_bytes() {
@@ -385,6 +412,8 @@ int run_forward(const BenchOptions& options) {
       {"rss_before_load_bytes", rss_before_load},
       {"step_peak_rss_growth_bytes", step_peak_growth},  // rank 0; -1: VmHWM could not be reset
       {"per_rank", per_rank},
+      {"attention_backend", shardit::nn::attention_backend_selection()},
+      {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
   };
   char row[512];
   std::snprintf(row, sizeof(row),
@@ -396,6 +425,50 @@ int run_forward(const BenchOptions& options) {
                 human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
+  return 0;
+}
+
+/// One attention call at FLUX.1 widths (B = 1, 24 heads x 128, S tokens of joint self-attention):
+/// median time and the growth of the peak resident set during the call over the inputs'.
+int run_attention(const BenchOptions& options) {
+  const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
+  const int64_t s = options.attention_tokens, h = options.attention_heads, d = options.attention_head_dim;
+  at::manual_seed(0);
+  // [B, H, S, D] views of [B, S, H, D] tensors, as the transformers pass them.
+  const auto heads_view = [&] { return at::randn({1, s, h, d}).to(dtype).transpose(1, 2); };
+  const at::Tensor q = heads_view(), k = heads_view(), v = heads_view();
+  std::vector<double> step_seconds;
+  int64_t peak_growth = 0;
+  for (int i = 0; i < options.warmup + options.repeats; ++i) {
+    reset_peak_rss();
+    const int64_t before = vm_hwm_bytes();
+    const auto start = Clock::now();
+    at::Tensor out = shardit::nn::scaled_dot_product_attention(q, k, v);
+    const double seconds = seconds_since(start);
+    peak_growth = std::max(peak_growth, vm_hwm_bytes() - before);
+    if (i >= options.warmup) step_seconds.push_back(seconds);
+  }
+  std::vector<double> sorted = step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const auto counts = shardit::nn::attention_dispatch_counts();
+  const std::string ran = counts.empty() ? "none" : counts.begin()->first;
+  nlohmann::json result = {{"benchmark", "attention"},
+                           {"label", options.label},
+                           {"attention_backend", options.attention_backend},
+                           {"ran", ran},
+                           {"dtype", options.dtype},
+                           {"tokens", s},
+                           {"heads", h},
+                           {"head_dim", d},
+                           {"threads", at::get_num_threads()},
+                           {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}}},
+                           {"peak_rss_growth_bytes", peak_growth}};
+  char row[512];
+  std::snprintf(row, sizeof(row), "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak growth |",
+                ran.c_str(), options.dtype.c_str(), static_cast<long long>(s), static_cast<long long>(h),
+                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str());
+  emit(options, result, row);
   return 0;
 }
 
@@ -574,6 +647,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", options.dtype, "f32 or bf16");
   app.add_option("--json", options.json_out, "also write the result to this file");
   app.add_option("--label", options.label, "free text stored with the result");
+  app.add_option("--attention-backend", options.attention_backend,
+                 "auto, math, memory_efficient (sdpa where LibTorch has it)");
   auto* forward = app.add_subcommand("forward", "forward-step latency, memory, communication, roofline ratio");
   forward->add_option("--height", options.height, "image height in pixels (16 px per latent token)");
   forward->add_option("--width", options.width, "image width in pixels");
@@ -591,19 +666,31 @@ int main(int argc, char** argv) {
   encoder->add_option("--batch", options.batch, "batch size");
   encoder->add_option("--warmup", options.warmup, "untimed steps first");
   encoder->add_option("--repeats", options.repeats, "timed steps");
+  auto* attention = app.add_subcommand("attention", "one attention call: time and peak memory of a backend");
+  attention->add_option("--tokens", options.attention_tokens, "sequence length (queries = keys)");
+  attention->add_option("--heads", options.attention_heads, "heads");
+  attention->add_option("--head-dim", options.attention_head_dim, "head dimension");
+  attention->add_option("--warmup", options.warmup, "untimed calls first");
+  attention->add_option("--repeats", options.repeats, "timed calls");
   app.require_subcommand(1);
   // Common options may also follow the subcommand.
   forward->fallthrough();
   load->fallthrough();
   encoder->fallthrough();
+  attention->fallthrough();
   CLI11_PARSE(app, argc, argv);
-  options.mode = forward->parsed() ? "forward" : encoder->parsed() ? "encoder" : "load";
+  options.mode = forward->parsed()     ? "forward"
+                 : encoder->parsed()   ? "encoder"
+                 : attention->parsed() ? "attention"
+                                       : "load";
 
   if (options.nproc_per_node > 1) {
     return shardit::dist::relaunch_as_local_ranks(argc, argv, options.nproc_per_node);
   }
   try {
+    shardit::nn::set_attention_backend(options.attention_backend);
     if (options.mode == "encoder") return run_encoder(options);
+    if (options.mode == "attention") return run_attention(options);
     return options.mode == "forward" ? run_forward(options) : run_load(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shardit-bench: error: %s\n", shardit::error_message(e).c_str());

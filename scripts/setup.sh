@@ -2,6 +2,9 @@
 # Installs every Debian package shardit needs to build, test and benchmark (bench/ uses only
 # shardit itself and CLI11).
 # Idempotent: re-running only installs what is missing. Needs root (or sudo).
+#   --bench-anchor  also the packages of the diffusers anchor that bench/compare runs side by side
+#                   (Debian's CPU PyTorch and diffusers' pure-Python dependencies; not needed to
+#                   build or test)
 set -euo pipefail
 
 packages=(
@@ -22,6 +25,12 @@ packages=(
   # fuzzing (libFuzzer ships with clang's runtime)
   clang libclang-rt-14-dev
 )
+if [ "${1:-}" = "--bench-anchor" ]; then
+  packages+=(
+    python3-torch python3-numpy python3-filelock python3-packaging python3-regex python3-tqdm
+    python3-fsspec python3-httpx python3-yaml python3-requests python3-typing-extensions python3-pil
+  )
+fi
 
 missing=()
 for p in "${packages[@]}"; do

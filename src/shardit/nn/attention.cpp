@@ -2,65 +2,13 @@
 #include "shardit/core/profile.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <vector>
 
-#include "shardit/core/compat.h"
+#include "shardit/nn/attention/backends.h"
 
 namespace shardit::nn {
-
-namespace {
-
-#if !SHARDIT_HAS_SDPA
-// Scores for every head at once take B * H * S_q * S_kv floats: 2 GiB for FLUX.1 at 1024x1024
-// (24 heads, 4608 tokens), 27 GiB at 2048x2048. Heads are processed in groups whose scores stay
-// under this budget; each group is still one large batched matmul.
-constexpr int64_t kScoresBudgetBytes = int64_t{256} << 20;
-
-at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& mask, double scale) {
-  // [B, h, S_q, S_kv]
-  at::Tensor scores = at::matmul(q * scale, k.transpose(-2, -1));
-  if (mask.has_value() && mask->defined()) {
-    if (mask->scalar_type() == at::kBool) {
-      scores = scores.to(at::kFloat).masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
-    } else {
-      scores = scores.to(at::kFloat) + mask->to(at::kFloat);
-    }
-  }
-  // The softmax in fp32 whatever the input dtype, then back for the product with v.
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat);
-  if (probs.scalar_type() != v.scalar_type()) probs = probs.to(v.scalar_type());
-  // [B, h, S_q, D]
-  return at::matmul(probs, v);
-}
-
-at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& mask, double scale) {
-  const int64_t heads = q.size(1);
-  const int64_t bytes_per_head = q.size(0) * q.size(2) * k.size(2) * static_cast<int64_t>(sizeof(float));
-  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(heads, kScoresBudgetBytes / std::max<int64_t>(1, bytes_per_head)));
-  if (group >= heads) return math_attention_heads(q, k, v, mask, scale);
-  // The heads dimension of a mask is its third from last ([H, S_q, S_kv] or [B, H, S_q, S_kv]); a
-  // mask broadcast over heads (size 1 there, or fewer dimensions) applies to every group as it is.
-  const bool mask_per_head = mask.has_value() && mask->defined() && mask->dim() >= 3 && mask->size(-3) > 1;
-  std::vector<at::Tensor> outputs;
-  for (int64_t h = 0; h < heads; h += group) {
-    const int64_t n = std::min(group, heads - h);
-    std::optional<at::Tensor> group_mask = mask;
-    if (mask_per_head) group_mask = mask->narrow(mask->dim() - 3, h, n);
-    outputs.push_back(math_attention_heads(q.narrow(1, h, n), k.narrow(1, h, n), v.narrow(1, h, n), group_mask, scale));
-  }
-  // [B, H, S_q, D]
-  return at::cat(outputs, 1);
-}
-#endif
-
-}  // namespace
 
 at::Tensor split_heads(const at::Tensor& x, int64_t head_dim) {
   TORCH_CHECK(x.size(-1) % head_dim == 0, "split_heads: width ", x.size(-1), " is not a multiple of head_dim ", head_dim);
@@ -74,19 +22,8 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
               "attention: q, k, v must be [B, H, S, D], got shapes ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "attention: incompatible shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  const double default_scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const double softmax_scale = scale.value_or(default_scale);
-#if SHARDIT_HAS_SDPA
-  // LibTorch picks its fused kernel (flash / memory-efficient / CPU flash) or its math path; all
-  // accumulate the softmax in fp32 for reduced-precision inputs. The `scale` argument only
-  // exists from 2.1 on, so a non-default scale is folded into q.
-  c10::optional<at::Tensor> attn_mask;
-  if (mask.has_value() && mask->defined()) attn_mask = *mask;
-  const at::Tensor query = scale.has_value() ? q * (softmax_scale / default_scale) : q;
-  return at::scaled_dot_product_attention(query, k, v, attn_mask);
-#else
-  return math_attention(q, k, v, mask, softmax_scale);
-#endif
+  const double softmax_scale = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  return dispatch_attention(AttentionCall{q, k, v, mask, softmax_scale});
 }
 
 HeadsQKV split_qkv_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const RMSNorm* norm_q,

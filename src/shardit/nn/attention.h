@@ -21,8 +21,9 @@ at::Tensor split_heads(const at::Tensor& x, int64_t head_dim);
 
 /// softmax(q k^T * scale + mask) v. q [B, H, S_q, D], k and v [B, H, S_kv, D]; mask (optional)
 /// broadcastable to [B, H, S_q, S_kv], additive (float) or boolean (true = attend). scale
-/// defaults to 1/sqrt(D). The softmax runs in fp32 for bf16/fp16 inputs. Uses LibTorch's fused
-/// kernel where the linked LibTorch has one. Returns [B, H, S_q, D] in q's dtype.
+/// defaults to 1/sqrt(D). The softmax runs in fp32 for bf16/fp16 inputs. Runs on the selected
+/// attention backend (nn/attention/backends.h: --attention-backend, "auto" by device). Returns
+/// [B, H, S_q, D] in q's dtype.
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::optional<at::Tensor>& mask = std::nullopt,
                                         std::optional<double> scale = std::nullopt);

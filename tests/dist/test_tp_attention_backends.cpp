@@ -1,0 +1,131 @@
+// Attention backends under real tensor parallelism (separate processes on this host): each rank
+// holds its heads, so every backend runs on the local heads and must give math's result for them.
+// The golden transformers at TP=2 on each backend against the TP=1 math sample, and random
+// q/k/v with masks (per key, per head, per query) split by heads as a colwise projection splits
+// them.
+//
+// Tolerance: the golden one (1e-4 absolute + relative): TP=2 reorders the rowwise sums (~1e-6 of
+// the scale) and a backend reorders the softmax sums (~1e-7); a sharding or masking error moves
+// values by O(scale).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "shardit/dist/world.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/nn/attention.h"
+#include "shardit/nn/attention/backends.h"
+#include "shardit/parallel/tensor_parallel.h"
+#include "shardit/verify/transformer_case.h"
+#include "support/multiprocess.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::nn::AttentionBackendGuard;
+using shardit::testing::env_or;
+using shardit::testing::golden_path;
+using shardit::testing::is_worker;
+using shardit::testing::run_ranks;
+using shardit::testing::tensors_close;
+
+constexpr double kTolerance = 1e-4;
+
+at::Tensor golden_forward(const std::string& dir, bool sharded) {
+  const auto folder = shardit::io::open_component(dir, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  shardit::parallel::LoadOptions options;
+  if (sharded) {
+    auto& world = shardit::dist::World::get();
+    options.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, world.size());
+  }
+  model->load(folder.weights(), options);
+  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
+  if (!sharded) {
+    AttentionBackendGuard guard("math");
+    return shardit::verify::forward_from_file(*model, *inputs);
+  }
+  auto& world = shardit::dist::World::get();
+  const at::Tensor reference = shardit::io::SafetensorsFile::open(env_or("SHARDIT_ATTN_REFERENCE"))->read("sample");
+  for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    AttentionBackendGuard guard(backend);
+    shardit::nn::reset_attention_dispatch_counts();
+    const at::Tensor sample = shardit::verify::forward_from_file(*model, *inputs);
+    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count(backend), 1u) << backend << " did not run";
+    const auto result = tensors_close(dir + " at TP=" + std::to_string(world.size()) + " on " + backend + " vs TP=1 math",
+                                      sample, reference, kTolerance, kTolerance);
+    EXPECT_TRUE(result);
+    if (world.rank() == 0) std::cout << backend << ": " << result.message() << "\n";
+  }
+  return {};
+}
+
+void golden_worker() {
+  shardit::dist::World::init();
+  golden_forward(env_or("SHARDIT_ATTN_MODEL"), /*sharded=*/true);
+}
+
+void expect_golden_tp2(const std::string& golden_case) {
+  const std::string dir = golden_path(golden_case);
+  const at::Tensor reference = golden_forward(dir, /*sharded=*/false);
+  const std::string path = shardit::testing::make_temp_dir("attn-reference") + "/reference.safetensors";
+  shardit::io::save_safetensors(path, {{"sample", reference}});
+  EXPECT_EQ(run_ranks(2, {{"SHARDIT_ATTN_MODEL", dir}, {"SHARDIT_ATTN_REFERENCE", path}}), 0);
+}
+
+TEST(TpAttentionBackends, GoldenFluxTp2EveryBackendMatchesMath) {
+  if (is_worker()) return golden_worker();
+  expect_golden_tp2("flux_b2_nonsquare");
+}
+
+TEST(TpAttentionBackends, GoldenFlux2Tp2EveryBackendMatchesMath) {
+  if (is_worker()) return golden_worker();
+  expect_golden_tp2("flux2_b2_nonsquare");
+}
+
+TEST(TpAttentionBackends, GoldenQwenImageTp2EveryBackendMatchesMath) {
+  if (is_worker()) return golden_worker();
+  expect_golden_tp2("qwenimage_b2_nonsquare");
+}
+
+// Every rank draws the same full tensors (same seed), keeps its contiguous share of the heads,
+// runs each backend on it and compares with the rank's share of math over all heads.
+void random_heads_worker() {
+  auto& world = shardit::dist::World::init();
+  const int64_t heads = 6, local = heads / world.size();
+  at::manual_seed(21);
+  const at::Tensor q = at::randn({2, heads, 150, 32}), k = at::randn({2, heads, 700, 32}) * 2,
+                   v = at::randn({2, heads, 700, 32});
+  at::Tensor keys = at::rand({2, 1, 1, 700}) > 0.3;
+  keys.select(-1, 0).fill_(true);
+  const at::Tensor per_head = at::randn({heads, 1, 700});
+  at::Tensor per_query = at::rand({2, heads, 150, 700}) > 0.5;
+  per_query.select(-1, 699).fill_(true);
+  const int64_t h0 = world.rank() * local;
+  const auto mine = [&](const at::Tensor& t) { return t.narrow(1, h0, local); };
+  const std::vector<std::pair<std::string, at::Tensor>> masks = {
+      {"bool keys", keys}, {"additive per head", per_head.narrow(0, h0, local)}, {"bool per query", mine(per_query)}};
+  const std::vector<at::Tensor> full_masks = {keys, per_head, per_query};
+  for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    for (size_t i = 0; i < masks.size(); ++i) {
+      at::Tensor expected;
+      {
+        AttentionBackendGuard guard("math");
+        expected = mine(shardit::nn::scaled_dot_product_attention(q, k, v, full_masks[i]));
+      }
+      AttentionBackendGuard guard(backend);
+      const at::Tensor got = shardit::nn::scaled_dot_product_attention(mine(q), mine(k), mine(v), masks[i].second);
+      EXPECT_TRUE(tensors_close(backend + ", rank " + std::to_string(world.rank()) + ", mask " + masks[i].first, got,
+                                expected, 1e-5, 1e-5));
+    }
+  }
+}
+
+TEST(TpAttentionBackends, RandomShapesWithMasksTp2EveryBackendMatchesMath) {
+  if (is_worker()) return random_heads_worker();
+  EXPECT_EQ(run_ranks(2), 0);
+}
+
+}  // namespace

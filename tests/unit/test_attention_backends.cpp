@@ -1,0 +1,253 @@
+// Every available attention backend against the `math` reference: random shapes (uneven blocks,
+// cross attention, batch > 1) with boolean and additive masks broadcast in every way the models
+// use, fp32 and bf16; the memory-efficient backend's log-sum-exp; selection, refusal and dispatch
+// counting; and the three transformers' golden cases run on each backend.
+//
+// Tolerances: a backend differs from math only in the order of fp32 sums (blocked softmax sums,
+// rescaled partial outputs): ~1e-7 relative, so 1e-5 absolute + relative on O(1) outputs. In bf16
+// both round scores and probabilities to bf16 at different points: 2e-2 (bf16 rounding 4e-3, a
+// few roundings deep). The golden cases use the golden tolerance of the fp32 transformers
+// (1e-4 absolute + relative, the golden README's).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "shardit/core/compat.h"
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/nn/attention.h"
+#include "shardit/nn/attention/backends.h"
+#include "shardit/nn/attention/memory_efficient.h"
+#include "shardit/verify/transformer_case.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::nn::AttentionBackendGuard;
+using shardit::testing::error_of;
+using shardit::testing::tensors_close;
+
+constexpr double kFp32Tolerance = 1e-5;
+constexpr double kBf16Tolerance = 2e-2;
+constexpr double kGoldenTolerance = 1e-4;
+
+struct Shape {
+  int64_t batch, heads, s_q, s_kv, head_dim;
+};
+
+at::Tensor run_with(const std::string& backend, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const std::optional<at::Tensor>& mask) {
+  AttentionBackendGuard guard(backend);
+  return shardit::nn::scaled_dot_product_attention(q, k, v, mask);
+}
+
+/// The masks the models and callers pass, for a given shape (std::nullopt first).
+std::vector<std::pair<std::string, std::optional<at::Tensor>>> masks_for(const Shape& s) {
+  std::vector<std::pair<std::string, std::optional<at::Tensor>>> masks;
+  masks.emplace_back("none", std::nullopt);
+  // Key padding per sample (Qwen-Image's text mask): [B, 1, 1, S_kv], at least one key kept.
+  at::Tensor keys = at::rand({s.batch, 1, 1, s.s_kv}) > 0.3;
+  keys.select(-1, 0).fill_(true);
+  masks.emplace_back("bool keys [B,1,1,S_kv]", keys);
+  // A boolean mask per query and key with no fully masked row: [B, H, S_q, S_kv].
+  at::Tensor full = at::rand({s.batch, s.heads, s.s_q, s.s_kv}) > 0.5;
+  full.select(-1, s.s_kv - 1).fill_(true);
+  masks.emplace_back("bool [B,H,S_q,S_kv]", full);
+  // Additive biases: per head without a batch dimension, and per query broadcast over batch.
+  masks.emplace_back("additive [H,1,S_kv]", at::randn({s.heads, 1, s.s_kv}));
+  masks.emplace_back("additive [S_q,S_kv]", at::randn({s.s_q, s.s_kv}) * 3);
+  return masks;
+}
+
+class AttentionBackendsRandom : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
+  const std::string backend = GetParam();
+  at::manual_seed(11);
+  for (const Shape& s : {Shape{1, 3, 37, 37, 16}, Shape{2, 4, 130, 70, 8}, Shape{2, 2, 600, 1100, 32},
+                         Shape{1, 5, 1, 513, 64}}) {
+    const at::Tensor q = at::randn({s.batch, s.heads, s.s_q, s.head_dim});
+    const at::Tensor k = at::randn({s.batch, s.heads, s.s_kv, s.head_dim}) * 2;
+    const at::Tensor v = at::randn({s.batch, s.heads, s.s_kv, s.head_dim});
+    for (const auto& [name, mask] : masks_for(s)) {
+      const std::string what = backend + " vs math, q " + std::to_string(s.s_q) + " x kv " +
+                               std::to_string(s.s_kv) + ", mask " + name;
+      const at::Tensor expected = run_with("math", q, k, v, mask);
+      EXPECT_TRUE(tensors_close(what, run_with(backend, q, k, v, mask), expected, kFp32Tolerance, kFp32Tolerance));
+      const at::Tensor qb = q.to(at::kBFloat16), kb = k.to(at::kBFloat16), vb = v.to(at::kBFloat16);
+      const at::Tensor out_bf16 = run_with(backend, qb, kb, vb, mask);
+      EXPECT_EQ(out_bf16.scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(tensors_close(what + " (bf16)", out_bf16.to(at::kFloat), run_with("math", qb, kb, vb, mask).to(at::kFloat),
+                                kBf16Tolerance, kBf16Tolerance));
+    }
+  }
+}
+
+std::vector<std::string> available_backends() { return shardit::nn::attention_backend_names(); }
+
+INSTANTIATE_TEST_SUITE_P(Available, AttentionBackendsRandom, ::testing::ValuesIn(available_backends()));
+
+TEST(MemoryEfficientAttention, SmallBlocksMatchMathAndReturnTheLogSumExp) {
+  at::manual_seed(12);
+  const at::Tensor q = at::randn({2, 3, 45, 16}), k = at::randn({2, 3, 77, 16}), v = at::randn({2, 3, 77, 16});
+  at::Tensor keep = at::rand({2, 1, 45, 77}) > 0.4;
+  keep.select(-1, 3).fill_(true);
+  const double scale = 0.3;
+  shardit::nn::MemoryEfficientOptions options;
+  options.query_block = 7;
+  options.key_block = 10;
+  const auto result = shardit::nn::memory_efficient_attention(q, k, v, keep, scale, options);
+  EXPECT_TRUE(tensors_close("blocked output", result.output, shardit::nn::math_attention(q, k, v, keep, scale),
+                            kFp32Tolerance, kFp32Tolerance));
+  const at::Tensor scores = (at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)) * scale)
+                                .masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(tensors_close("lse", result.lse, at::logsumexp(scores, -1).to(at::kFloat), 1e-5, 1e-5));
+}
+
+TEST(MemoryEfficientAttention, PartialResultsOverKeyShardsMergeByTheirLogSumExp) {
+  // What ring attention does: attention over two halves of the keys, merged by lse.
+  at::manual_seed(13);
+  const at::Tensor q = at::randn({1, 2, 33, 8}), k = at::randn({1, 2, 64, 8}), v = at::randn({1, 2, 64, 8});
+  const double scale = 1.0 / std::sqrt(8.0);
+  const auto a = shardit::nn::memory_efficient_attention(q, k.narrow(2, 0, 40), v.narrow(2, 0, 40), {}, scale);
+  const auto b = shardit::nn::memory_efficient_attention(q, k.narrow(2, 40, 24), v.narrow(2, 40, 24), {}, scale);
+  const at::Tensor lse = at::logaddexp(a.lse, b.lse);
+  const at::Tensor merged =
+      a.output * (a.lse - lse).exp().unsqueeze(-1) + b.output * (b.lse - lse).exp().unsqueeze(-1);
+  EXPECT_TRUE(tensors_close("merged", merged, shardit::nn::math_attention(q, k, v, {}, scale), kFp32Tolerance,
+                            kFp32Tolerance));
+}
+
+TEST(MemoryEfficientAttention, FullyMaskedQueryGivesZeroAndMinusInfinity) {
+  at::manual_seed(14);
+  const at::Tensor q = at::randn({1, 1, 4, 8}), k = at::randn({1, 1, 20, 8}), v = at::randn({1, 1, 20, 8});
+  at::Tensor keep = at::ones({1, 1, 4, 20}, at::kBool);
+  keep[0][0][2].fill_(false);
+  shardit::nn::MemoryEfficientOptions options;
+  options.key_block = 6;
+  const auto result = shardit::nn::memory_efficient_attention(q, k, v, keep, 0.5, options);
+  EXPECT_TRUE(at::isfinite(result.output).all().item<bool>());
+  EXPECT_EQ(result.output[0][0][2].abs().max().item<float>(), 0.0f);
+  EXPECT_TRUE(std::isinf(result.lse[0][0][2].item<float>()));
+  EXPECT_TRUE(at::isfinite(result.lse[0][0][1]).item<bool>());
+}
+
+TEST(AttentionBackends, AutoPicksTheDeviceDefaultAndCountsDispatches) {
+  at::manual_seed(15);
+  const at::Tensor q = at::randn({1, 2, 5, 8});
+  shardit::nn::reset_attention_dispatch_counts();
+  {
+    AttentionBackendGuard guard("auto");
+    shardit::nn::scaled_dot_product_attention(q, q, q);
+    shardit::nn::scaled_dot_product_attention(q, q, q);
+  }
+  const std::string expected = shardit::nn::default_attention_backends(c10::DeviceType::CPU).front();
+  auto counts = shardit::nn::attention_dispatch_counts();
+  EXPECT_EQ(counts[expected], 2);
+  run_with("math", q, q, q, std::nullopt);
+  counts = shardit::nn::attention_dispatch_counts();
+  EXPECT_EQ(counts["math"], 1);
+}
+
+TEST(AttentionBackends, UnknownBackendIsRejectedListingTheAvailableOnes) {
+  const std::string message = error_of([] { shardit::nn::set_attention_backend("flash9"); });
+  EXPECT_NE(message.find("attention backend 'flash9' is not available"), std::string::npos) << message;
+  EXPECT_NE(message.find("math"), std::string::npos) << message;
+  EXPECT_NE(message.find("memory_efficient"), std::string::npos) << message;
+  EXPECT_EQ(shardit::nn::attention_backend_selection(), "auto");
+}
+
+TEST(AttentionBackends, BackendThatCannotHonourACallRefusesWithAMessage) {
+  shardit::nn::AttentionBackend no_mask;
+  no_mask.name = "test_no_mask";
+  no_mask.supports_mask = false;
+  no_mask.dtypes = {at::kFloat};
+  no_mask.run = [](const shardit::nn::AttentionCall& c) { return shardit::nn::math_attention(c.q, c.k, c.v, c.mask, c.scale); };
+  shardit::nn::register_attention_backend(no_mask);
+  const at::Tensor q = at::randn({1, 2, 5, 8});
+  const at::Tensor mask = at::ones({1, 1, 1, 5}, at::kBool);
+  std::string message = error_of([&] { run_with("test_no_mask", q, q, q, mask); });
+  EXPECT_NE(message.find("attention backend 'test_no_mask' cannot run this call"), std::string::npos) << message;
+  EXPECT_NE(message.find("does not support masks"), std::string::npos) << message;
+  message = error_of([&] {
+    const at::Tensor h = q.to(at::kBFloat16);
+    run_with("test_no_mask", h, h, h, std::nullopt);
+  });
+  EXPECT_NE(message.find("it takes Float, not BFloat16"), std::string::npos) << message;
+  EXPECT_TRUE(tensors_close("accepted call", run_with("test_no_mask", q, q, q, std::nullopt),
+                            run_with("math", q, q, q, std::nullopt), 0, 0));
+}
+
+TEST(AttentionBackends, SdpaIsRegisteredExactlyWhereLibTorchHasIt) {
+  const auto names = shardit::nn::attention_backend_names();
+  const bool registered = std::find(names.begin(), names.end(), "sdpa") != names.end();
+  EXPECT_EQ(registered, SHARDIT_HAS_SDPA != 0);
+  if (!registered) {
+    const std::string message = error_of([] { shardit::nn::set_attention_backend("sdpa"); });
+    EXPECT_NE(message.find("sdpa needs LibTorch 2.0 or later"), std::string::npos) << message;
+  }
+}
+
+// The golden transformer cases on each backend: the sample must match math's and diffusers'.
+class AttentionBackendsGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AttentionBackendsGolden, EveryBackendMatchesMathAndTheGoldenSample) {
+  const std::string dir = shardit::testing::golden_path(GetParam());
+  const auto folder = shardit::io::open_component(dir, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  model->load(folder.weights(), {});
+  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
+  const at::Tensor golden = shardit::io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
+  at::Tensor reference;
+  {
+    AttentionBackendGuard guard("math");
+    reference = shardit::verify::forward_from_file(*model, *inputs);
+  }
+  for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    if (backend.rfind("test_", 0) == 0) continue;
+    AttentionBackendGuard guard(backend);
+    shardit::nn::reset_attention_dispatch_counts();
+    const at::Tensor sample = shardit::verify::forward_from_file(*model, *inputs);
+    const auto counts = shardit::nn::attention_dispatch_counts();
+    ASSERT_EQ(counts.size(), 1u) << backend;
+    EXPECT_EQ(counts.begin()->first, backend);
+    EXPECT_GT(counts.begin()->second, 0);
+    EXPECT_TRUE(tensors_close(GetParam() + ": " + backend + " vs math", sample, reference, kGoldenTolerance,
+                              kGoldenTolerance));
+    EXPECT_TRUE(tensors_close(GetParam() + ": " + backend + " vs golden", sample, golden, kGoldenTolerance,
+                              kGoldenTolerance));
+  }
+}
+
+TEST(AttentionBackendsCli, GoldenCheckBackendsComparesEveryBackendWithMathAndCountsWhatRan) {
+  const std::string dir = shardit::testing::golden_path("qwenimage_b2_nonsquare");
+  std::string output;
+  const int status = shardit::testing::run_command(shardit::testing::cli_path() + " check-backends --model " + dir, &output);
+  EXPECT_EQ(status, 0) << output;
+  for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    if (backend.rfind("test_", 0) == 0) continue;
+    EXPECT_NE(output.find(backend), std::string::npos) << output;
+    // Each backend's row names the backend that ran, with its number of calls.
+    EXPECT_NE(output.find(backend + " x"), std::string::npos) << output;
+  }
+  EXPECT_EQ(output.find("FAIL"), std::string::npos) << output;
+}
+
+TEST(AttentionBackendsCli, UnknownBackendFailsBeforeAnyWork) {
+  std::string output;
+  const int status = shardit::testing::run_command(
+      shardit::testing::cli_path() + " --attention-backend flash9 run-transformer --out /nonexistent/x.safetensors", &output);
+  EXPECT_EQ(status, 1) << output;
+  EXPECT_NE(output.find("attention backend 'flash9' is not available"), std::string::npos) << output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, AttentionBackendsGolden,
+                         ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
+                                           "qwenimage_b2_nonsquare"));
+
+}  // namespace
