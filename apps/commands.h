@@ -17,6 +17,8 @@ using CommandBody = std::function<int()>;
 /// against the case's inputs.json `model_class` when there is one.
 std::string case_inputs_file(const std::string& inputs, const io::ComponentFolder& component);
 
+/// Adds `generate` (a text-to-image pipeline to PNG files).
+void register_generate(CLI::App& app, CommandBody& body);
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
 void register_inspect(CLI::App& app, CommandBody& body);
 /// Adds `run-transformer` (one forward of a transformer on a golden-style case folder).

@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 86400.0));
 
   shardit::apps::CommandBody body;
+  shardit::apps::register_generate(app, body);
   shardit::apps::register_inspect(app, body);
   shardit::apps::register_run_transformer(app, body);
   shardit::apps::register_run_vae(app, body);
