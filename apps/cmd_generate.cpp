@@ -15,6 +15,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/file.h"
+#include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/pipelines/pipeline.h"
@@ -45,7 +46,26 @@ struct GenerateOptions {
   int tp = 0;  ///< 0: the world size
   bool tiled_vae = false;
   bool save_steps = false;
+  std::string compare_to;
 };
+
+/// Compares the first image with a PNG written before (another TP degree, another machine): the
+/// same picture up to one 8-bit level, since values that differ by float rounding can round to
+/// neighbouring levels.
+void compare_with(const std::string& reference_path, const at::Tensor& image) {
+  const at::Tensor reference = io::read_png(reference_path).to(at::kInt);
+  const at::Tensor ours = io::to_uint8_pixels(image[0]).to(at::kInt);
+  TORCH_CHECK(reference.sizes() == ours.sizes(), "--compare-to ", reference_path, ": the image is ",
+              fmt::format("{}", fmt::join(reference.sizes(), "x")), ", this one ",
+              fmt::format("{}", fmt::join(ours.sizes(), "x")));
+  const at::Tensor difference = (ours - reference).abs();
+  const int max_levels = difference.max().item<int>();
+  const int64_t differing = difference.ne(0).sum().item<int64_t>();
+  TORCH_CHECK(max_levels <= 1, "the image differs from ", reference_path, " by up to ", max_levels, " levels in ",
+              differing, " of ", difference.numel(), " values");
+  fmt::print("the image equals {} ({} of {} values differ, by one 8-bit level at most: float rounding)\n",
+             reference_path, differing, difference.numel());
+}
 
 int generate(const GenerateOptions& given) {
   dist::World& world = dist::World::get();
@@ -95,12 +115,16 @@ int generate(const GenerateOptions& given) {
       step_latents.emplace_back("step" + std::to_string(step) + ".latents", latents.to(at::kCPU, at::kFloat).clone());
     };
   }
+  if (!options.compare_to.empty()) {
+    const std::string problem = io::regular_file_problem(options.compare_to);
+    TORCH_CHECK(problem.empty(), "--compare-to ", options.compare_to, ": ", problem);
+  }
   pipelines::check_request(request);
   const int64_t num_prompts =
       request.prompt_embeds ? request.prompt_embeds->num_prompts() : static_cast<int64_t>(options.prompt.size());
   const std::vector<std::string> pngs = pipelines::image_paths(options.out, num_prompts * options.num_images);
   if (world.rank() == 0) {
-    std::vector<std::string> inputs = {options.prompt_embeds, options.latents};
+    std::vector<std::string> inputs = {options.prompt_embeds, options.latents, options.compare_to};
     for (const auto& png : pngs) io::check_output_path(png, inputs);
     if (!options.out_tensors.empty()) io::check_output_path(options.out_tensors, inputs);
   }
@@ -149,6 +173,7 @@ int generate(const GenerateOptions& given) {
         {"model", model_name},
         {"Software", "shardit"}};
     pipelines::save_images(result.image, options.out, text);
+    if (!options.compare_to.empty()) compare_with(options.compare_to, result.image);
     if (!options.out_tensors.empty()) {
       std::vector<std::pair<std::string, at::Tensor>> tensors = {{"image", result.image}, {"latents", result.latents}};
       tensors.insert(tensors.end(), step_latents.begin(), step_latents.end());
@@ -200,6 +225,9 @@ void register_generate(CLI::App& app, CommandBody& body) {
       ->check(CLI::PositiveNumber);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");
+  command->add_option("--compare-to", options->compare_to,
+                      "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
+                      "within one 8-bit level");
   command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
   command->callback([&body, options] { body = [options] { return generate(*options); }; });
 }

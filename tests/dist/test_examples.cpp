@@ -3,6 +3,7 @@
 // 0's PNGs must equal diffusers' within one level.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@ struct ExampleCase {
   std::string program;
   std::string golden;
 };
+
+void PrintTo(const ExampleCase& example, std::ostream* os) { *os << example.program; }
 
 class Examples : public ::testing::TestWithParam<ExampleCase> {};
 

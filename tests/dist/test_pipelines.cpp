@@ -1,4 +1,4 @@
-// The pipelines with the transformer under real tensor parallelism: ranks at TP=2 (separate
+// The pipelines with the transformer under real tensor parallelism: ranks at TP=2 and 4 (separate
 // processes) reproduce diffusers' golden pipeline runs (latents after every step, image, PNG)
 // through the C++ API (sharded while loading, and loaded whole then enable_parallelism) and
 // through `shardit generate --nproc-per-node`. The golden transformers have 4 heads (TP 2 or 4);
@@ -62,6 +62,13 @@ TEST_P(PipelinesTp, GoldenApiTp2) {
   for (const std::string path : {"shard-on-load", "enable-parallelism"}) {
     EXPECT_EQ(run_ranks(2, {{"SHARDIT_PIPELINE_CASE", dir}, {"SHARDIT_PIPELINE_PATH", path}}), 0) << path;
   }
+}
+
+// Each golden transformer has 4 heads: TP=4 is the other degree they allow.
+TEST_P(PipelinesTp, GoldenApiTp4) {
+  if (is_worker()) return api_worker();
+  const std::string dir = shardit::testing::golden_path(GetParam());
+  EXPECT_EQ(run_ranks(4, {{"SHARDIT_PIPELINE_CASE", dir}, {"SHARDIT_PIPELINE_PATH", "shard-on-load"}}), 0);
 }
 
 TEST_P(PipelinesTp, GoldenCliTp2) {
