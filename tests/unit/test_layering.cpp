@@ -17,8 +17,8 @@ namespace fs = std::filesystem;
 
 // Rank of each layer; a file may include a layer of lower rank, or its own layer.
 const std::map<std::string, int> kLayerRank = {
-    {"core", 0}, {"io", 1}, {"dist", 1}, {"nn", 2}, {"tokenizers", 2}, {"parallel", 3},
-    {"models", 4}, {"schedulers", 4}, {"verify", 5}, {"pipelines", 5},
+    {"core", 0}, {"io", 1}, {"dist", 1}, {"nn", 2}, {"tokenizers", 2}, {"schedulers", 2}, {"parallel", 3},
+    {"models", 4}, {"verify", 5}, {"pipelines", 5},
 };
 
 std::vector<std::string> upward_includes() {

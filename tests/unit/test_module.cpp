@@ -166,4 +166,11 @@ TEST(Module, ObserverReceivesModulePathAndName) {
   EXPECT_EQ(model.stats->path(), "stats");
 }
 
+TEST(Module, ShapeErrorsNameTheModulePath) {
+  Encoder model;
+  model.load(shardit::io::Checkpoint::open(write(checkpoint_tensors("shared.weight"))), {});
+  EXPECT_EQ(error_of([&] { model.proj->forward(at::zeros({2, 3})); }),
+            "Linear 'proj' (None): input has 3 features, the weight [4, 4] expects 4");
+}
+
 }  // namespace

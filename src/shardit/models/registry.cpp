@@ -23,6 +23,10 @@ ComponentClass module_class(const char* library, const char* class_name, Compone
           }};
 }
 
+ComponentClass tokenizer_class(const char* class_name, tokenizers::TokenizerKind kind) {
+  return {"transformers", class_name, ComponentKind::Tokenizer, {}, kind};
+}
+
 }  // namespace
 
 const char* component_kind_name(ComponentKind kind) {
@@ -56,6 +60,13 @@ const std::vector<ComponentClass>& component_classes() {
        }},
       module_class<AutoencoderKLQwenImage, AutoencoderKLQwenImageConfig>("diffusers", "AutoencoderKLQwenImage",
                                                                          ComponentKind::Vae),
+      tokenizer_class("CLIPTokenizer", tokenizers::TokenizerKind::Clip),
+      tokenizer_class("CLIPTokenizerFast", tokenizers::TokenizerKind::Clip),
+      tokenizer_class("T5Tokenizer", tokenizers::TokenizerKind::T5),
+      tokenizer_class("T5TokenizerFast", tokenizers::TokenizerKind::T5),
+      tokenizer_class("Qwen2Tokenizer", tokenizers::TokenizerKind::Qwen),
+      tokenizer_class("Qwen2TokenizerFast", tokenizers::TokenizerKind::Qwen),
+      {"diffusers", "FlowMatchEulerDiscreteScheduler", ComponentKind::Scheduler, {}, std::nullopt},
   };
   return table;
 }
@@ -83,6 +94,16 @@ const ComponentClass& find_component_class(ComponentKind kind, const std::string
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder) {
   return find_component_class(ComponentKind::Transformer, folder.class_name(), folder.dir + "/config.json")
       .create_module(folder);
+}
+
+std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folder, const std::string& class_name) {
+  const ComponentClass& entry = find_component_class(ComponentKind::Tokenizer, class_name, folder);
+  return tokenizers::load_tokenizer(folder, *entry.tokenizer_kind);
+}
+
+schedulers::FlowMatchEulerDiscreteScheduler create_scheduler(const std::string& folder, const std::string& class_name) {
+  find_component_class(ComponentKind::Scheduler, class_name, folder);
+  return schedulers::FlowMatchEulerDiscreteScheduler::from_pretrained(folder);
 }
 
 std::shared_ptr<AutoencoderModel> create_vae(const io::ComponentFolder& folder) {

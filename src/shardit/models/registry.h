@@ -2,12 +2,15 @@
 // The component registry: which classes a diffusers pipeline folder may name in model_index.json
 // (library, class) for each kind of component, and how to build them from their folders.
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "shardit/io/model_folder.h"
 #include "shardit/parallel/tensor_parallel.h"
+#include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
+#include "shardit/tokenizers/tokenizer.h"
 
 namespace shardit::models {
 
@@ -26,6 +29,8 @@ struct ComponentClass {
   /// Builds a module component from its folder's config, parameters on the meta device (load them
   /// with TensorParallelModule::load).
   std::function<std::shared_ptr<parallel::TensorParallelModule>(const io::ComponentFolder& folder)> create_module;
+  /// Tokenizer classes: the tokenizer that reads the folder's files.
+  std::optional<tokenizers::TokenizerKind> tokenizer_kind;
 };
 
 /// Every supported class, of every kind.
@@ -40,6 +45,13 @@ const ComponentClass& find_component_class(ComponentKind kind, const std::string
 /// with its parameters declared on the meta device (load them with TensorParallelModule::load).
 /// Errors name the folder and list the supported classes.
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder);
+
+/// The tokenizer a pipeline's model_index.json names `class_name` for, read from `folder`.
+std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folder, const std::string& class_name);
+
+/// The scheduler a pipeline's model_index.json names `class_name` for, configured from
+/// `folder`/scheduler_config.json.
+schedulers::FlowMatchEulerDiscreteScheduler create_scheduler(const std::string& folder, const std::string& class_name);
 
 /// The `_class_name` values of `kind` the registry accepts.
 std::vector<std::string> supported_classes(ComponentKind kind);

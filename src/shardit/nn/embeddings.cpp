@@ -34,16 +34,6 @@ at::Tensor Timesteps::forward(const at::Tensor& timesteps) const {
   return emb;
 }
 
-at::Tensor activate(const at::Tensor& x, Activation act_fn) {
-  switch (act_fn) {
-    case Activation::SiLU:
-      return at::silu(x);
-    case Activation::GeluTanh:
-      return at::gelu(x, "tanh");
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown activation");
-}
-
 TimestepEmbedding::TimestepEmbedding(int64_t in_channels, int64_t time_embed_dim, bool bias) {
   linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_channels, time_embed_dim).with_bias(bias)));
   linear_2 =
@@ -54,14 +44,13 @@ at::Tensor TimestepEmbedding::forward(const at::Tensor& sample) {
   return linear_2->forward(at::silu(linear_1->forward(sample)));
 }
 
-PixArtAlphaTextProjection::PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size, Activation act_fn)
-    : act_fn_(act_fn) {
+PixArtAlphaTextProjection::PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size) {
   linear_1 = register_module("linear_1", std::make_shared<Linear>(LinearOptions(in_features, hidden_size)));
   linear_2 = register_module("linear_2", std::make_shared<Linear>(LinearOptions(hidden_size, hidden_size)));
 }
 
 at::Tensor PixArtAlphaTextProjection::forward(const at::Tensor& caption) {
-  return linear_2->forward(activate(linear_1->forward(caption), act_fn_));
+  return linear_2->forward(at::silu(linear_1->forward(caption)));
 }
 
 }  // namespace shardit::nn

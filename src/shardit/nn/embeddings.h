@@ -51,24 +51,17 @@ class TimestepEmbedding : public Module {
   std::shared_ptr<Linear> linear_2;
 };
 
-enum class Activation { SiLU, GeluTanh };
-
-/// diffusers' PixArtAlphaTextProjection: linear_2(act_1(linear_1(caption))).
+/// diffusers' PixArtAlphaTextProjection with act_fn="silu" (the FLUX family's pooled-text
+/// projection): linear_2(silu(linear_1(caption))).
 class PixArtAlphaTextProjection : public Module {
  public:
-  PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size, Activation act_fn);
+  PixArtAlphaTextProjection(int64_t in_features, int64_t hidden_size);
   std::string type_name() const override { return "PixArtAlphaTextProjection"; }
   /// [..., in_features] -> [..., hidden_size].
   at::Tensor forward(const at::Tensor& caption);
 
   std::shared_ptr<Linear> linear_1;
   std::shared_ptr<Linear> linear_2;
-
- private:
-  Activation act_fn_;
 };
-
-/// The activation functions diffusers names "silu" and "gelu-approximate" (GELU, tanh form).
-at::Tensor activate(const at::Tensor& x, Activation act_fn);
 
 }  // namespace shardit::nn

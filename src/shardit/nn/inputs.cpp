@@ -63,4 +63,25 @@ at::Tensor per_sample_values(const std::string& where, const char* name, const a
   return tensor.to(device, at::kFloat).reshape({-1}).expand({batch}).contiguous();
 }
 
+JointStreams check_joint_streams(const std::string& where, const at::Tensor& hidden_states, int64_t in_channels,
+                                 const at::Tensor& encoder_hidden_states, int64_t joint_attention_dim) {
+  const auto image = check_shape(where, "hidden_states", hidden_states, {"B", "N", in_channels});
+  const auto text =
+      check_shape(where, "encoder_hidden_states", encoder_hidden_states, {{"B", image[0]}, "L", joint_attention_dim});
+  return {image[0], image[1], text[1]};
+}
+
+std::optional<at::Tensor> optional_per_sample_values(const std::string& where, const char* name,
+                                                     const std::optional<at::Tensor>& tensor, bool expected,
+                                                     int64_t batch, at::Device device) {
+  const bool given = tensor.has_value() && tensor->defined();
+  if (expected) {
+    TORCH_CHECK(given, where, ": this model embeds ", name, " (", name, "_embeds=true); pass `", name, "` [B]");
+    return per_sample_values(where, name, *tensor, batch, device);
+  }
+  TORCH_CHECK(!given, where, ": this model has no ", name, " embedder (", name, "_embeds=false); pass no `", name,
+              "`");
+  return std::nullopt;
+}
+
 }  // namespace shardit::nn

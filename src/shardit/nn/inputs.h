@@ -3,6 +3,7 @@
 // the argument, the expected shape (with symbols) and what was given.
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,5 +32,21 @@ size_t check_shape_any(const std::string& where, const char* name, const at::Ten
 /// sample, or one value for all.
 at::Tensor per_sample_values(const std::string& where, const char* name, const at::Tensor& tensor, int64_t batch,
                              at::Device device);
+
+/// The two token streams of an MMDiT forward, checked together: image tokens `hidden_states`
+/// [B, N, in_channels] and text tokens `encoder_hidden_states` [B, L, joint_attention_dim].
+struct JointStreams {
+  int64_t batch;
+  int64_t image_len;
+  int64_t text_len;
+};
+JointStreams check_joint_streams(const std::string& where, const at::Tensor& hidden_states, int64_t in_channels,
+                                 const at::Tensor& encoder_hidden_states, int64_t joint_attention_dim);
+
+/// An optional per-sample argument (guidance): required when `expected`, refused otherwise, each
+/// with a message naming the model and `name`; fp32 [batch] when given.
+std::optional<at::Tensor> optional_per_sample_values(const std::string& where, const char* name,
+                                                     const std::optional<at::Tensor>& tensor, bool expected,
+                                                     int64_t batch, at::Device device);
 
 }  // namespace shardit::nn

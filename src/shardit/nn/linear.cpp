@@ -43,9 +43,9 @@ Linear::Linear(const LinearOptions& options) : options_(options) {
 at::Tensor Linear::forward(const at::Tensor& x) {
   SHARDIT_PROFILE_SCOPE("Linear");
   // x: [..., in] (None, Colwise, ColwiseGather) or [..., in_local] (Rowwise)
-  TORCH_CHECK(x.dim() >= 1, "Linear (", mode_name(mode_), "): input is a scalar, expected [..., ",
+  TORCH_CHECK(x.dim() >= 1, "Linear '", path(), "' (", mode_name(mode_), "): input is a scalar, expected [..., ",
               weight.size(1), "]");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "Linear (", mode_name(mode_), "): input has ", x.size(-1),
+  TORCH_CHECK(x.size(-1) == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): input has ", x.size(-1),
               " features, the weight ", weight.sizes(), " expects ", weight.size(1));
   switch (mode_) {
     case LinearParallel::None:

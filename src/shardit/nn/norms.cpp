@@ -10,9 +10,9 @@ namespace {
 
 bool is_reduced_float(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
 
-void check_last_dim(const char* what, const at::Tensor& x, int64_t expected) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == expected, what, ": input has shape ", x.sizes(),
-              ", expected the last dimension to be ", expected);
+void check_last_dim(const Module& norm, const at::Tensor& x, int64_t expected) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == expected, norm.type_name(), " '", norm.path(), "': input has shape ",
+              x.sizes(), ", expected the last dimension to be ", expected);
 }
 
 }  // namespace
@@ -31,7 +31,7 @@ LayerNorm::LayerNorm(const LayerNormOptions& options) : options_(options) {
 }
 
 at::Tensor LayerNorm::forward(const at::Tensor& x) const {
-  check_last_dim("LayerNorm", x, options_.normalized_shape);
+  check_last_dim(*this, x, options_.normalized_shape);
   if (!options_.elementwise_affine) return layer_norm(x, options_.eps);
   const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor y = at::layer_norm(x32, {options_.normalized_shape}, weight.to(at::kFloat),
@@ -44,7 +44,7 @@ RMSNorm::RMSNorm(const RMSNormOptions& options) : options_(options) {
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) const {
-  check_last_dim("RMSNorm", x, options_.dim);
+  check_last_dim(*this, x, options_.dim);
   const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   // [..., 1]
   const at::Tensor inv_rms = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true).add_(options_.eps));

@@ -765,6 +765,10 @@ void TensorParallelModule::to(at::Device device, at::ScalarType dtype) {
   }
 }
 
+void TensorParallelModule::check_loaded(const std::string& where) {
+  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
+}
+
 ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype) {
   return resolve_plan(*this, tp_plan(), tp_degree, traits(), dtype);
 }

@@ -147,6 +147,8 @@ class TensorParallelModule : public nn::Module {
   int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
   /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
   const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }
+  /// Fails naming `where` when a forward runs before every weight was loaded.
+  void check_loaded(const std::string& where);
   /// The config it was sharded with; null when whole.
   const TensorParallelConfig* parallel_config() const { return config_ ? &*config_ : nullptr; }
 

@@ -86,7 +86,7 @@ CombinedTimestepGuidanceTextProjEmbeddings::CombinedTimestepGuidanceTextProjEmbe
     guidance_embedder = register_module("guidance_embedder", std::make_shared<nn::TimestepEmbedding>(256, embedding_dim));
   }
   text_embedder = register_module("text_embedder", std::make_shared<nn::PixArtAlphaTextProjection>(
-                                                       pooled_projection_dim, embedding_dim, nn::Activation::SiLU));
+                                                       pooled_projection_dim, embedding_dim));
 }
 
 at::Tensor CombinedTimestepGuidanceTextProjEmbeddings::forward(const at::Tensor& timestep,
@@ -306,39 +306,29 @@ const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
 }
 
 parallel::ModelTraits FluxTransformer2DModel::traits() const {
-  parallel::ModelTraits traits;
   // Heads are the unit of the attention split: a rank must hold whole heads.
-  traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
-  return traits;
+  return {/*divisors=*/{{"num_attention_heads", config.num_attention_heads}}};
 }
 
 at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("FluxTransformer2DModel");
   const std::string where = type_name();
-  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
+  check_loaded(where);
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
   const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
 
   const at::Tensor& hidden_states_in = inputs.hidden_states;
-  const auto image_shape = nn::check_shape(where, "hidden_states", hidden_states_in, {"B", "N", config.in_channels});
-  const int64_t batch = image_shape[0];
-  const int64_t image_len = image_shape[1];
-  const int64_t text_len = nn::check_shape(where, "encoder_hidden_states", inputs.encoder_hidden_states,
-                                           {{"B", batch}, "L", config.joint_attention_dim})[1];
+  // B, N image tokens, L text tokens
+  const auto [batch, image_len, text_len] =
+      nn::check_joint_streams(where, hidden_states_in, config.in_channels, inputs.encoder_hidden_states, config.joint_attention_dim);
   nn::check_shape(where, "pooled_projections", inputs.pooled_projections, {{"B", batch}, config.pooled_projection_dim});
 
   // The model's own scaling of the pipeline's t/1000, in fp32.
   const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device) * 1000;
-  std::optional<at::Tensor> guidance;
-  if (config.guidance_embeds) {
-    TORCH_CHECK(inputs.guidance.has_value() && inputs.guidance->defined(), where,
-                ": this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");
-    guidance = nn::per_sample_values(where, "guidance", *inputs.guidance, batch, device) * 1000;
-  } else {
-    TORCH_CHECK(!inputs.guidance.has_value() || !inputs.guidance->defined(), where,
-                ": this model has no guidance embedder (guidance_embeds=false); pass no `guidance`");
-  }
+  std::optional<at::Tensor> guidance =
+      nn::optional_per_sample_values(where, "guidance", inputs.guidance, config.guidance_embeds, batch, device);
+  if (guidance) *guidance = *guidance * 1000;
 
   // Position ids: 2-D [S, 3]. A batched [B, S, 3] tensor is accepted (deprecated in diffusers);
   // all samples share positions, so its first entry is used.

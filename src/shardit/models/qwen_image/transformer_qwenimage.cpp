@@ -287,27 +287,23 @@ const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
 }
 
 parallel::ModelTraits QwenImageTransformer2DModel::traits() const {
-  parallel::ModelTraits traits;
   // Heads are the unit of the attention split: a rank must hold whole heads.
-  traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
-  return traits;
+  return {/*divisors=*/{{"num_attention_heads", config.num_attention_heads}}};
 }
 
 at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformer2DModel");
   const std::string where = type_name();
-  TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
+  check_loaded(where);
   const at::ScalarType dtype = this->dtype();
   const at::Device device = this->device();
   const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
 
   const at::Tensor& hidden_states_in = inputs.hidden_states;
-  const auto image_shape = nn::check_shape(where, "hidden_states", hidden_states_in, {"B", "N", config.in_channels});
-  const int64_t batch = image_shape[0];
-  const int64_t image_len = image_shape[1];
   const at::Tensor& text_in = inputs.encoder_hidden_states;
-  const int64_t text_len =
-      nn::check_shape(where, "encoder_hidden_states", text_in, {{"B", batch}, "L", config.joint_attention_dim})[1];
+  // B, N image tokens, L text tokens
+  const auto [batch, image_len, text_len] =
+      nn::check_joint_streams(where, hidden_states_in, config.in_channels, text_in, config.joint_attention_dim);
   const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device);
 
   // The grids of the image tokens: diffusers uses the first sample's list for all.
