@@ -188,7 +188,12 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
   vae_weights_ = vae_folder.weights();
   vae_model_ = models::create_vae(vae_folder);
   vae_scale_factor_ = vae_model_->vae_scale_factor();
-  scheduler_config_ = schedulers::FlowMatchEulerDiscreteScheduler::from_pretrained(folder_.root()).config();
+  // The scheduler class model_index.json names, through the registry (it refuses other classes).
+  const nlohmann::json& scheduler_entry = folder_.model_index().at("scheduler");
+  scheduler_config_ =
+      models::create_scheduler((std::filesystem::path(folder_.root()) / "scheduler").string(),
+                               scheduler_entry.at(1).get<std::string>())
+          .config();
   transformer_ = models::create_transformer(transformer_folder);
 }
 
