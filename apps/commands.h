@@ -37,6 +37,8 @@ std::string tensor_table(const File& file) {
 /// ranks (0: the whole world; none on a world of one at tp 1).
 parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp);
 
+/// Adds `generate` (a text-to-image pipeline to PNG files).
+void register_generate(CLI::App& app, CommandBody& body);
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
 void register_inspect(CLI::App& app, CommandBody& body);
 /// Adds `run-encoder` (a text encoder on a golden-style case folder, outputs under golden names).

@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
                  "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
 
   shardit::apps::CommandBody body;
+  shardit::apps::register_generate(app, body);
   shardit::apps::register_inspect(app, body);
   shardit::apps::register_run_encoder(app, body);
   shardit::apps::register_run_transformer(app, body);

@@ -20,6 +20,7 @@ find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
 find_package(Threads REQUIRED)
+find_package(PNG REQUIRED)  # images written by `shardit generate` (libpng-dev)
 # Tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping).
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(SentencePiece REQUIRED IMPORTED_TARGET sentencepiece)

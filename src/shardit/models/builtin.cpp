@@ -9,6 +9,7 @@
 
 #include "shardit/io/safetensors.h"
 #include "shardit/models/flux/transformer_flux.h"
+#include "shardit/models/vae/autoencoder_kl.h"
 
 namespace shardit::models {
 
@@ -32,6 +33,36 @@ nlohmann::json builtin_transformer_config() {
           {"axes_dims_rope", {4, 6, 6}}};
 }
 
+// FLUX.1's VAE layout (no quant convs, scaling and shift factors), 4 latent channels so that the
+// packed latents match the transformer's in_channels 16; 4 levels: 8 pixels per latent pixel.
+nlohmann::json builtin_vae_config() {
+  return {{"_class_name", "AutoencoderKL"},
+          {"in_channels", 3},
+          {"out_channels", 3},
+          {"latent_channels", 4},
+          {"block_out_channels", {8, 8, 16, 16}},
+          {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
+          {"layers_per_block", 1},
+          {"norm_num_groups", 4},
+          {"sample_size", 64},
+          {"scaling_factor", 0.3611},
+          {"shift_factor", 0.1159},
+          {"use_quant_conv", false},
+          {"use_post_quant_conv", false}};
+}
+
+// FLUX.1-dev's scheduler_config.json.
+nlohmann::json builtin_scheduler_config() {
+  return {{"_class_name", "FlowMatchEulerDiscreteScheduler"},
+          {"base_image_seq_len", 256},
+          {"base_shift", 0.5},
+          {"max_image_seq_len", 4096},
+          {"max_shift", 1.15},
+          {"num_train_timesteps", 1000},
+          {"shift", 3.0},
+          {"use_dynamic_shifting", true}};
+}
+
 void write_json(const fs::path& path, const nlohmann::json& json) {
   std::ofstream out(path);
   TORCH_CHECK(out.good(), path.string(), ": cannot write");
@@ -41,18 +72,21 @@ void write_json(const fs::path& path, const nlohmann::json& json) {
 }  // namespace
 
 std::string default_builtin_model_root() {
-  return (fs::temp_directory_path() / "shardit-builtin-2").string();
+  return (fs::temp_directory_path() / "shardit-builtin-3").string();
 }
 
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
   const fs::path root(root_path);
-  BuiltinModelPaths paths{root.string(), (root / "transformer").string(), (root / "inputs").string()};
+  BuiltinModelPaths paths{root.string(), (root / "transformer").string(), (root / "inputs").string(),
+                          (root / "prompt_embeds.safetensors").string()};
   if (fs::exists(root / ".complete")) {
     // The folder lives in a shared temp folder: re-check it (headers and sizes, which catch a
     // truncated or replaced file) instead of failing forever on a damaged copy.
     try {
       io::Checkpoint::open(paths.transformer);
       io::SafetensorsFile::open((root / "inputs" / "inputs.safetensors").string());
+      io::Checkpoint::open((root / "vae").string());
+      io::SafetensorsFile::open(paths.prompt_embeds);
       return paths;
     } catch (const std::exception&) {
       // Moved aside first, so that ranks starting together never see half a model.
@@ -68,8 +102,14 @@ BuiltinModelPaths write_builtin_model(const std::string& root_path) {
   fs::remove_all(staging);
   fs::create_directories(staging / "transformer");
   fs::create_directories(staging / "inputs");
-  write_json(staging / "model_index.json",
-             {{"_class_name", "FluxPipeline"}, {"transformer", {"diffusers", "FluxTransformer2DModel"}}});
+  fs::create_directories(staging / "vae");
+  fs::create_directories(staging / "scheduler");
+  write_json(staging / "model_index.json", {{"_class_name", "FluxPipeline"},
+                                            {"transformer", {"diffusers", "FluxTransformer2DModel"}},
+                                            {"vae", {"diffusers", "AutoencoderKL"}},
+                                            {"scheduler", {"diffusers", "FlowMatchEulerDiscreteScheduler"}}});
+  write_json(staging / "vae" / "config.json", builtin_vae_config());
+  write_json(staging / "scheduler" / "scheduler_config.json", builtin_scheduler_config());
   const nlohmann::json config = builtin_transformer_config();
   write_json(staging / "transformer" / "config.json", config);
 
@@ -115,6 +155,21 @@ BuiltinModelPaths write_builtin_model(const std::string& root_path) {
               {"latent_token_grid", {{"height", grid_h}, {"width", grid_w}}},
               {"text_len", text_len},
               {"notes", {"built-in tiny model input; timestep is t/1000 and guidance the guidance scale, as the pipeline passes them"}}});
+
+  // The VAE: normal weights, with norm scales near 1 so that the activations stay in range.
+  AutoencoderKL vae(AutoencoderKLConfig::from_json(builtin_vae_config(), "built-in VAE config"));
+  std::vector<std::pair<std::string, at::Tensor>> vae_weights;
+  for (const auto& slot : vae.named_parameters()) {
+    const bool is_norm_weight = slot.name.find("norm") != std::string::npos && slot.tensor->dim() == 1 &&
+                                slot.name.size() > 7 && slot.name.compare(slot.name.size() - 7, 7, ".weight") == 0;
+    vae_weights.emplace_back(slot.name, at::normal(is_norm_weight ? 1.0 : 0.0, 0.1, slot.tensor->sizes(), generator,
+                                                   at::TensorOptions().dtype(at::kFloat)));
+  }
+  io::save_safetensors((staging / "vae" / "diffusion_pytorch_model.safetensors").string(), vae_weights);
+
+  // Prompt embeddings standing in for one prompt (T5's [1, L, joint] and CLIP's pooled [1, 32]).
+  io::save_safetensors((staging / "prompt_embeds.safetensors").string(),
+                       {{"prompt_embeds", randn({1, 8, 32})}, {"pooled_prompt_embeds", randn({1, 32})}});
   std::ofstream(staging / ".complete") << "ok\n";
 
   std::error_code error;

@@ -1,8 +1,10 @@
 #pragma once
 // A built-in tiny model, so that the CLI and the quick start run on a fresh machine with no
-// checkpoint: a diffusers pipeline folder holding a small FluxTransformer2DModel with seeded random
-// weights (in two safetensors shards with an index, as diffusers saves large models), and one
-// input case in the golden-data layout (inputs.safetensors + inputs.json).
+// checkpoint: a diffusers FluxPipeline folder holding a small FluxTransformer2DModel with seeded
+// random weights (in two safetensors shards with an index, as diffusers saves large models), a
+// small random AutoencoderKL and FLUX.1-dev's scheduler config; one input case in the
+// golden-data layout (inputs.safetensors + inputs.json); and random prompt embeddings standing
+// in for a prompt (there are no text encoders in it).
 #include <string>
 
 namespace shardit::models {
@@ -11,6 +13,7 @@ struct BuiltinModelPaths {
   std::string pipeline;     ///< the folder with model_index.json
   std::string transformer;  ///< its transformer/ component
   std::string inputs;       ///< a case folder for `run-transformer --inputs`
+  std::string prompt_embeds;  ///< a file for `generate --prompt-embeds`
 };
 
 /// Writes (or reuses, when already complete) the built-in tiny model under `root`.

@@ -1,0 +1,235 @@
+// `shardit generate`: a text-to-image pipeline from a diffusers folder (FluxPipeline,
+// Flux2KleinPipeline, QwenImagePipeline) to PNG files, the transformer sharded over the ranks.
+// Only rank 0 decodes and writes.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "shardit/core/dtype.h"
+#include "shardit/dist/world.h"
+#include "shardit/io/file.h"
+#include "shardit/io/png.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/builtin.h"
+#include "shardit/pipelines/pipeline.h"
+
+namespace shardit::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct GenerateOptions {
+  std::string model;
+  std::vector<std::string> prompt;
+  std::string prompt_embeds;
+  std::vector<std::string> negative_prompt;
+  std::optional<int64_t> height;
+  std::optional<int64_t> width;
+  std::optional<int64_t> steps;
+  std::optional<double> guidance;
+  std::optional<double> true_cfg_scale;
+  int64_t max_sequence_length = 512;
+  int64_t num_images = 1;
+  uint64_t seed = 0;
+  std::string latents;
+  std::string out = "out.png";
+  std::string out_tensors;
+  std::string dtype = "f32";
+  int tp = 0;  ///< 0: the world size
+  bool tiled_vae = false;
+  bool save_steps = false;
+  std::string compare_to;
+};
+
+/// Compares the first image with a PNG written before (another TP degree, another machine): the
+/// same picture up to one 8-bit level, since values that differ by float rounding can round to
+/// neighbouring levels.
+void compare_with(const std::string& reference_path, const at::Tensor& image) {
+  const at::Tensor reference = io::read_png(reference_path).to(at::kInt);
+  const at::Tensor ours = io::to_uint8_pixels(image[0]).to(at::kInt);
+  TORCH_CHECK(reference.sizes() == ours.sizes(), "--compare-to ", reference_path, ": the image is ",
+              fmt::format("{}", fmt::join(reference.sizes(), "x")), ", this one ",
+              fmt::format("{}", fmt::join(ours.sizes(), "x")));
+  const at::Tensor difference = (ours - reference).abs();
+  const int max_levels = difference.max().item<int>();
+  const int64_t differing = difference.ne(0).sum().item<int64_t>();
+  TORCH_CHECK(max_levels <= 1, "the image differs from ", reference_path, " by up to ", max_levels, " levels in ",
+              differing, " of ", difference.numel(), " values");
+  fmt::print("the image equals {} ({} of {} values differ, by one 8-bit level at most: float rounding)\n",
+             reference_path, differing, difference.numel());
+}
+
+int generate(const GenerateOptions& given) {
+  dist::World& world = dist::World::get();
+  GenerateOptions options = given;
+  if (options.model.empty()) {
+    TORCH_CHECK(options.prompt.empty() && options.prompt_embeds.empty(),
+                "generate: --prompt/--prompt-embeds without "
+                "--model; give --model, or neither for the built-in tiny model");
+    const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
+    options.model = builtin.pipeline;
+    options.prompt_embeds = builtin.prompt_embeds;
+    if (world.rank() == 0) {
+      fmt::print(
+          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights; the "
+          "image is noise)\n");
+    }
+  }
+  const at::ScalarType dtype = parse_compute_dtype(options.dtype);
+
+  // Everything the command reads or writes is checked before anything is loaded.
+  pipelines::GenerateRequest request;
+  request.prompt = options.prompt;
+  request.negative_prompt = options.negative_prompt;
+  request.height = options.height;
+  request.width = options.width;
+  request.num_inference_steps = options.steps;
+  request.guidance_scale = options.guidance;
+  request.true_cfg_scale = options.true_cfg_scale;
+  request.num_images_per_prompt = options.num_images;
+  request.max_sequence_length = options.max_sequence_length;
+  request.seed = options.seed;
+  if (!options.prompt_embeds.empty()) {
+    request.prompt_embeds = pipelines::read_prompt_embeds(options.prompt_embeds);
+    TORCH_CHECK(request.prompt_embeds.has_value(), options.prompt_embeds, ": holds no 'prompt_embeds' tensor");
+    request.negative_prompt_embeds = pipelines::read_prompt_embeds(options.prompt_embeds, "negative_");
+  }
+  if (!options.latents.empty()) {
+    const auto file = io::SafetensorsFile::open(options.latents);
+    TORCH_CHECK(file->contains("latents"), options.latents,
+                ": holds no 'latents' tensor (tensors: ", fmt::format("{}", fmt::join(file->names(), ", ")), ")");
+    request.latents = file->read("latents");
+  }
+  std::vector<std::pair<std::string, at::Tensor>> step_latents;
+  if (options.save_steps) {
+    TORCH_CHECK(!options.out_tensors.empty(), "generate: --save-steps writes into --out-tensors; give that too");
+    request.callback_on_step_end = [&step_latents](int64_t step, const at::Tensor& latents) {
+      step_latents.emplace_back("step" + std::to_string(step) + ".latents", latents.to(at::kCPU, at::kFloat).clone());
+    };
+  }
+  if (!options.compare_to.empty()) {
+    const std::string problem = io::regular_file_problem(options.compare_to);
+    TORCH_CHECK(problem.empty(), "--compare-to ", options.compare_to, ": ", problem);
+  }
+  pipelines::check_request(request);
+  const int64_t num_prompts =
+      request.prompt_embeds ? request.prompt_embeds->num_prompts() : static_cast<int64_t>(options.prompt.size());
+  const std::vector<std::string> pngs = pipelines::image_paths(options.out, num_prompts * options.num_images);
+  if (world.rank() == 0) {
+    std::vector<std::string> inputs = {options.prompt_embeds, options.latents, options.compare_to};
+    for (const auto& png : pngs) io::check_output_path(png, inputs);
+    if (!options.out_tensors.empty()) io::check_output_path(options.out_tensors, inputs);
+  }
+  world.agree("generate arguments",
+              fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model, fmt::join(options.prompt, "\x1f"),
+                          options.prompt_embeds, fmt::join(options.negative_prompt, "\x1f"),
+                          options.height.value_or(-1), options.width.value_or(-1), options.steps.value_or(-1),
+                          options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
+                          options.seed, options.latents, options.dtype));
+
+  pipelines::PipelineLoadOptions load;
+  load.dtype = dtype;
+  load.device = world.device();
+  load.vae_tiling = options.tiled_vae;
+  const int tp = options.tp > 0 ? options.tp : world.size();
+  if (world.size() > 1 || tp != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
+
+  // The request is checked against the components' configs before any weight is read.
+  const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
+  pipeline->check(request);
+  const auto load_start = std::chrono::steady_clock::now();
+  pipeline->load();
+  const auto start = std::chrono::steady_clock::now();
+  const pipelines::GenerateResult result = pipeline->generate(request);
+  const auto end = std::chrono::steady_clock::now();
+
+  if (world.rank() == 0) {
+    const std::string prompt_text = options.prompt.empty() ? "(prompt embeddings from " + options.prompt_embeds + ")"
+                                                           : fmt::format("{}", fmt::join(options.prompt, " | "));
+    const std::string seed_text =
+        options.latents.empty() ? std::to_string(options.seed) : "(latents from " + options.latents + ")";
+    const std::string model_name = fs::path(options.model).lexically_normal().filename().string().empty()
+                                       ? fs::path(options.model).lexically_normal().parent_path().filename().string()
+                                       : fs::path(options.model).lexically_normal().filename().string();
+    const std::vector<std::pair<std::string, std::string>> text = {
+        {"parameters",
+         fmt::format("{}\nNegative prompt: {}\nSteps: {}, Seed: {}, Size: {}x{}, Guidance: {}, Model: {}, "
+                     "Pipeline: {}",
+                     prompt_text, fmt::join(options.negative_prompt, " | "), result.num_inference_steps, seed_text,
+                     result.width, result.height, result.guidance, model_name, pipeline->class_name())},
+        {"prompt", prompt_text},
+        {"negative_prompt", fmt::format("{}", fmt::join(options.negative_prompt, " | "))},
+        {"seed", seed_text},
+        {"steps", std::to_string(result.num_inference_steps)},
+        {"guidance", fmt::format("{}", result.guidance)},
+        {"model", model_name},
+        {"Software", "shardit"}};
+    pipelines::save_images(result.image, options.out, text);
+    if (!options.compare_to.empty()) compare_with(options.compare_to, result.image);
+    if (!options.out_tensors.empty()) {
+      std::vector<std::pair<std::string, at::Tensor>> tensors = {{"image", result.image}, {"latents", result.latents}};
+      tensors.insert(tensors.end(), step_latents.begin(), step_latents.end());
+      io::save_safetensors(options.out_tensors, tensors);
+    }
+    const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    fmt::print(
+        "{} ({}, transformer tp {} of {} ranks): {} image(s) {}x{}, {} steps in {:.2f} s (load {:.2f} s) -> {}{}\n",
+        pipeline->class_name(), options.dtype, tp, world.size(), pngs.size(), result.width, result.height,
+        result.num_inference_steps, seconds(start, end), seconds(load_start, start), fmt::join(pngs, ", "),
+        options.out_tensors.empty() ? "" : ", " + options.out_tensors);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app, CommandBody& body) {
+  auto options = std::make_shared<GenerateOptions>();
+  CLI::App* command = app.add_subcommand("generate", "text to image with a diffusers pipeline folder, written as PNG");
+  command->add_option("--model", options->model,
+                      "diffusers pipeline folder (model_index.json); default: a built-in tiny random pipeline");
+  command->add_option("--prompt", options->prompt, "prompt (repeat for a batch)");
+  command->add_option("--prompt-embeds", options->prompt_embeds,
+                      "safetensors with prompt_embeds (+ pooled_prompt_embeds, prompt_embeds_mask, negative_*) "
+                      "instead of --prompt");
+  command->add_option("--negative-prompt", options->negative_prompt, "negative prompt (one, or one per prompt)");
+  command->add_option("--height", options->height, "image height in pixels (a multiple of 16)")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--width", options->width, "image width in pixels (a multiple of 16)")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--steps", options->steps, "num_inference_steps")->check(CLI::PositiveNumber);
+  command->add_option("--guidance", options->guidance, "guidance_scale (FLUX.1: embedded; FLUX.2 klein: CFG)");
+  command->add_option("--true-cfg-scale", options->true_cfg_scale, "true_cfg_scale (FLUX.1, Qwen-Image)");
+  command->add_option("--max-sequence-length", options->max_sequence_length, "max_sequence_length")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--num-images", options->num_images, "num_images_per_prompt")->check(CLI::PositiveNumber);
+  command->add_option("--seed", options->seed, "seed of the CPU generator drawing the initial latents");
+  command->add_option("--latents", options->latents, "safetensors holding `latents` (the pipeline's latents=)")
+      ->excludes(command->get_option("--seed"));
+  command->add_option("--out", options->out, "output PNG (out_0.png, out_1.png ... for several images)");
+  command->add_option("--out-tensors", options->out_tensors,
+                      "also write `image` (float32 [B, H, W, 3] in [0, 1]) and the final `latents` here");
+  command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
+  command
+      ->add_option("--tp", options->tp,
+                   "transformer tensor-parallel degree, dividing the number of ranks "
+                   "(default: all ranks)")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--save-steps", options->save_steps,
+                    "also write the latents after every step (`step<K>.latents`) into --out-tensors");
+  command->add_option("--compare-to", options->compare_to,
+                      "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
+                      "within one 8-bit level");
+  command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+  command->callback([&body, options] { body = [options] { return generate(*options); }; });
+}
+
+}  // namespace shardit::apps

@@ -1,0 +1,25 @@
+#pragma once
+// PNG output through libpng: 8-bit RGB images with text chunks (the generation parameters, as
+// image tools read them).
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardit::io {
+
+/// An image in [0, 1] (float, [H, W, 3]) as 8-bit pixels: uint8(round(x * 255)), halves to even
+/// (numpy_to_pil's rounding).
+at::Tensor to_uint8_pixels(const at::Tensor& image);
+
+/// Writes `pixels` (uint8 [H, W, 3]) to `path` as an 8-bit RGB PNG, all or nothing. Each entry of
+/// `text` becomes a tEXt chunk (an iTXt chunk when the value is not Latin-1 text, e.g. a UTF-8
+/// prompt). Errors name the path.
+void write_png(const std::string& path, const at::Tensor& pixels,
+               const std::vector<std::pair<std::string, std::string>>& text = {});
+
+/// Reads an 8-bit RGB or RGBA PNG as uint8 [H, W, 3] (alpha dropped). Errors name the path.
+at::Tensor read_png(const std::string& path);
+
+}  // namespace shardit::io

@@ -1,0 +1,370 @@
+#include "shardit/pipelines/pipeline.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "shardit/dist/world.h"
+#include "shardit/io/png.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/pipelines/pipeline_flux.h"
+#include "shardit/pipelines/pipeline_flux2_klein.h"
+#include "shardit/pipelines/pipeline_qwenimage.h"
+
+namespace shardit::pipelines {
+
+namespace {
+
+/// "step 3/28 | 1.24 s/it | ETA 31 s" on one terminal line, rewritten after every step; silent
+/// when stderr is not a terminal.
+class ProgressBar {
+ public:
+  ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled && ::isatty(STDERR_FILENO) == 1) {}
+  void update(int64_t done) {
+    if (!enabled_) return;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double per_step = elapsed / static_cast<double>(done);
+    std::fprintf(stderr, "\rstep %lld/%lld | %.2f s/it | ETA %.0f s   ", static_cast<long long>(done),
+                 static_cast<long long>(total_), per_step, per_step * static_cast<double>(total_ - done));
+    if (done == total_) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  int64_t total_;
+  bool enabled_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+bool is_floating(at::ScalarType type) { return at::isFloatingType(type); }
+
+}  // namespace
+
+std::optional<PromptEmbeds> read_prompt_embeds(const std::string& path, const std::string& prefix) {
+  const auto file = io::SafetensorsFile::open(path);
+  if (!file->contains(prefix + "prompt_embeds")) return std::nullopt;
+  PromptEmbeds embeds;
+  embeds.prompt_embeds = file->read(prefix + "prompt_embeds");
+  if (file->contains(prefix + "pooled_prompt_embeds"))
+    embeds.pooled_prompt_embeds = file->read(prefix + "pooled_prompt_embeds");
+  if (file->contains(prefix + "prompt_embeds_mask"))
+    embeds.prompt_embeds_mask = file->read(prefix + "prompt_embeds_mask");
+  return embeds;
+}
+
+void check_prompt_embeds(const PromptEmbeds& embeds, int64_t joint_attention_dim, int64_t pooled_dim,
+                         const std::string& what) {
+  const at::Tensor& x = embeds.prompt_embeds;
+  TORCH_CHECK(x.defined(), what, " is missing");
+  TORCH_CHECK(is_floating(x.scalar_type()), what, " has dtype ", x.scalar_type(),
+              "; prompt embeddings are floating point (float32, bfloat16, float16)");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1, what, " has shape ", x.sizes(),
+              ", expected [prompts, tokens, ", joint_attention_dim, "]");
+  TORCH_CHECK(x.size(2) == joint_attention_dim, what, " has width ", x.size(2), " (shape ", x.sizes(),
+              "), but the transformer's joint_attention_dim is ", joint_attention_dim,
+              ": the embeddings were made for another model");
+  if (pooled_dim > 0) {
+    TORCH_CHECK(embeds.pooled_prompt_embeds.has_value(), what, ": pooled_prompt_embeds [", x.size(0), ", ", pooled_dim,
+                "] is missing (FLUX.1 needs the CLIP pooled output too)");
+    const at::Tensor& pooled = *embeds.pooled_prompt_embeds;
+    TORCH_CHECK(is_floating(pooled.scalar_type()), what, ": pooled_prompt_embeds has dtype ", pooled.scalar_type(),
+                "; expected floating point");
+    TORCH_CHECK(pooled.dim() == 2 && pooled.size(0) == x.size(0) && pooled.size(1) == pooled_dim, what,
+                ": pooled_prompt_embeds has shape ", pooled.sizes(), ", expected [", x.size(0), ", ", pooled_dim,
+                "] (the transformer's pooled_projection_dim)");
+  }
+  if (embeds.prompt_embeds_mask.has_value()) {
+    const at::Tensor& mask = *embeds.prompt_embeds_mask;
+    TORCH_CHECK(!is_floating(mask.scalar_type()) && !at::isComplexType(mask.scalar_type()), what,
+                ": prompt_embeds_mask has dtype ", mask.scalar_type(), "; expected int64 or bool (1 = valid token)");
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == x.size(0) && mask.size(1) == x.size(1), what,
+                ": prompt_embeds_mask has shape ", mask.sizes(), ", expected [", x.size(0), ", ", x.size(1), "]");
+  }
+}
+
+PromptEmbeds repeat_prompt_embeds(const PromptEmbeds& embeds, int64_t n, at::ScalarType dtype, at::Device device) {
+  PromptEmbeds out;
+  out.prompt_embeds = embeds.prompt_embeds.repeat_interleave(n, 0).to(device, dtype);
+  if (embeds.pooled_prompt_embeds)
+    out.pooled_prompt_embeds = embeds.pooled_prompt_embeds->repeat_interleave(n, 0).to(device, dtype);
+  if (embeds.prompt_embeds_mask)
+    out.prompt_embeds_mask = embeds.prompt_embeds_mask->repeat_interleave(n, 0).to(device, at::kLong);
+  return out;
+}
+
+at::Tensor seeded_noise(at::IntArrayRef shape, uint64_t seed) {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, generator, at::TensorOptions().dtype(at::kFloat));
+}
+
+at::Tensor pack_latents_2x2(const at::Tensor& latents) {
+  const int64_t b = latents.size(0), c = latents.size(1), h = latents.size(2) / 2, w = latents.size(3) / 2;
+  // [B, C, h, 2, w, 2] -> [B, h, w, C, 2, 2]
+  return latents.reshape({b, c, h, 2, w, 2}).permute({0, 2, 4, 1, 3, 5}).reshape({b, h * w, c * 4});
+}
+
+at::Tensor unpack_latents_2x2(const at::Tensor& packed, int64_t h, int64_t w) {
+  const int64_t b = packed.size(0), c = packed.size(2) / 4;
+  // [B, h, w, C, 2, 2] -> [B, C, h, 2, w, 2]
+  return packed.reshape({b, h, w, c, 2, 2}).permute({0, 3, 1, 4, 2, 5}).reshape({b, c, h * 2, w * 2});
+}
+
+void check_given_latents(const at::Tensor& latents, const std::vector<int64_t>& expected, const std::string& layout) {
+  TORCH_CHECK(at::isFloatingType(latents.scalar_type()), "latents have dtype ", latents.scalar_type(),
+              "; expected floating point");
+  TORCH_CHECK(latents.sizes().vec() == expected, "latents have shape ", latents.sizes(), ", expected ",
+              at::IntArrayRef(expected), " (", layout, ") for this batch, height and width");
+}
+
+std::vector<std::string> negative_prompts_for(const std::vector<std::string>& negative, int64_t num_prompts) {
+  if (negative.empty()) return {};
+  if (negative.size() == 1) return std::vector<std::string>(static_cast<size_t>(num_prompts), negative[0]);
+  TORCH_CHECK(static_cast<int64_t>(negative.size()) == num_prompts, negative.size(), " negative prompts for ",
+              num_prompts, " prompts; give one negative prompt, or one per prompt");
+  return negative;
+}
+
+std::vector<std::string> image_paths(const std::string& out, int64_t count) {
+  if (count == 1) return {out};
+  const std::filesystem::path path(out);
+  std::vector<std::string> paths;
+  for (int64_t i = 0; i < count; ++i) {
+    paths.push_back(
+        (path.parent_path() / (path.stem().string() + "_" + std::to_string(i) + path.extension().string())).string());
+  }
+  return paths;
+}
+
+std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
+                                     const std::vector<std::pair<std::string, std::string>>& text) {
+  TORCH_CHECK(image.defined() && image.dim() == 4,
+              "save_images: no decoded image on this rank (only ranks with a "
+              "VAE decode; by default world rank 0)");
+  const std::vector<std::string> paths = image_paths(out, image.size(0));
+  for (size_t i = 0; i < paths.size(); ++i)
+    io::write_png(paths[i], io::to_uint8_pixels(image[static_cast<int64_t>(i)]), text);
+  return paths;
+}
+
+void check_request(const GenerateRequest& request) {
+  if (request.num_inference_steps) {
+    TORCH_CHECK(*request.num_inference_steps > 0, "num_inference_steps (--steps) is ", *request.num_inference_steps,
+                "; it must be at least 1");
+  }
+  TORCH_CHECK(request.num_images_per_prompt >= 1, "num_images_per_prompt (--num-images) is ",
+              request.num_images_per_prompt, "; it must be at least 1");
+  TORCH_CHECK(request.max_sequence_length >= 1, "max_sequence_length is ", request.max_sequence_length,
+              "; it must be at least 1");
+  if (request.height) TORCH_CHECK(*request.height > 0, "height is ", *request.height, "; it must be positive");
+  if (request.width) TORCH_CHECK(*request.width > 0, "width is ", *request.width, "; it must be positive");
+  TORCH_CHECK(!(request.prompt_embeds && !request.prompt.empty()),
+              "give either prompts or prompt embeddings, not both");
+  TORCH_CHECK(request.prompt_embeds || !request.prompt.empty(), "no prompt: give prompts or prompt embeddings");
+}
+
+DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,
+                                     const std::string& pipeline_class, const std::string& transformer_class)
+    : folder_(std::move(folder)), options_(options) {
+  TORCH_CHECK(folder_.is_pipeline(), folder_.root(), " has no model_index.json; give a diffusers pipeline folder");
+  const auto listed = folder_.components();
+  for (const char* name : {"transformer", "scheduler", "vae"}) {
+    TORCH_CHECK(std::find(listed.begin(), listed.end(), name) != listed.end(), folder_.root(),
+                "/model_index.json: the pipeline has no '", name, "' component; a ", pipeline_class,
+                " folder needs transformer/, scheduler/ and vae/");
+  }
+  // Everything is opened before anything is loaded: a missing folder or file is named at once.
+  const io::ComponentFolder transformer_folder = folder_.component("transformer");
+  const io::ComponentFolder vae_folder = folder_.component("vae");
+  TORCH_CHECK(transformer_folder.class_name() == transformer_class, transformer_folder.dir,
+              "/config.json: _class_name is '", transformer_folder.class_name(), "', but a ", pipeline_class,
+              " needs a ", transformer_class);
+  transformer_weights_ = transformer_folder.weights();
+  vae_weights_ = vae_folder.weights();
+  vae_model_ = models::create_vae(vae_folder);
+  vae_scale_factor_ = vae_model_->vae_scale_factor();
+  // The scheduler class model_index.json names, through the registry (it refuses other classes).
+  const nlohmann::json& scheduler_entry = folder_.model_index().at("scheduler");
+  scheduler_config_ =
+      models::create_scheduler((std::filesystem::path(folder_.root()) / "scheduler").string(),
+                               scheduler_entry.at(1).get<std::string>())
+          .config();
+  transformer_ = models::create_transformer(transformer_folder);
+}
+
+void DiffusionPipeline::load() {
+  if (loaded_) return;
+  parallel::LoadOptions load;
+  load.dtype = options_.dtype;
+  load.device = options_.device;
+  load.tensor_parallel = options_.transformer_parallel;
+  transformer_->load(transformer_weights_, load);
+  if (options_.load_vae.value_or(dist::World::get().rank() == 0)) {
+    parallel::LoadOptions vae_load;  // replicated: no parallel config
+    vae_load.dtype = options_.dtype;
+    vae_load.device = options_.device;
+    vae_model_->load(vae_weights_, vae_load);
+    if (options_.vae_tiling) vae_model_->enable_tiling();
+    vae_ = vae_model_;
+  }
+  loaded_ = true;
+}
+
+void DiffusionPipeline::check(const GenerateRequest& request) const {
+  check_request(request);
+  const auto [height, width] = resolve_size(request, /*note=*/false);
+  const int64_t h = height / (vae_scale_factor_ * 2);
+  const int64_t w = width / (vae_scale_factor_ * 2);
+  int64_t num_prompts = static_cast<int64_t>(request.prompt.size());
+  if (request.prompt_embeds) {
+    check_prompt_embeds(*request.prompt_embeds, joint_attention_dim(), pooled_projection_dim(), "prompt_embeds");
+    num_prompts = request.prompt_embeds->num_prompts();
+  }
+  if (request.negative_prompt_embeds) {
+    check_prompt_embeds(*request.negative_prompt_embeds, joint_attention_dim(), pooled_projection_dim(),
+                        "negative_prompt_embeds");
+  }
+  if (request.latents) {
+    check_given_latents(*request.latents, latents_shape(num_prompts * request.num_images_per_prompt, h, w),
+                        latents_layout());
+  }
+}
+
+at::Tensor DiffusionPipeline::initial_latents(const GenerateRequest& request, int64_t batch, int64_t h,
+                                              int64_t w) const {
+  const std::vector<int64_t> shape = latents_shape(batch, h, w);
+  if (request.latents) {
+    check_given_latents(*request.latents, shape, latents_layout());
+    return *request.latents;
+  }
+  return seeded_noise(shape, request.seed);
+}
+
+std::pair<int64_t, int64_t> DiffusionPipeline::resolve_size(const GenerateRequest& request, bool note) const {
+  const int64_t multiple = vae_scale_factor_ * 2;
+  const int64_t height = request.height.value_or(default_size());
+  const int64_t width = request.width.value_or(default_size());
+  const int64_t rounded_height = height / multiple * multiple;
+  const int64_t rounded_width = width / multiple * multiple;
+  TORCH_CHECK(rounded_height > 0 && rounded_width > 0, class_name(), ": an image of ", height, "x", width,
+              " (height x width) is too small: both sides must be at least ", multiple,
+              " pixels (2 x the VAE's scale factor ", vae_scale_factor_, ")");
+  if (note && (rounded_height != height || rounded_width != width) && dist::World::get().rank() == 0) {
+    fmt::print(stderr, "note: height and width must be multiples of {}; {}x{} is resized to {}x{}\n", multiple, height,
+               width, rounded_height, rounded_width);
+  }
+  return {rounded_height, rounded_width};
+}
+
+std::optional<PromptEmbeds> DiffusionPipeline::embeds_for(const std::optional<PromptEmbeds>& given,
+                                                          const std::vector<std::string>& prompts,
+                                                          int64_t max_sequence_length, const char* what) const {
+  if (given) return given;
+  if (prompts.empty()) return std::nullopt;
+  TORCH_CHECK(prompt_encoder_ != nullptr, class_name(), ": ", what,
+              " given as text, but this pipeline has no prompt encoder; pass prompt embeddings "
+              "(--prompt-embeds) instead");
+  return prompt_encoder_->encode(prompts, max_sequence_length);
+}
+
+PromptEmbeds DiffusionPipeline::positive_embeds(const GenerateRequest& request) const {
+  const PromptEmbeds embeds = *embeds_for(request.prompt_embeds, request.prompt, request.max_sequence_length, "prompt");
+  check_prompt_embeds(embeds, joint_attention_dim(), pooled_projection_dim(), "prompt_embeds");
+  return embeds;
+}
+
+std::optional<PromptEmbeds> DiffusionPipeline::negative_embeds(const GenerateRequest& request, int64_t num_prompts,
+                                                               const std::optional<std::string>& default_prompt) const {
+  std::vector<std::string> prompts = negative_prompts_for(request.negative_prompt, num_prompts);
+  if (prompts.empty() && default_prompt) prompts.assign(static_cast<size_t>(num_prompts), *default_prompt);
+  const auto embeds =
+      embeds_for(request.negative_prompt_embeds, prompts, request.max_sequence_length, "negative prompt");
+  if (embeds) {
+    check_prompt_embeds(*embeds, joint_attention_dim(), pooled_projection_dim(), "negative_prompt_embeds");
+    TORCH_CHECK(embeds->num_prompts() == num_prompts, "negative_prompt_embeds has ", embeds->num_prompts(),
+                " rows for ", num_prompts, " prompts");
+  }
+  return embeds;
+}
+
+GenerateResult DiffusionPipeline::make_result(const at::Tensor& latents, int64_t height, int64_t width, int64_t steps,
+                                              double guidance, bool cfg) {
+  GenerateResult result;
+  result.latents = latents.to(at::kCPU, at::kFloat);
+  result.height = height;
+  result.width = width;
+  result.num_inference_steps = steps;
+  result.guidance = guidance;
+  result.cfg = cfg;
+  return result;
+}
+
+double DiffusionPipeline::calculate_shift(int64_t image_seq_len) const {
+  return schedulers::calculate_shift(image_seq_len, scheduler_config_.base_image_seq_len,
+                                     scheduler_config_.max_image_seq_len, scheduler_config_.base_shift,
+                                     scheduler_config_.max_shift);
+}
+
+schedulers::FlowMatchEulerDiscreteScheduler DiffusionPipeline::make_scheduler(int64_t steps, double mu) const {
+  schedulers::FlowMatchEulerDiscreteScheduler scheduler(scheduler_config_);
+  scheduler.set_timesteps(steps, schedulers::pipeline_sigmas(steps), mu);
+  scheduler.set_begin_index(0);
+  return scheduler;
+}
+
+at::Tensor DiffusionPipeline::denoise(
+    schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
+    const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
+    const GenerateRequest& request) const {
+  const at::Tensor timesteps = scheduler.timesteps();
+  const int64_t steps = timesteps.size(0);
+  ProgressBar progress(steps, request.progress && dist::World::get().rank() == 0);
+  for (int64_t i = 0; i < steps; ++i) {
+    const float t = timesteps[i].item<float>();
+    // The pipelines pass t.expand(B).to(latents.dtype) / 1000.
+    const at::Tensor timestep = at::full({latents.size(0)}, t, at::TensorOptions().dtype(at::kFloat))
+                                    .to(latents.scalar_type())
+                                    .div(1000)
+                                    .to(latents.device());
+    const at::Tensor noise_pred = predict(latents, timestep);
+    latents = scheduler.step(noise_pred, t, latents);
+    if (request.callback_on_step_end) request.callback_on_step_end(i, latents);
+    progress.update(i + 1);
+  }
+  return latents;
+}
+
+at::Tensor DiffusionPipeline::decode_image(const at::Tensor& vae_latents) const {
+  TORCH_INTERNAL_ASSERT(vae_ != nullptr);
+  const at::Tensor z = vae_->denormalize_latents(vae_latents);
+  at::Tensor sample = vae_->decode(z);
+  if (sample.dim() == 5) sample = sample.select(2, 0);  // [B, 3, 1, H, W] -> [B, 3, H, W]
+  // VaeImageProcessor.postprocess(output_type="np"): [-1, 1] -> [0, 1], NCHW -> NHWC.
+  return (sample.to(at::kFloat) / 2 + 0.5).clamp(0, 1).permute({0, 2, 3, 1}).contiguous().to(at::kCPU);
+}
+
+std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& path,
+                                                           const PipelineLoadOptions& options) {
+  io::ModelFolder folder = io::ModelFolder::open(path);
+  TORCH_CHECK(folder.is_pipeline(), path, " has no model_index.json; give a diffusers pipeline folder");
+  const std::string name = folder.model_index().value("_class_name", std::string());
+  if (name == "FluxPipeline") return std::make_unique<FluxPipeline>(std::move(folder), options);
+  if (name == "Flux2KleinPipeline") return std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
+  if (name == "QwenImagePipeline") return std::make_unique<QwenImagePipeline>(std::move(folder), options);
+  TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
+              "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+}
+
+std::unique_ptr<DiffusionPipeline> DiffusionPipeline::from_pretrained(const std::string& path,
+                                                                      const PipelineLoadOptions& options) {
+  auto pipeline = open(path, options);
+  pipeline->load();
+  return pipeline;
+}
+
+}  // namespace shardit::pipelines

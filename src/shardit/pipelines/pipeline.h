@@ -1,0 +1,232 @@
+#pragma once
+// What the three text-to-image pipelines share (diffusers' DiffusionPipeline role): loading a
+// pipeline folder with each component under its own parallel config, prompt embeddings given
+// directly or made by a PromptEncoder, seeded latents, the denoising loop with its progress bar,
+// and decoding to an image on the ranks that hold a VAE.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/models/vae/vae.h"
+#include "shardit/parallel/tensor_parallel.h"
+#include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
+
+namespace shardit::pipelines {
+
+/// The text conditioning of a batch of prompts, as the transformer takes it (one row per prompt;
+/// the pipeline repeats each row num_images_per_prompt times).
+struct PromptEmbeds {
+  at::Tensor prompt_embeds;                        ///< [P, L, joint_attention_dim], floating
+  std::optional<at::Tensor> pooled_prompt_embeds;  ///< [P, pooled_projection_dim] (FLUX.1)
+  std::optional<at::Tensor> prompt_embeds_mask;    ///< [P, L], 1 = valid token (Qwen-Image); none: all valid
+
+  int64_t num_prompts() const { return prompt_embeds.defined() ? prompt_embeds.size(0) : 0; }
+};
+
+/// Reads prompt embeddings from a safetensors file under the pipelines' names: `prompt_embeds`,
+/// `pooled_prompt_embeds`, `prompt_embeds_mask`, each with the prefix `negative_` for the
+/// negative prompt (`prefix` is "" or "negative_"). nullopt when `<prefix>prompt_embeds` is absent.
+std::optional<PromptEmbeds> read_prompt_embeds(const std::string& path, const std::string& prefix = "");
+
+/// Turns prompts into PromptEmbeds for one pipeline family: what the text encoders provide
+/// (CLIP + T5 for FLUX.1, Qwen3 for FLUX.2 klein, Qwen2.5-VL for Qwen-Image), tokenizing and
+/// templating included.
+class PromptEncoder {
+ public:
+  virtual ~PromptEncoder() = default;
+  /// One row per prompt, as the pipeline's encode_prompt with num_images_per_prompt = 1.
+  virtual PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) = 0;
+};
+
+/// The arguments of a pipeline call (diffusers' __call__), with the same meanings. Unset values
+/// take the pipeline's defaults.
+struct GenerateRequest {
+  std::vector<std::string> prompt;            ///< encoded by the pipeline's PromptEncoder
+  std::vector<std::string> negative_prompt;   ///< one, or one per prompt
+  std::optional<PromptEmbeds> prompt_embeds;  ///< instead of `prompt`
+  std::optional<PromptEmbeds> negative_prompt_embeds;
+  std::optional<int64_t> height;  ///< pixels; rounded down to a multiple of 2 * vae_scale_factor
+  std::optional<int64_t> width;
+  std::optional<int64_t> num_inference_steps;
+  std::optional<double> guidance_scale;  ///< FLUX.1: embedded guidance; FLUX.2 klein: CFG scale
+  std::optional<double> true_cfg_scale;  ///< FLUX.1 and Qwen-Image: CFG with the negative prompt
+  int64_t num_images_per_prompt = 1;
+  int64_t max_sequence_length = 512;
+  uint64_t seed = 0;  ///< the CPU generator's seed (torch.Generator("cpu").manual_seed)
+  /// The latents to start from, in the layout the pipeline's `latents=` takes (FLUX.1 and
+  /// Qwen-Image packed [B, N, 4C], FLUX.2 [B, 4C, H/16, W/16]); none: drawn from `seed`.
+  std::optional<at::Tensor> latents;
+  /// Called after every step with the step index and the packed latents [B, N, C4].
+  std::function<void(int64_t step, const at::Tensor& latents)> callback_on_step_end;
+  /// A progress line on stderr (rank 0, terminals only).
+  bool progress = true;
+};
+
+/// What a call returns.
+struct GenerateResult {
+  at::Tensor image;    ///< float32 [B, H, W, 3] in [0, 1]; undefined on ranks without a VAE
+  at::Tensor latents;  ///< the final packed latents [B, N, C4], float32
+  int64_t height = 0;  ///< the (possibly rounded) image size
+  int64_t width = 0;
+  int64_t num_inference_steps = 0;
+  double guidance = 0;  ///< the guidance (or true-CFG) scale used
+  bool cfg = false;     ///< whether a negative prediction was combined
+};
+
+/// How a pipeline folder is loaded: each component gets its own parallel config.
+struct PipelineLoadOptions {
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  /// The transformer sharded while loading (TensorParallelConfig::from_degree(world, d));
+  /// nullopt: loaded whole (shard later with transformer()->enable_parallelism).
+  std::optional<parallel::TensorParallelConfig> transformer_parallel;
+  /// Whether this rank loads the (replicated) VAE and decodes; nullopt: world rank 0 only.
+  std::optional<bool> load_vae;
+  /// Decode in tiles (diffusers' vae.enable_tiling()).
+  bool vae_tiling = false;
+};
+
+/// A text-to-image pipeline: open(), load(), then generate().
+class DiffusionPipeline {
+ public:
+  virtual ~DiffusionPipeline() = default;
+  /// Opens a diffusers pipeline folder and builds the pipeline its model_index.json names
+  /// (FluxPipeline, Flux2KleinPipeline, QwenImagePipeline), weights not yet loaded (see load()).
+  /// Every component the pipeline needs is checked to be there (named when missing).
+  static std::unique_ptr<DiffusionPipeline> open(const std::string& path, const PipelineLoadOptions& options = {});
+  /// open() then load().
+  static std::unique_ptr<DiffusionPipeline> from_pretrained(const std::string& path,
+                                                            const PipelineLoadOptions& options = {});
+  /// Loads the weights: the transformer under options.transformer_parallel, the VAE (replicated)
+  /// on the ranks that decode. Does nothing the second time.
+  void load();
+  bool loaded() const { return loaded_; }
+
+  /// The pipeline class ("FluxPipeline").
+  virtual std::string class_name() const = 0;
+  /// Checks a request against the pipeline's components without loading or computing anything:
+  /// steps, sizes, the prompt embeddings' widths and dtypes, the latents' shape. generate() makes
+  /// the same checks; call this first to fail before a long load.
+  void check(const GenerateRequest& request) const;
+
+  /// Runs the pipeline (after load()). Everything is checked (sizes, steps, embeddings, latents)
+  /// before the first transformer call. Collective: every rank of the transformer's group calls it
+  /// with the same request.
+  virtual GenerateResult generate(const GenerateRequest& request) = 0;
+
+  /// The transformer's text width (joint_attention_dim) and pooled width (0: none).
+  virtual int64_t joint_attention_dim() const = 0;
+  virtual int64_t pooled_projection_dim() const { return 0; }
+  /// The shape `latents=` takes for `batch` images of a (H/16) x (W/16) token grid.
+  virtual std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const = 0;
+  /// Its dimensions in words, for errors.
+  virtual std::string latents_layout() const = 0;
+
+  /// Uses `encoder` for GenerateRequest::prompt.
+  void set_prompt_encoder(std::shared_ptr<PromptEncoder> encoder) { prompt_encoder_ = std::move(encoder); }
+  const std::shared_ptr<parallel::TensorParallelModule>& transformer() const { return transformer_; }
+  /// Null on ranks that do not decode.
+  const std::shared_ptr<models::AutoencoderModel>& vae() const { return vae_; }
+  const io::ModelFolder& folder() const { return folder_; }
+  /// The VAE's pixels per latent pixel (from its config, also where the VAE is not loaded).
+  int64_t vae_scale_factor() const { return vae_scale_factor_; }
+
+ protected:
+  /// Opens the components (the transformer must be a `transformer_class`); load() reads the weights.
+  DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options, const std::string& pipeline_class,
+                    const std::string& transformer_class);
+
+  /// The request's size rounded as diffusers does (a multiple of 2 * vae_scale_factor), with a
+  /// printed note on rank 0 when it changes and `note` is set; errors for sizes that round to nothing.
+  std::pair<int64_t, int64_t> resolve_size(const GenerateRequest& request, bool note = true) const;
+  /// diffusers' default image side: default_sample_size (128) x vae_scale_factor.
+  int64_t default_size() const { return 128 * vae_scale_factor_; }
+  /// The request's latents (checked against latents_shape), or noise of that shape from its seed.
+  at::Tensor initial_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const;
+  /// The prompt embeddings of the request (given, or made by the encoder from `prompts`), or
+  /// nullopt when neither is there. `what` names them in errors.
+  std::optional<PromptEmbeds> embeds_for(const std::optional<PromptEmbeds>& given,
+                                         const std::vector<std::string>& prompts, int64_t max_sequence_length,
+                                         const char* what) const;
+  /// FLUX.1's and Qwen-Image's calculate_shift for `image_seq_len` tokens, with the scheduler
+  /// config's sequence lengths and shifts.
+  double calculate_shift(int64_t image_seq_len) const;
+  /// The request's prompt embeddings (given, or encoded), checked against the transformer's widths.
+  PromptEmbeds positive_embeds(const GenerateRequest& request) const;
+  /// The negative prompt's embeddings for `num_prompts` prompts (given, or encoded from the
+  /// negative prompts, or from `default_prompt` when there are none), checked likewise; nullopt
+  /// when there is no negative prompt.
+  std::optional<PromptEmbeds> negative_embeds(const GenerateRequest& request, int64_t num_prompts,
+                                              const std::optional<std::string>& default_prompt = std::nullopt) const;
+  /// The result of a run: the final latents (float32 on the CPU) and the values used.
+  static GenerateResult make_result(const at::Tensor& latents, int64_t height, int64_t width, int64_t steps,
+                                    double guidance, bool cfg);
+  /// A fresh scheduler from the folder's scheduler_config.json with the pipelines' sigmas.
+  schedulers::FlowMatchEulerDiscreteScheduler make_scheduler(int64_t steps, double mu) const;
+  /// The denoising loop: for each timestep t, latents <- scheduler.step(predict(latents, t/1000
+  /// as [B]), t, latents), with the progress bar and the callback.
+  at::Tensor denoise(schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
+                     const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
+                     const GenerateRequest& request) const;
+  /// vae.decode(z) -> image float32 [B, H, W, 3] in [0, 1] (diffusers' postprocess, "np").
+  at::Tensor decode_image(const at::Tensor& vae_latents) const;
+
+  io::ModelFolder folder_;
+  PipelineLoadOptions options_;
+  std::shared_ptr<parallel::TensorParallelModule> transformer_;
+  std::shared_ptr<models::AutoencoderModel> vae_;
+  std::shared_ptr<models::AutoencoderModel> vae_model_;  ///< built from the config, loaded by load()
+  io::Checkpoint transformer_weights_;
+  io::Checkpoint vae_weights_;
+  bool loaded_ = false;
+  std::shared_ptr<PromptEncoder> prompt_encoder_;
+  int64_t vae_scale_factor_ = 8;
+  schedulers::FlowMatchEulerDiscreteSchedulerConfig scheduler_config_;
+};
+
+/// Checks prompt embeddings against the transformer's text width `joint_attention_dim` (and the
+/// pooled width when `pooled_dim` > 0): floating, [P, L, D]; mask [P, L] integer or bool.
+/// `what` names them in errors ("prompt_embeds", "negative_prompt_embeds").
+void check_prompt_embeds(const PromptEmbeds& embeds, int64_t joint_attention_dim, int64_t pooled_dim,
+                         const std::string& what);
+
+/// Each row repeated `n` times in place (rows i*n .. i*n+n-1 from row i), in `dtype` on `device`.
+PromptEmbeds repeat_prompt_embeds(const PromptEmbeds& embeds, int64_t n, at::ScalarType dtype, at::Device device);
+
+/// Standard normal noise of `shape` from a CPU generator seeded with `seed` (float32, as
+/// torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed))): the same on every
+/// rank and device.
+at::Tensor seeded_noise(at::IntArrayRef shape, uint64_t seed);
+
+/// FLUX.1 / Qwen-Image _pack_latents: [B, C, 2h, 2w] -> [B, h*w, 4C] with token i*w+j holding
+/// channel c*4 + dy*2 + dx = latent[c, 2i+dy, 2j+dx].
+at::Tensor pack_latents_2x2(const at::Tensor& latents);
+/// The inverse: [B, h*w, 4C] -> [B, C, 2h, 2w].
+at::Tensor unpack_latents_2x2(const at::Tensor& packed, int64_t h, int64_t w);
+
+/// Checks latents given to a pipeline (`latents=`): floating, of shape `expected` (`layout`
+/// names the dimensions).
+void check_given_latents(const at::Tensor& latents, const std::vector<int64_t>& expected, const std::string& layout);
+
+/// The negative prompts for `num_prompts` prompts: none, one for all, or one each.
+std::vector<std::string> negative_prompts_for(const std::vector<std::string>& negative, int64_t num_prompts);
+
+/// The PNG files for `count` images: `out` for one; out_0.png, out_1.png ... (stem_i.ext) for several.
+std::vector<std::string> image_paths(const std::string& out, int64_t count);
+
+/// Writes each image of `image` (float32 [B, H, W, 3] in [0, 1]) to image_paths(out, B) as 8-bit
+/// PNG with `text` chunks; returns the paths.
+std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
+                                     const std::vector<std::pair<std::string, std::string>>& text = {});
+
+/// The checks every pipeline makes of a request before any compute (steps > 0, images per
+/// prompt >= 1, max_sequence_length >= 1).
+void check_request(const GenerateRequest& request);
+
+}  // namespace shardit::pipelines

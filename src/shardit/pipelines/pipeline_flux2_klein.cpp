@@ -1,0 +1,119 @@
+#include "shardit/pipelines/pipeline_flux2_klein.h"
+
+namespace shardit::pipelines {
+
+namespace {
+
+/// FLUX.2 position ids [B, S, 4] int64: (t, h, w, l) per token.
+at::Tensor image_ids(int64_t batch, int64_t h, int64_t w) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({h, w, 4}, options);
+  ids.select(2, 1).add_(at::arange(h, options).unsqueeze(1));
+  ids.select(2, 2).add_(at::arange(w, options).unsqueeze(0));
+  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (0, row, col, 0)
+}
+
+at::Tensor text_ids(int64_t batch, int64_t length) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({length, 4}, options);
+  ids.select(1, 3).copy_(at::arange(length, options));
+  return ids.unsqueeze(0).expand({batch, length, 4}).contiguous();  // [B, L, 4] = (0, 0, 0, l)
+}
+
+}  // namespace
+
+Flux2KleinPipeline::Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
+    : DiffusionPipeline(std::move(folder), options, "Flux2KleinPipeline", "Flux2Transformer2DModel") {
+  const auto& index = folder_.model_index();
+  if (index.contains("is_distilled") && !index.at("is_distilled").is_null()) {
+    TORCH_CHECK(index.at("is_distilled").is_boolean(), folder_.root(), "/model_index.json: is_distilled is ",
+                index.at("is_distilled").dump(), "; expected true or false");
+    is_distilled_ = index.at("is_distilled").get<bool>();
+  }
+}
+
+models::Flux2Transformer2DModel& Flux2KleinPipeline::flux2_transformer() const {
+  return static_cast<models::Flux2Transformer2DModel&>(*transformer_);
+}
+
+int64_t Flux2KleinPipeline::joint_attention_dim() const { return flux2_transformer().config.joint_attention_dim; }
+
+std::vector<int64_t> Flux2KleinPipeline::latents_shape(int64_t batch, int64_t h, int64_t w) const {
+  const auto& config = flux2_transformer().config;
+  return {batch, config.in_channels, h, w};
+}
+
+std::string Flux2KleinPipeline::latents_layout() const { return "[B, in_channels, H/16, W/16]"; }
+
+GenerateResult Flux2KleinPipeline::generate(const GenerateRequest& request) {
+  TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
+  check(request);
+  models::Flux2Transformer2DModel& transformer = flux2_transformer();
+  const auto& config = transformer.config;
+  const auto [height, width] = resolve_size(request);
+  const int64_t steps = request.num_inference_steps.value_or(50);
+  const double guidance_scale = request.guidance_scale.value_or(4.0);
+  const int64_t n = request.num_images_per_prompt;
+  const bool do_cfg = guidance_scale > 1 && !is_distilled_;
+
+  const PromptEmbeds positive = positive_embeds(request);
+  const int64_t num_prompts = positive.num_prompts();
+  std::optional<PromptEmbeds> negative;
+  if (do_cfg) {
+    TORCH_CHECK(request.negative_prompt_embeds || prompt_encoder_ != nullptr, class_name(),
+                ": classifier-free guidance (guidance_scale ", guidance_scale,
+                " > 1, not distilled) needs negative_prompt_embeds (the embedding of the negative prompt, \"\" by "
+                "default) next to prompt_embeds; or set guidance_scale to 1");
+    // diffusers encodes "" when no negative prompt is given.
+    negative = negative_embeds(request, num_prompts, std::string());
+  }
+
+  const int64_t h = height / (vae_scale_factor_ * 2);
+  const int64_t w = width / (vae_scale_factor_ * 2);
+  const int64_t batch = num_prompts * n;
+  const at::Tensor latents_in = initial_latents(request, batch, h, w);  // [B, in_channels, h, w]
+  const at::Device device = transformer.device();
+  const at::ScalarType dtype = transformer.dtype();
+  // The 2x2 patch lives in the channels: tokens are a plain flatten of the grid.
+  at::Tensor latents =
+      latents_in.reshape({batch, config.in_channels, h * w}).permute({0, 2, 1}).to(device, dtype);  // [B, N, C4]
+
+  const PromptEmbeds cond = repeat_prompt_embeds(positive, n, dtype, device);
+  std::optional<PromptEmbeds> uncond;
+  if (do_cfg) uncond = repeat_prompt_embeds(*negative, n, dtype, device);
+  const at::Tensor img_ids = image_ids(batch, h, w).to(device);
+
+  auto scheduler = make_scheduler(steps, schedulers::compute_empirical_mu(h * w, steps));
+  std::optional<at::Tensor> guidance;
+  if (config.guidance_embeds)
+    guidance = at::full({batch}, guidance_scale, at::TensorOptions().dtype(at::kFloat)).to(device);
+
+  const auto run = [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
+    models::Flux2Transformer2DModelInputs inputs;
+    inputs.hidden_states = x;
+    inputs.encoder_hidden_states = embeds.prompt_embeds;
+    inputs.timestep = timestep;
+    inputs.img_ids = img_ids;
+    inputs.txt_ids = text_ids(batch, embeds.prompt_embeds.size(1)).to(device);
+    inputs.guidance = guidance;
+    return transformer.forward(inputs);
+  };
+  latents = denoise(
+      scheduler, latents,
+      [&](const at::Tensor& x, const at::Tensor& timestep) {
+        at::Tensor noise_pred = run(cond, x, timestep);
+        if (do_cfg) {
+          const at::Tensor neg = run(*uncond, x, timestep);
+          noise_pred = neg + guidance_scale * (noise_pred - neg);
+        }
+        return noise_pred;
+      },
+      request);
+
+  GenerateResult result = make_result(latents, height, width, steps, guidance_scale, do_cfg);
+  // Tokens back to [B, 4C, h, w]; the VAE de-normalises and unpatchifies.
+  if (vae_) result.image = decode_image(latents.permute({0, 2, 1}).reshape({batch, config.in_channels, h, w}));
+  return result;
+}
+
+}  // namespace shardit::pipelines

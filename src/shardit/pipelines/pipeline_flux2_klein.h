@@ -1,0 +1,33 @@
+#pragma once
+// diffusers' Flux2KleinPipeline (pipeline_flux2_klein.py): FLUX.2 [klein] with classifier-free
+// guidance against the empty negative prompt unless the checkpoint is distilled.
+#include <string>
+#include <vector>
+
+#include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/pipelines/pipeline.h"
+
+namespace shardit::pipelines {
+
+/// Text-to-image with Flux2Transformer2DModel and AutoencoderKLFlux2. Prompt embeddings: the
+/// Qwen3 hidden-state stack `prompt_embeds` [P, L, joint_attention_dim]; with CFG (guidance_scale
+/// > 1 and model_index.json's is_distilled false) also `negative_prompt_embeds` (the prompt "").
+/// Defaults as diffusers: 50 steps, guidance 4.0, 1024x1024.
+class Flux2KleinPipeline : public DiffusionPipeline {
+ public:
+  Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  std::string class_name() const override { return "Flux2KleinPipeline"; }
+  GenerateResult generate(const GenerateRequest& request) override;
+  int64_t joint_attention_dim() const override;
+  std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const override;
+  std::string latents_layout() const override;
+
+  models::Flux2Transformer2DModel& flux2_transformer() const;
+  /// model_index.json's is_distilled (no CFG when true).
+  bool is_distilled() const { return is_distilled_; }
+
+ private:
+  bool is_distilled_ = false;
+};
+
+}  // namespace shardit::pipelines

@@ -1,0 +1,29 @@
+#pragma once
+// diffusers' QwenImagePipeline (pipeline_qwenimage.py): true classifier-free guidance with a
+// negative prompt and the norm-preserving rescale of the combined prediction.
+#include <string>
+#include <vector>
+
+#include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/pipelines/pipeline.h"
+
+namespace shardit::pipelines {
+
+/// Text-to-image with QwenImageTransformer2DModel and AutoencoderKLQwenImage. Prompt embeddings:
+/// Qwen2.5-VL's `prompt_embeds` [P, L, joint_attention_dim] with `prompt_embeds_mask` [P, L]
+/// (absent: all valid); the negative prompt's likewise, with its own L. True CFG runs when
+/// true_cfg_scale > 1 and a negative prompt is given. Defaults as diffusers: 50 steps,
+/// true_cfg_scale 4.0, 1024x1024.
+class QwenImagePipeline : public DiffusionPipeline {
+ public:
+  QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  std::string class_name() const override { return "QwenImagePipeline"; }
+  GenerateResult generate(const GenerateRequest& request) override;
+  int64_t joint_attention_dim() const override;
+  std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const override;
+  std::string latents_layout() const override;
+
+  models::QwenImageTransformer2DModel& qwen_transformer() const;
+};
+
+}  // namespace shardit::pipelines

@@ -1,0 +1,103 @@
+#include "support/pipeline_case.h"
+
+#include <fmt/format.h>
+
+#include "shardit/io/json.h"
+#include "shardit/io/png.h"
+#include "shardit/io/safetensors.h"
+#include "support/test_support.h"
+
+namespace shardit::testing {
+
+PipelineCase read_pipeline_case(const std::string& dir) {
+  PipelineCase golden;
+  golden.dir = dir;
+  const nlohmann::json case_json = io::read_json_file(dir + "/case.json");
+  const nlohmann::json& call = case_json.at("call");
+  auto& request = golden.request;
+  request.height = call.at("height").get<int64_t>();
+  request.width = call.at("width").get<int64_t>();
+  request.num_inference_steps = call.at("num_inference_steps").get<int64_t>();
+  request.num_images_per_prompt = call.value("num_images_per_prompt", int64_t{1});
+  request.max_sequence_length = call.value("max_sequence_length", int64_t{512});
+  request.progress = false;
+  golden.cli_args = {"--model",
+                     dir,
+                     "--prompt-embeds",
+                     dir + "/outputs.safetensors",
+                     "--latents",
+                     dir + "/inputs.safetensors",
+                     "--height",
+                     std::to_string(*request.height),
+                     "--width",
+                     std::to_string(*request.width),
+                     "--steps",
+                     std::to_string(*request.num_inference_steps),
+                     "--num-images",
+                     std::to_string(request.num_images_per_prompt),
+                     "--max-sequence-length",
+                     std::to_string(request.max_sequence_length)};
+  if (call.contains("guidance_scale")) {
+    request.guidance_scale = call.at("guidance_scale").get<double>();
+    golden.cli_args.insert(golden.cli_args.end(), {"--guidance", fmt::format("{}", *request.guidance_scale)});
+  }
+  if (call.contains("true_cfg_scale")) {
+    request.true_cfg_scale = call.at("true_cfg_scale").get<double>();
+    golden.cli_args.insert(golden.cli_args.end(), {"--true-cfg-scale", fmt::format("{}", *request.true_cfg_scale)});
+  }
+  const std::string outputs = dir + "/outputs.safetensors";
+  request.prompt_embeds = pipelines::read_prompt_embeds(outputs);
+  request.negative_prompt_embeds = pipelines::read_prompt_embeds(outputs, "negative_");
+  request.latents = io::SafetensorsFile::open(dir + "/inputs.safetensors")->read("latents");
+  golden.steps = *request.num_inference_steps;
+  golden.batch = request.prompt_embeds->num_prompts() * request.num_images_per_prompt;
+  return golden;
+}
+
+void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::Tensor>& step_latents,
+                             const at::Tensor& image, const std::string& what) {
+  const auto outputs = io::SafetensorsFile::open(golden.dir + "/outputs.safetensors");
+  ASSERT_EQ(static_cast<int64_t>(step_latents.size()), golden.steps) << what;
+  for (int64_t k = 0; k < golden.steps; ++k) {
+    const std::string name = "step" + std::to_string(k) + ".latents";
+    EXPECT_TRUE(tensors_close(what + ": " + name, step_latents[static_cast<size_t>(k)].to(at::kFloat),
+                              outputs->read(name), kPipelineAtol, kPipelineRtol));
+  }
+  const at::Tensor expected = outputs->read("image");
+  const auto image_check = tensors_close(what + ": image", image, expected, kImageAtol, 0.0);
+  EXPECT_TRUE(image_check);
+  std::cout << image_check.message() << "\n";
+  for (int64_t i = 0; i < golden.batch; ++i) {
+    const at::Tensor png = io::read_png(golden.dir + "/image_" + std::to_string(i) + ".png").to(at::kInt);
+    const at::Tensor ours = io::to_uint8_pixels(image[i]).to(at::kInt);
+    EXPECT_LE((ours - png).abs().max().item<int>(), 1) << what << ": image " << i << " pixels";
+  }
+}
+
+GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options) {
+  const std::string dir = make_temp_dir("pipeline-cli");
+  std::string command = cli_path() + " " + global_options + " generate";
+  for (const auto& arg : golden.cli_args) command += " '" + arg + "'";
+  command += " --out " + dir + "/out.png --out-tensors " + dir + "/tensors.safetensors --save-steps";
+  GenerateCliRun run;
+  EXPECT_EQ(run_command(command, &run.output), 0) << run.output;
+  const auto tensors = io::SafetensorsFile::open(dir + "/tensors.safetensors");
+  for (int64_t k = 0; k < golden.steps; ++k)
+    run.step_latents.push_back(tensors->read("step" + std::to_string(k) + ".latents"));
+  run.image = tensors->read("image");
+  run.latents = tensors->read("latents");
+  run.pngs = pipelines::image_paths(dir + "/out.png", golden.batch);
+  return run;
+}
+
+void expect_pngs_match(const PipelineCase& golden, const std::vector<std::string>& pngs, const std::string& what) {
+  ASSERT_EQ(static_cast<int64_t>(pngs.size()), golden.batch) << what;
+  for (int64_t i = 0; i < golden.batch; ++i) {
+    const at::Tensor expected = io::read_png(golden.dir + "/image_" + std::to_string(i) + ".png").to(at::kInt);
+    const at::Tensor ours = io::read_png(pngs[static_cast<size_t>(i)]).to(at::kInt);
+    ASSERT_EQ(ours.sizes(), expected.sizes()) << what << ": " << pngs[static_cast<size_t>(i)];
+    EXPECT_LE((ours - expected).abs().max().item<int>(), 1) << what << ": " << pngs[static_cast<size_t>(i)];
+  }
+}
+
+}  // namespace shardit::testing

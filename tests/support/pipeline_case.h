@@ -1,0 +1,53 @@
+#pragma once
+// The golden pipeline cases (pipeline_flux1, pipeline_flux2_klein, pipeline_qwenimage): the
+// request their case.json `call` describes, from the stored prompt embeddings and latents, and
+// the comparison of a run with the stored per-step latents, image and PNGs.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "shardit/pipelines/pipeline.h"
+
+namespace shardit::testing {
+
+struct PipelineCase {
+  std::string dir;                     ///< the pipeline folder
+  pipelines::GenerateRequest request;  ///< with prompt embeddings, latents and the call's values
+  std::vector<std::string> cli_args;   ///< the same as `shardit generate` arguments (no --out)
+  int64_t steps = 0;
+  int64_t batch = 0;
+};
+
+/// Reads `dir`'s case.json, inputs.safetensors and the embeddings in outputs.safetensors.
+PipelineCase read_pipeline_case(const std::string& dir);
+
+// Tolerances from the golden README: every intermediate |a - b| <= 1e-4 + 1e-4 |b|, the image
+// <= 1e-4 absolute, PNG pixels +-1.
+constexpr double kPipelineAtol = 1e-4;
+constexpr double kPipelineRtol = 1e-4;
+constexpr double kImageAtol = 1e-4;
+
+/// Compares the latents after each step (`step_latents[k]` with stepK.latents), the image with
+/// `image`, and uint8(round(image * 255)) with the stored image_<i>.png (+-1). `what` names the run.
+void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::Tensor>& step_latents,
+                             const at::Tensor& image, const std::string& what);
+
+/// What `shardit generate` wrote for a golden case.
+struct GenerateCliRun {
+  std::vector<at::Tensor> step_latents;  ///< stepK.latents from --save-steps
+  at::Tensor image;
+  at::Tensor latents;
+  std::vector<std::string> pngs;
+  std::string output;  ///< stdout + stderr
+};
+
+/// Runs `shardit <global_options> generate` with the case's arguments, writing into a temp folder;
+/// a test failure when it exits non-zero.
+GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options);
+
+/// Compares PNG files written by `shardit generate` with the stored ones (+-1 per channel).
+void expect_pngs_match(const PipelineCase& golden, const std::vector<std::string>& pngs, const std::string& what);
+
+}  // namespace shardit::testing
