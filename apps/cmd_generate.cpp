@@ -44,6 +44,7 @@ struct GenerateOptions {
   std::string out_tensors;
   std::string dtype = "f32";
   int tp = 0;  ///< 0: the world size
+  int text_encoder_tp = 0;  ///< 0: the largest degree the text encoders' heads allow
   bool tiled_vae = false;
   bool save_steps = false;
   std::string compare_to;
@@ -141,6 +142,8 @@ int generate(const GenerateOptions& given) {
   load.vae_tiling = options.tiled_vae;
   const int tp = options.tp > 0 ? options.tp : world.size();
   if (world.size() > 1 || tp != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
+  load.load_text_encoders = options.prompt_embeds.empty();
+  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
 
   // The request is checked against the components' configs before any weight is read.
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
@@ -222,6 +225,11 @@ void register_generate(CLI::App& app, CommandBody& body) {
       ->add_option("--tp", options->tp,
                    "transformer tensor-parallel degree, dividing the number of ranks "
                    "(default: all ranks)")
+      ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--text-encoder-tp", options->text_encoder_tp,
+                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
+                   "such degree their heads allow)")
       ->check(CLI::PositiveNumber);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");

@@ -18,24 +18,9 @@ using shardit::testing::PipelineCase;
 
 class PipelineParity : public ::testing::TestWithParam<std::string> {};
 
-/// Runs the case through the C++ API on one rank and compares every step and the image.
-void expect_api_matches(PipelineCase& golden, const std::string& what) {
-  std::vector<at::Tensor> steps;
-  golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) {
-    steps.push_back(latents.clone());
-  };
-  shardit::pipelines::PipelineLoadOptions options;
-  options.load_vae = true;
-  const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
-  const auto result = pipeline->generate(golden.request);
-  shardit::testing::expect_pipeline_matches(golden, steps, result.image, what);
-  ASSERT_FALSE(steps.empty());
-  EXPECT_TRUE(at::equal(result.latents, steps.back()));
-}
-
 TEST_P(PipelineParity, ApiMatchesDiffusers) {
   PipelineCase golden = shardit::testing::read_pipeline_case(shardit::testing::golden_path(GetParam()));
-  expect_api_matches(golden, GetParam() + " (API, TP=1)");
+  shardit::testing::expect_api_matches(golden, GetParam() + " (API, TP=1)");
 }
 
 TEST_P(PipelineParity, CliMatchesDiffusers) {
@@ -53,7 +38,7 @@ TEST_P(PipelineParity, SeedGivesDiffusersImage) {
   const auto case_json = shardit::io::read_json_file(golden.dir + "/case.json");
   golden.request.latents.reset();
   golden.request.seed = case_json.at("latents_seed").get<uint64_t>();
-  expect_api_matches(golden, GetParam() + " (seeded)");
+  shardit::testing::expect_api_matches(golden, GetParam() + " (seeded)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelineParity,

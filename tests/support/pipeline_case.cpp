@@ -74,10 +74,28 @@ void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::T
   }
 }
 
+void expect_api_matches(PipelineCase& golden, const std::string& what) {
+  std::vector<at::Tensor> steps;
+  golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) {
+    steps.push_back(latents.clone());
+  };
+  pipelines::PipelineLoadOptions options;
+  options.load_vae = true;
+  const auto pipeline = pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
+  const auto result = pipeline->generate(golden.request);
+  expect_pipeline_matches(golden, steps, result.image, what);
+  ASSERT_FALSE(steps.empty()) << what;
+  EXPECT_TRUE(at::equal(result.latents, steps.back())) << what;
+}
+
 GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options) {
   const std::string dir = make_temp_dir("pipeline-cli");
   std::string command = cli_path() + " " + global_options + " generate";
-  for (const auto& arg : golden.cli_args) command += " '" + arg + "'";
+  for (const auto& arg : golden.cli_args) {
+    std::string quoted;
+    for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    command += " '" + quoted + "'";
+  }
   command += " --out " + dir + "/out.png --out-tensors " + dir + "/tensors.safetensors --save-steps";
   GenerateCliRun run;
   EXPECT_EQ(run_command(command, &run.output), 0) << run.output;

@@ -34,6 +34,10 @@ constexpr double kImageAtol = 1e-4;
 void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::Tensor>& step_latents,
                              const at::Tensor& image, const std::string& what);
 
+/// Runs the case's request through the C++ API on this rank alone (VAE loaded, text encoders
+/// when the folder has them) and compares every step, the image and the final latents.
+void expect_api_matches(PipelineCase& golden, const std::string& what);
+
 /// What `shardit generate` wrote for a golden case.
 struct GenerateCliRun {
   std::vector<at::Tensor> step_latents;  ///< stepK.latents from --save-steps

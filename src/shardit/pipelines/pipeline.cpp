@@ -1,4 +1,5 @@
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/prompt_encoders.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
@@ -204,6 +205,14 @@ void DiffusionPipeline::load() {
   load.device = options_.device;
   load.tensor_parallel = options_.transformer_parallel;
   transformer_->load(transformer_weights_, load);
+  if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name())) {
+    TextEncoderLoadOptions text;
+    text.dtype = options_.dtype;
+    text.device = options_.device;
+    text.tp_degree = options_.text_encoder_tp;
+    text.transformer_tp_degree = options_.transformer_parallel ? options_.transformer_parallel->tp_degree() : 1;
+    prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
+  }
   if (options_.load_vae.value_or(dist::World::get().rank() == 0)) {
     parallel::LoadOptions vae_load;  // replicated: no parallel config
     vae_load.dtype = options_.dtype;
@@ -224,6 +233,12 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
   if (request.prompt_embeds) {
     check_prompt_embeds(*request.prompt_embeds, joint_attention_dim(), pooled_projection_dim(), "prompt_embeds");
     num_prompts = request.prompt_embeds->num_prompts();
+  }
+  if (!request.prompt_embeds && !request.prompt.empty() && !prompt_encoder_) {
+    TORCH_CHECK(options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name()), folder_.root(),
+                ": prompts given as text, but the ", class_name(),
+                " has no text encoder to encode them (model_index.json needs its tokenizer and text_encoder "
+                "components, or pass prompt embeddings instead)");
   }
   if (request.negative_prompt_embeds) {
     check_prompt_embeds(*request.negative_prompt_embeds, joint_attention_dim(), pooled_projection_dim(),

@@ -90,6 +90,12 @@ struct PipelineLoadOptions {
   std::optional<bool> load_vae;
   /// Decode in tiles (diffusers' vae.enable_tiling()).
   bool vae_tiling = false;
+  /// Whether load() also loads the folder's tokenizers and text encoders as the PromptEncoder
+  /// (when the folder has them and none was set with set_prompt_encoder).
+  bool load_text_encoders = true;
+  /// The text encoders' tensor-parallel degree; nullopt: the largest divisor of the world their
+  /// heads allow (a note is printed when it differs from the transformer's).
+  std::optional<int> text_encoder_tp;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().
@@ -104,7 +110,8 @@ class DiffusionPipeline {
   static std::unique_ptr<DiffusionPipeline> from_pretrained(const std::string& path,
                                                             const PipelineLoadOptions& options = {});
   /// Loads the weights: the transformer under options.transformer_parallel, the VAE (replicated)
-  /// on the ranks that decode. Does nothing the second time.
+  /// on the ranks that decode, and the text encoders (see PipelineLoadOptions::load_text_encoders).
+  /// Does nothing the second time.
   void load();
   bool loaded() const { return loaded_; }
 

@@ -1,0 +1,211 @@
+#include "shardit/pipelines/prompt_encoders.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "shardit/dist/world.h"
+#include "shardit/models/clip/modeling_clip.h"
+#include "shardit/models/qwen/modeling_qwen2_5_vl.h"
+#include "shardit/models/qwen/modeling_qwen3.h"
+#include "shardit/models/registry.h"
+#include "shardit/models/t5/modeling_t5.h"
+#include "shardit/tokenizers/prompt_templates.h"
+
+namespace shardit::pipelines {
+namespace {
+
+/// FluxPipeline.tokenizer_max_length (CLIPTokenizer.model_max_length).
+constexpr int64_t kClipMaxLength = 77;
+
+/// The (tokenizer, text_encoder) component names each pipeline class encodes with.
+std::vector<std::pair<std::string, std::string>> encoder_components(const std::string& pipeline_class) {
+  if (pipeline_class == "FluxPipeline") return {{"tokenizer", "text_encoder"}, {"tokenizer_2", "text_encoder_2"}};
+  if (pipeline_class == "Flux2KleinPipeline" || pipeline_class == "QwenImagePipeline") {
+    return {{"tokenizer", "text_encoder"}};
+  }
+  TORCH_CHECK(false, "no prompt encoder for pipeline class '", pipeline_class,
+              "' (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+}
+
+/// One field of a batch of encodings as int64 [B, S] (rows padded to one length by the tokenizer).
+at::Tensor stack_rows(const std::vector<tokenizers::Encoding>& rows, bool mask) {
+  TORCH_CHECK(!rows.empty(), "no prompts to encode");
+  const auto& first = mask ? rows[0].attention_mask : rows[0].input_ids;
+  at::Tensor out = at::empty({static_cast<int64_t>(rows.size()), static_cast<int64_t>(first.size())}, at::kLong);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& values = mask ? rows[i].attention_mask : rows[i].input_ids;
+    TORCH_INTERNAL_ASSERT(values.size() == first.size(), "tokenizer rows of different lengths");
+    std::copy(values.begin(), values.end(), out[static_cast<int64_t>(i)].data_ptr<int64_t>());
+  }
+  return out;
+}
+
+std::unique_ptr<tokenizers::Tokenizer> open_tokenizer(const io::ModelFolder& folder, const std::string& name) {
+  const std::string class_name = folder.model_index().at(name).at(1).get<std::string>();
+  return models::create_tokenizer(folder.component(name).dir, class_name);
+}
+
+template <typename Model>
+std::shared_ptr<Model> as_encoder(const std::shared_ptr<parallel::TensorParallelModule>& module,
+                                  const io::ComponentFolder& component, const std::string& pipeline_class,
+                                  const char* expected) {
+  auto model = std::dynamic_pointer_cast<Model>(module);
+  TORCH_CHECK(model != nullptr, component.dir, "/config.json: a ", pipeline_class, " encodes prompts with a ",
+              expected, ", got ", component.class_name());
+  return model;
+}
+
+/// FluxPipeline.encode_prompt: CLIP's pooled output and T5's last hidden state.
+class FluxPromptEncoder : public PromptEncoder {
+ public:
+  FluxPromptEncoder(std::unique_ptr<tokenizers::Tokenizer> clip_tokenizer, std::shared_ptr<models::CLIPTextModel> clip,
+                    std::unique_ptr<tokenizers::Tokenizer> t5_tokenizer, std::shared_ptr<models::T5EncoderModel> t5)
+      : clip_tokenizer_(std::move(clip_tokenizer)),
+        clip_(std::move(clip)),
+        t5_tokenizer_(std::move(t5_tokenizer)),
+        t5_(std::move(t5)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const at::Tensor clip_ids =
+        stack_rows((*clip_tokenizer_)(prompts, kClipMaxLength, tokenizers::Padding::MaxLength), false);
+    const at::Tensor t5_ids =
+        stack_rows((*t5_tokenizer_)(prompts, max_sequence_length, tokenizers::Padding::MaxLength), false);
+    PromptEmbeds out;
+    out.pooled_prompt_embeds = models::flux_clip_prompt_embeds(*clip_, clip_ids.to(clip_->device()));
+    out.prompt_embeds = models::flux_t5_prompt_embeds(*t5_, t5_ids.to(t5_->device()));
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> clip_tokenizer_;
+  std::shared_ptr<models::CLIPTextModel> clip_;
+  std::unique_ptr<tokenizers::Tokenizer> t5_tokenizer_;
+  std::shared_ptr<models::T5EncoderModel> t5_;
+};
+
+/// Flux2KleinPipeline.encode_prompt: Qwen3 on the chat-templated prompt, hidden states 9/18/27.
+class Flux2KleinPromptEncoder : public PromptEncoder {
+ public:
+  Flux2KleinPromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer,
+                          std::shared_ptr<models::Qwen3ForCausalLM> encoder)
+      : tokenizer_(std::move(tokenizer)), encoder_(std::move(encoder)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const auto rows = tokenizers::encode_flux2_klein_prompts(*tokenizer_, prompts, max_sequence_length);
+    PromptEmbeds out;
+    out.prompt_embeds = models::flux2_klein_prompt_embeds(*encoder_, stack_rows(rows, false).to(encoder_->device()),
+                                                          stack_rows(rows, true).to(encoder_->device()));
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> tokenizer_;
+  std::shared_ptr<models::Qwen3ForCausalLM> encoder_;
+};
+
+/// QwenImagePipeline.encode_prompt: Qwen2.5-VL on the templated prompt, the template prefix
+/// dropped, cut to max_sequence_length, with the mask.
+class QwenImagePromptEncoder : public PromptEncoder {
+ public:
+  QwenImagePromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer,
+                         std::shared_ptr<models::Qwen2_5_VLForConditionalGeneration> encoder)
+      : tokenizer_(std::move(tokenizer)), encoder_(std::move(encoder)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const auto rows = tokenizers::encode_qwenimage_prompts(*tokenizer_, prompts);
+    const models::QwenImagePromptEmbeds embeds = models::qwenimage_prompt_embeds(
+        *encoder_, stack_rows(rows, false).to(encoder_->device()), stack_rows(rows, true).to(encoder_->device()));
+    const int64_t length = std::min(max_sequence_length, embeds.prompt_embeds.size(1));
+    PromptEmbeds out;
+    out.prompt_embeds = embeds.prompt_embeds.slice(1, 0, length);
+    out.prompt_embeds_mask = embeds.prompt_embeds_mask.slice(1, 0, length);
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> tokenizer_;
+  std::shared_ptr<models::Qwen2_5_VLForConditionalGeneration> encoder_;
+};
+
+/// Whether every encoder's plan resolves at `degree`.
+bool degree_fits(const std::vector<std::shared_ptr<parallel::TensorParallelModule>>& encoders, int degree,
+                 at::ScalarType dtype) {
+  for (const auto& encoder : encoders) {
+    try {
+      encoder->resolve(degree, dtype);
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool has_prompt_encoder_components(const io::ModelFolder& folder, const std::string& pipeline_class) {
+  const auto listed = folder.components();
+  const auto has = [&](const std::string& name) { return std::find(listed.begin(), listed.end(), name) != listed.end(); };
+  for (const auto& [tokenizer, encoder] : encoder_components(pipeline_class)) {
+    if (!has(tokenizer) || !has(encoder)) return false;
+  }
+  return true;
+}
+
+std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder, const std::string& pipeline_class,
+                                                   const TextEncoderLoadOptions& options) {
+  dist::World& world = dist::World::get();
+  const auto names = encoder_components(pipeline_class);
+  // Everything is opened before anything loads: a missing component or file is named at once.
+  std::vector<io::ComponentFolder> components;
+  std::vector<std::unique_ptr<tokenizers::Tokenizer>> tokenizers;
+  std::vector<std::shared_ptr<parallel::TensorParallelModule>> encoders;
+  for (const auto& [tokenizer, encoder] : names) {
+    components.push_back(folder.component(encoder));
+    tokenizers.push_back(open_tokenizer(folder, tokenizer));
+    encoders.push_back(models::create_text_encoder(components.back()));
+  }
+
+  int degree = 1;
+  if (options.tp_degree) {
+    degree = *options.tp_degree;
+    TORCH_CHECK(degree >= 1 && world.size() % degree == 0, "--text-encoder-tp ", degree,
+                " must divide the number of ranks (", world.size(), ")");
+  } else {
+    for (int d = world.size(); d >= 1; --d) {
+      if (world.size() % d == 0 && degree_fits(encoders, d, options.dtype)) {
+        degree = d;
+        break;
+      }
+    }
+    if (degree != options.transformer_tp_degree && world.rank() == 0) {
+      fmt::print(stderr, "note: the text encoders run at tensor-parallel degree {} (transformer: {}): {}\n", degree,
+                 options.transformer_tp_degree,
+                 "the largest degree dividing the ranks that their heads allow; set it with --text-encoder-tp");
+    }
+  }
+
+  parallel::LoadOptions load;
+  load.dtype = options.dtype;
+  load.device = options.device;
+  if (world.size() > 1 || degree != 1) load.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, degree);
+  for (size_t i = 0; i < encoders.size(); ++i) encoders[i]->load(components[i].weights(), load);
+
+  if (pipeline_class == "FluxPipeline") {
+    return std::make_shared<FluxPromptEncoder>(
+        std::move(tokenizers[0]), as_encoder<models::CLIPTextModel>(encoders[0], components[0], pipeline_class, "CLIPTextModel"),
+        std::move(tokenizers[1]),
+        as_encoder<models::T5EncoderModel>(encoders[1], components[1], pipeline_class, "T5EncoderModel"));
+  }
+  if (pipeline_class == "Flux2KleinPipeline") {
+    return std::make_shared<Flux2KleinPromptEncoder>(
+        std::move(tokenizers[0]),
+        as_encoder<models::Qwen3ForCausalLM>(encoders[0], components[0], pipeline_class, "Qwen3ForCausalLM"));
+  }
+  return std::make_shared<QwenImagePromptEncoder>(
+      std::move(tokenizers[0]), as_encoder<models::Qwen2_5_VLForConditionalGeneration>(
+                                    encoders[0], components[0], pipeline_class, "Qwen2_5_VLForConditionalGeneration"));
+}
+
+}  // namespace shardit::pipelines
