@@ -26,6 +26,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+/// The prompt of the built-in pipeline when none is given.
+constexpr const char* kBuiltinPrompt = "a photo of a red fox in the snow";
+
 struct GenerateOptions {
   std::string model;
   std::vector<std::string> prompt;
@@ -72,16 +75,14 @@ int generate(const GenerateOptions& given) {
   dist::World& world = dist::World::get();
   GenerateOptions options = given;
   if (options.model.empty()) {
-    TORCH_CHECK(options.prompt.empty() && options.prompt_embeds.empty(),
-                "generate: --prompt/--prompt-embeds without "
-                "--model; give --model, or neither for the built-in tiny model");
     const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
     options.model = builtin.pipeline;
-    options.prompt_embeds = builtin.prompt_embeds;
+    if (options.prompt.empty() && options.prompt_embeds.empty()) options.prompt = {kBuiltinPrompt};
     if (world.rank() == 0) {
       fmt::print(
-          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights; the "
-          "image is noise)\n");
+          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights, text encoders "
+          "included; the image is noise{})\n",
+          given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
     }
   }
   const at::ScalarType dtype = parse_compute_dtype(options.dtype);
@@ -199,7 +200,10 @@ void register_generate(CLI::App& app, CommandBody& body) {
   CLI::App* command = app.add_subcommand("generate", "text to image with a diffusers pipeline folder, written as PNG");
   command->add_option("--model", options->model,
                       "diffusers pipeline folder (model_index.json); default: a built-in tiny random pipeline");
-  command->add_option("--prompt", options->prompt, "prompt (repeat for a batch)");
+  command->add_option("--prompt", options->prompt,
+                      fmt::format("prompt (repeat for a batch); with neither --model nor --prompt/--prompt-embeds: "
+                                  "\"{}\"",
+                                  kBuiltinPrompt));
   command->add_option("--prompt-embeds", options->prompt_embeds,
                       "safetensors with prompt_embeds (+ pooled_prompt_embeds, prompt_embeds_mask, negative_*) "
                       "instead of --prompt");

@@ -20,4 +20,11 @@ int32_t shardit_spm_piece_to_id(void* handle, const char* piece, size_t size);
 void shardit_spm_id_to_piece(void* handle, int32_t id, void (*emit)(void* user, const char* piece, size_t size),
                              void* user);
 int32_t shardit_spm_piece_size(void* handle);
+/// Trains a model (SentencePieceTrainer::Train with `num_options` key/value pairs of trainer
+/// flags, "vocab_size" -> "600") on `num_sentences` sentences, after seeding SentencePiece's random
+/// generator with `seed`. Returns the serialized model proto (malloc'd, `model_size` bytes), or null
+/// with `error` set.
+char* shardit_spm_train(const char* const* option_keys, const char* const* option_values, size_t num_options,
+                        const char* const* sentences, const size_t* sentence_sizes, size_t num_sentences,
+                        unsigned int seed, size_t* model_size, char** error);
 }

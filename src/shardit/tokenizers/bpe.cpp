@@ -18,14 +18,16 @@ std::string pair_key(std::string_view left, std::string_view right) {
   return key;
 }
 
+// GPT-2's printable bytes, which stand for themselves in the byte-level alphabet.
+bool is_printable_byte(int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); }
+
 const std::array<std::string, 256>& byte_table() {
   static const std::array<std::string, 256> table = [] {
     std::array<std::string, 256> t;
     int extra = 0;
     for (int b = 0; b < 256; ++b) {
       // Printable Latin-1 bytes stand for themselves; the others are shifted past U+00FF.
-      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      append_utf8(t[b], printable ? static_cast<char32_t>(b) : static_cast<char32_t>(256 + extra++));
+      append_utf8(t[b], is_printable_byte(b) ? static_cast<char32_t>(b) : static_cast<char32_t>(256 + extra++));
     }
     return t;
   }();
@@ -92,6 +94,51 @@ std::vector<std::string> split_characters(std::string_view text) {
     i += n;
   }
   return out;
+}
+
+std::vector<std::string> byte_level_alphabet() {
+  std::vector<std::string> alphabet;
+  std::vector<std::string> others;
+  const auto& table = byte_table();
+  for (int b = 0; b < 256; ++b) {
+    (is_printable_byte(b) ? alphabet : others).push_back(table[b]);
+  }
+  alphabet.insert(alphabet.end(), others.begin(), others.end());
+  return alphabet;
+}
+
+std::vector<std::pair<std::string, std::string>> learn_bpe_merges(std::vector<BpeWord> words, size_t num_merges) {
+  std::vector<std::pair<std::string, std::string>> merges;
+  while (merges.size() < num_merges) {
+    std::unordered_map<std::string, int64_t> counts;
+    for (const BpeWord& word : words) {
+      for (size_t i = 0; i + 1 < word.symbols.size(); ++i) counts[pair_key(word.symbols[i], word.symbols[i + 1])] += word.count;
+    }
+    // Ties: the smallest key in byte order, so the merges depend on nothing but the input.
+    const std::pair<const std::string, int64_t>* best = nullptr;
+    for (const auto& entry : counts) {
+      if (!best || entry.second > best->second || (entry.second == best->second && entry.first < best->first)) {
+        best = &entry;
+      }
+    }
+    if (!best || best->second < 2) break;
+    const size_t split = best->first.find('\xff');
+    const std::string left = best->first.substr(0, split), right = best->first.substr(split + 1);
+    for (BpeWord& word : words) {
+      std::vector<std::string> joined;
+      for (size_t i = 0; i < word.symbols.size(); ++i) {
+        if (i + 1 < word.symbols.size() && word.symbols[i] == left && word.symbols[i + 1] == right) {
+          joined.push_back(left + right);
+          ++i;
+        } else {
+          joined.push_back(word.symbols[i]);
+        }
+      }
+      word.symbols = std::move(joined);
+    }
+    merges.emplace_back(left, right);
+  }
+  return merges;
 }
 
 }  // namespace shardit::tokenizers

@@ -20,6 +20,8 @@ struct Module {
   int32_t (*piece_to_id)(void*, const char*, size_t) = nullptr;
   void (*id_to_piece)(void*, int32_t, Emit, void*) = nullptr;
   int32_t (*piece_size)(void*) = nullptr;
+  char* (*train)(const char* const*, const char* const*, size_t, const char* const*, const size_t*, size_t,
+                 unsigned int, size_t*, char**) = nullptr;
 };
 
 template <class F>
@@ -46,6 +48,7 @@ const Module& module() {
     bind(library, "shardit_spm_piece_to_id", loaded.piece_to_id, path);
     bind(library, "shardit_spm_id_to_piece", loaded.id_to_piece, path);
     bind(library, "shardit_spm_piece_size", loaded.piece_size, path);
+    bind(library, "shardit_spm_train", loaded.train, path);
     m = loaded;
   });
   return m;
@@ -96,5 +99,27 @@ std::string SentencePiece::id_to_piece(int64_t id) const {
 }
 
 int64_t SentencePiece::piece_size() const { return module().piece_size(handle_); }
+
+std::string train_sentencepiece(const std::vector<std::string>& sentences,
+                                const std::map<std::string, std::string>& options, unsigned int seed) {
+  std::vector<const char*> keys, values, texts;
+  std::vector<size_t> sizes;
+  for (const auto& [key, value] : options) {
+    keys.push_back(key.c_str());
+    values.push_back(value.c_str());
+  }
+  for (const std::string& sentence : sentences) {
+    texts.push_back(sentence.data());
+    sizes.push_back(sentence.size());
+  }
+  char* error = nullptr;
+  size_t size = 0;
+  char* model = module().train(keys.data(), values.data(), keys.size(), texts.data(), sizes.data(), texts.size(),
+                               seed, &size, &error);
+  TORCH_CHECK(model, "SentencePiece training failed: ", take_error(error));
+  std::string out(model, size);
+  std::free(model);
+  return out;
+}
 
 }  // namespace shardit::tokenizers

@@ -1,6 +1,7 @@
 #pragma once
 // SentencePiece, loaded as a module (see src/sentencepiece_c/sentencepiece_c.h for why).
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,5 +28,12 @@ class SentencePiece {
   void* handle_ = nullptr;
   std::string path_;
 };
+
+/// Trains a SentencePiece model on `sentences` (SentencePieceTrainer::Train, as `spm_train` with
+/// `options` as its flags: {"model_type", "unigram"}, {"vocab_size", "600"} ...), with the
+/// library's random generator seeded by `seed`. Returns the model file's bytes (a serialized
+/// ModelProto, what `spiece.model` holds); an error carries the trainer's message.
+std::string train_sentencepiece(const std::vector<std::string>& sentences,
+                                const std::map<std::string, std::string>& options, unsigned int seed);
 
 }  // namespace shardit::tokenizers
