@@ -3,6 +3,7 @@
 // through the C++ API (sharded while loading, and loaded whole then enable_parallelism) and
 // through `shardit generate --nproc-per-node`. The golden transformers have 4 heads (TP 2 or 4);
 // the built-in tiny pipeline has 12, so TP=3 is checked against TP=1 there.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -14,6 +15,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/prompt_encoders.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
@@ -24,6 +26,11 @@ using shardit::parallel::TensorParallelConfig;
 using shardit::testing::env_or;
 using shardit::testing::is_worker;
 using shardit::testing::run_ranks;
+
+// Prompts with capitals, digits and punctuation, one longer than the other (padding differs).
+const std::vector<std::string> kEncoderPrompts = {"A red fox, sleeping in the snow!",
+                                                  "2 old robots reading books in a quiet library at night"};
+constexpr int64_t kEncoderMaxLength = 24;
 
 void api_worker() {
   auto& world = shardit::dist::World::init();
@@ -84,31 +91,107 @@ INSTANTIATE_TEST_SUITE_P(Golden, PipelinesTp,
                          ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"),
                          [](const auto& info) { return info.param.substr(9); });
 
+// One `shardit generate` run on the built-in pipeline into `dir`/`name`.png (+ .safetensors),
+// with `env` ("NAME=value ") in front of the command: the image as float [1, H, W, 3] and as PNG
+// levels, and what the command printed.
+struct BuiltinRun {
+  at::Tensor image;
+  at::Tensor png;
+  std::string output;
+};
+BuiltinRun generate_builtin(const std::string& dir, const std::string& name, const std::string& options,
+                            const std::string& env = "") {
+  const std::string command = env + shardit::testing::cli_path() + " generate " + options +
+                              " --height 64 --width 96 --steps 3 --seed 7 --out " + dir + "/" + name +
+                              ".png --out-tensors " + dir + "/" + name + ".safetensors";
+  BuiltinRun run;
+  EXPECT_EQ(shardit::testing::run_command(command, &run.output), 0) << run.output;
+  run.image = shardit::io::SafetensorsFile::open(dir + "/" + name + ".safetensors")->read("image");
+  run.png = shardit::io::read_png(dir + "/" + name + ".png").to(at::kInt);
+  return run;
+}
+
 // The built-in pipeline (12 heads) at TP=3 and on 2 ranks with --tp 1 (replicas) against one
 // rank: the same image up to the order of fp32 sums, the same PNG up to one level.
 TEST(PipelinesBuiltin, Tp3AndReplicasMatchTp1) {
   if (is_worker()) return;
   const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin");
   const auto builtin = shardit::models::write_builtin_model(dir + "/model");
-  const auto generate = [&](const std::string& name, const std::string& options) {
-    const std::string command = shardit::testing::cli_path() + " generate " + options + " --model " + builtin.pipeline +
-                                " --prompt-embeds " + builtin.prompt_embeds +
-                                " --height 64 --width 96 --steps 3 --seed 7 --out " + dir + "/" + name +
-                                ".png --out-tensors " + dir + "/" + name + ".safetensors";
-    std::string output;
-    EXPECT_EQ(shardit::testing::run_command(command, &output), 0) << output;
-    return std::make_pair(shardit::io::SafetensorsFile::open(dir + "/" + name + ".safetensors")->read("image"),
-                          shardit::io::read_png(dir + "/" + name + ".png").to(at::kInt));
-  };
-  const auto [tp1, tp1_png] = generate("tp1", "");
-  EXPECT_EQ(tp1.sizes(), (std::vector<int64_t>{1, 64, 96, 3}));
+  const std::string model = "--model " + builtin.pipeline + " --prompt-embeds " + builtin.prompt_embeds;
+  const BuiltinRun tp1 = generate_builtin(dir, "tp1", model);
+  EXPECT_EQ(tp1.image.sizes(), (std::vector<int64_t>{1, 64, 96, 3}));
   // TP=3 differs only by the order of fp32 sums in the rowwise layers; replicas run TP=1 each with
   // fewer intra-op threads.
   for (const auto& [name, options] :
        {std::pair<std::string, std::string>{"tp3", "--nproc-per-node 3"}, {"replicas", "--nproc-per-node 2 --tp 1"}}) {
-    const auto [image, png] = generate(name, options);
-    EXPECT_TRUE(shardit::testing::tensors_close(name + " image", image, tp1, 1e-4, 0));
-    EXPECT_LE((png - tp1_png).abs().max().item<int>(), 1) << name;
+    const BuiltinRun run = generate_builtin(dir, name, options + " " + model);
+    EXPECT_TRUE(shardit::testing::tensors_close(name + " image", run.image, tp1.image, 1e-4, 0));
+    EXPECT_LE((run.png - tp1.png).abs().max().item<int>(), 1) << name;
+  }
+}
+
+// The quick start: `generate --prompt` with no --model (the built-in pipeline written under
+// TMPDIR, text encoders included) on one rank and on two (transformer and text encoders at TP=2):
+// the same image up to the order of fp32 sums; another prompt gives another image.
+TEST(PipelinesBuiltin, PromptWithoutModelTp2MatchesTp1) {
+  if (is_worker()) return;
+  const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin-prompt");
+  const std::string env = "TMPDIR=" + dir + " ";
+  const std::string prompt = "--prompt 'A red fox, sleeping in the snow!' --max-sequence-length 32";
+  const BuiltinRun tp1 = generate_builtin(dir, "tp1", prompt, env);
+  EXPECT_THAT(tp1.output, ::testing::HasSubstr("built-in tiny"));
+  const BuiltinRun tp2 =
+      generate_builtin(dir, "tp2", "--nproc-per-node 2 " + prompt + " --compare-to " + dir + "/tp1.png", env);
+  EXPECT_THAT(tp2.output, ::testing::HasSubstr("tp 2 of 2 ranks"));
+  EXPECT_THAT(tp2.output, ::testing::HasSubstr("the image equals"));
+  EXPECT_THAT(tp2.output, ::testing::Not(::testing::HasSubstr("text encoders run at tensor-parallel degree")))
+      << "the text encoders run at the transformer's degree";
+  EXPECT_TRUE(shardit::testing::tensors_close("image at TP=2", tp2.image, tp1.image, 1e-4, 0));
+  const BuiltinRun other =
+      generate_builtin(dir, "other", "--prompt 'a blue whale under the ocean at night' --max-sequence-length 32", env);
+  EXPECT_GT((other.image - tp1.image).abs().max().item<double>(), 1e-3) << "the prompt does not change the image";
+}
+
+// The built-in pipeline's text encoders sharded over the world encode prompts as on one rank.
+void builtin_encoder_worker() {
+  auto& world = shardit::dist::World::init();
+  shardit::pipelines::TextEncoderLoadOptions options;
+  options.tp_degree = world.size();
+  const auto encoder = shardit::pipelines::load_prompt_encoder(
+      shardit::io::ModelFolder::open(env_or("SHARDIT_BUILTIN_MODEL")), "FluxPipeline", options);
+  const auto embeds = encoder->encode(kEncoderPrompts, kEncoderMaxLength);
+  const auto reference = shardit::io::SafetensorsFile::open(env_or("SHARDIT_BUILTIN_REFERENCE"));
+  for (const auto& [name, value] : {std::pair<std::string, at::Tensor>{"prompt_embeds", embeds.prompt_embeds},
+                                    {"pooled_prompt_embeds", embeds.pooled_prompt_embeds.value()}}) {
+    const at::Tensor expected = reference->read(name);
+    // As in the encoder TP tests: only the order of fp32 sums differs, ~1e-6 of the scale.
+    EXPECT_TRUE(shardit::testing::tensors_close(name + " at TP=" + std::to_string(world.size()), value, expected,
+                                                1e-5 * std::max(expected.abs().max().item<double>(), 1.0), 0));
+  }
+}
+
+TEST(PipelinesBuiltin, PromptEncodingTp2AndTp3MatchTp1) {
+  if (is_worker()) return builtin_encoder_worker();
+  const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin-encode");
+  const auto builtin = shardit::models::write_builtin_model(dir + "/model");
+  shardit::pipelines::TextEncoderLoadOptions options;
+  options.tp_degree = 1;
+  const auto encoder =
+      shardit::pipelines::load_prompt_encoder(shardit::io::ModelFolder::open(builtin.pipeline), "FluxPipeline", options);
+  const auto embeds = encoder->encode(kEncoderPrompts, kEncoderMaxLength);
+  ASSERT_EQ(embeds.prompt_embeds.sizes(), (std::vector<int64_t>{2, kEncoderMaxLength, 64}));
+  ASSERT_EQ(embeds.pooled_prompt_embeds.value().sizes(), (std::vector<int64_t>{2, 96}));
+  EXPECT_GT((embeds.pooled_prompt_embeds.value()[0] - embeds.pooled_prompt_embeds.value()[1]).abs().max().item<double>(),
+            1e-2)
+      << "two prompts, one pooled embedding";
+  EXPECT_TRUE(at::isfinite(embeds.prompt_embeds).all().item<bool>());
+  const std::string reference = dir + "/reference.safetensors";
+  shardit::io::save_safetensors(reference, {{"prompt_embeds", embeds.prompt_embeds},
+                                            {"pooled_prompt_embeds", embeds.pooled_prompt_embeds.value()}});
+  for (const int nproc : {2, 3}) {
+    EXPECT_EQ(run_ranks(nproc, {{"SHARDIT_BUILTIN_MODEL", builtin.pipeline}, {"SHARDIT_BUILTIN_REFERENCE", reference}}),
+              0)
+        << "TP=" << nproc;
   }
 }
 
