@@ -31,6 +31,8 @@ DiffusionPipeline& pipeline() {
   static const auto loaded = [] {
     shardit::pipelines::PipelineLoadOptions options;
     options.load_vae = true;
+    // Prompt embeddings only: the requests below carry them, and prompts must ask for them.
+    options.load_text_encoders = false;
     return DiffusionPipeline::from_pretrained(builtin().pipeline, options);
   }();
   return *loaded;
@@ -70,12 +72,12 @@ TEST(PipelineErrors, PromptEmbeddingsOfTheWrongWidthOrDtype) {
   request.prompt_embeds->prompt_embeds = at::zeros({1, 8, 16});
   EXPECT_THAT(
       error_of([&] { pipeline().generate(request); }),
-      HasSubstr("prompt_embeds has width 16 (shape [1, 8, 16]), but the transformer's joint_attention_dim is 32"));
-  request.prompt_embeds->prompt_embeds = at::zeros({1, 8, 32}, at::kLong);
+      HasSubstr("prompt_embeds has width 16 (shape [1, 8, 16]), but the transformer's joint_attention_dim is 64"));
+  request.prompt_embeds->prompt_embeds = at::zeros({1, 8, 64}, at::kLong);
   EXPECT_THAT(error_of([&] { pipeline().generate(request); }), HasSubstr("prompt_embeds has dtype Long"));
   request = small_request();
   request.prompt_embeds->pooled_prompt_embeds.reset();
-  EXPECT_THAT(error_of([&] { pipeline().generate(request); }), HasSubstr("pooled_prompt_embeds [1, 32] is missing"));
+  EXPECT_THAT(error_of([&] { pipeline().generate(request); }), HasSubstr("pooled_prompt_embeds [1, 96] is missing"));
 }
 
 TEST(PipelineErrors, LatentsOfTheWrongShape) {
