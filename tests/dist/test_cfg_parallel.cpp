@@ -315,6 +315,29 @@ TEST(CfgParallelErrors, GoldenRefusesDistilledKlein) {
   EXPECT_EQ(run_ranks(2, {{"SHARDIT_DISTILLED_KLEIN", dir}}), 0);
 }
 
+// A mesh the transformer cannot be split over (the golden Qwen-Image transformer has 4 heads) is
+// refused when the pipeline is opened, listing the meshes of the launched ranks it can run on.
+TEST(CfgParallelErrors, GoldenRefusesImpossibleSplit) {
+  if (is_worker()) {
+    auto& world = shardit::dist::World::init();
+    const std::string dir = shardit::testing::golden_path("pipeline_qwenimage");
+    PipelineLoadOptions tp3;
+    tp3.mesh = ParallelDims{1, 1, 1, 3}.build_mesh(world);
+    EXPECT_EQ(error_of([&] { DiffusionPipeline::open(dir, tp3); }),
+              "QwenImagePipeline's transformer cannot run on the mesh cfg=1 x ulysses=1 x ring=1 x tp=3: "
+              "num_attention_heads = 4, which does not divide by tp_degree 3; degrees that would work (up to 64): 1, "
+              "2, 4; meshes of 3 ranks it can run on: [--ring 3 --tp 1]");
+    PipelineLoadOptions ulysses3;
+    ulysses3.mesh = ParallelDims{1, 3, 1, 1}.build_mesh(world);
+    EXPECT_EQ(error_of([&] { DiffusionPipeline::open(dir, ulysses3); }),
+              "QwenImagePipeline's transformer cannot run on the mesh cfg=1 x ulysses=3 x ring=1 x tp=1: "
+              "num_attention_heads = 4, which does not divide by tp x ulysses = 1 x 3; meshes of 3 ranks it can run "
+              "on: [--ring 3 --tp 1]");
+    return;
+  }
+  EXPECT_EQ(run_ranks(3), 0);
+}
+
 // `shardit generate --cfg-parallel` on a request without CFG stops before loading, with the
 // message, on every rank.
 TEST(CfgParallelErrors, GoldenCliRefusesRequestWithoutCfg) {

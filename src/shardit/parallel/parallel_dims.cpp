@@ -6,6 +6,7 @@
 
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
+#include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::parallel {
 
@@ -116,6 +117,35 @@ std::vector<ParallelDims> ParallelDims::fitting(int world_size) {
     }
   }
   return out;
+}
+
+std::string split_problem(TensorParallelModule& model, const ParallelDims& dims, at::ScalarType dtype) {
+  try {
+    model.resolve(dims.tp, dtype);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  for (const TpDivisor& divisor : model.traits().divisors) {
+    if (divisor.what != "num_attention_heads" || dims.ulysses == 1) continue;
+    if (divisor.value % (static_cast<int64_t>(dims.tp) * dims.ulysses) != 0) {
+      return divisor.what + " = " + std::to_string(divisor.value) + ", which does not divide by tp x ulysses = " +
+             std::to_string(dims.tp) + " x " + std::to_string(dims.ulysses);
+    }
+  }
+  return "";
+}
+
+void check_split(TensorParallelModule& model, const ParallelDims& dims, int world_size, const std::string& what,
+                 bool allow_cfg, at::ScalarType dtype) {
+  const std::string problem = split_problem(model, dims, dtype);
+  if (problem.empty()) return;
+  std::string fits;
+  for (const ParallelDims& candidate : ParallelDims::fitting(world_size)) {
+    if (candidate.cfg > 1 && !allow_cfg) continue;
+    if (split_problem(model, candidate, dtype).empty()) fits += (fits.empty() ? "[" : ", [") + candidate.to_flags() + "]";
+  }
+  TORCH_CHECK(false, what, " cannot run on the mesh ", dims.to_string(), ": ", problem, "; meshes of ",
+              ranks(world_size), " it can run on: ", fits.empty() ? "none (launch another number of ranks)" : fits);
 }
 
 int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim) {

@@ -10,6 +10,8 @@
 // cfg x ulysses x ring x tp: each block of that many consecutive ranks then runs the whole
 // pipeline as one replica (the same image on every replica), as TensorParallelConfig::from_degree
 // does for a TP degree below the world size.
+#include <ATen/ATen.h>
+
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,6 +23,8 @@ class World;
 }  // namespace shardit::dist
 
 namespace shardit::parallel {
+
+class TensorParallelModule;
 
 /// cfg x ulysses x ring x tp.
 struct ParallelDims {
@@ -66,5 +70,15 @@ struct ParallelDims {
 
 /// The size of `mesh`'s dimension `dim`, or 1 when the mesh has no such dimension.
 int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim);
+
+/// Why `model` cannot run on a mesh of (resolved) `dims`: its plan does not resolve at dims.tp, or
+/// a head count it declares (ModelTraits::divisors, "num_attention_heads") does not divide by
+/// tp x ulysses (Ulysses attention splits the heads TP leaves). "" when it can. Reads no weight.
+std::string split_problem(TensorParallelModule& model, const ParallelDims& dims, at::ScalarType dtype = at::kFloat);
+
+/// Fails unless `model` can run on `dims`, naming `what` (the model) and the problem, and listing
+/// the meshes of `world_size` ranks it can run on (with cfg 2 only when `allow_cfg`).
+void check_split(TensorParallelModule& model, const ParallelDims& dims, int world_size, const std::string& what,
+                 bool allow_cfg, at::ScalarType dtype = at::kFloat);
 
 }  // namespace shardit::parallel

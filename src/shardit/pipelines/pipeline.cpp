@@ -226,6 +226,10 @@ void DiffusionPipeline::check_parallel() const {
               ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
               "classifier-free guidance on the two halves of the mesh, but this pipeline runs no CFG (",
               cfg_condition(), "); drop --cfg-parallel");
+  if (options_.transformer_parallel && !transformer_->resolved_plan()) {
+    parallel::check_split(*transformer_, parallel_dims_, dist::World::get().size(),
+                          class_name() + "'s transformer", supports_cfg(), options_.dtype);
+  }
 }
 
 void DiffusionPipeline::enable_context_parallel() const {

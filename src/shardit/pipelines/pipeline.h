@@ -227,7 +227,8 @@ class DiffusionPipeline {
   std::shared_ptr<dist::Group> cfg_group_;
 
  private:
-  /// Refuses CFG-parallel on a pipeline that cannot run CFG (before any weight is read).
+  /// Refuses CFG-parallel on a pipeline that cannot run CFG, and a mesh the transformer cannot be
+  /// split over (listing those it can), before any weight is read.
   void check_parallel() const;
   /// Context parallelism (the mesh's "ulysses" and "ring" dimensions) for the denoising loop,
   /// called once at the start of denoise(); for now it refuses degrees above 1.
