@@ -1,5 +1,6 @@
 // `shardit generate`: a text-to-image pipeline from a diffusers folder (FluxPipeline,
-// Flux2KleinPipeline, QwenImagePipeline) to PNG files, the transformer sharded over the ranks.
+// Flux2KleinPipeline, QwenImagePipeline) to PNG files, the transformer on a cfg x ulysses x ring x
+// tp mesh of the ranks.
 // Only rank 0 decodes and writes.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -46,7 +47,10 @@ struct GenerateOptions {
   std::string out = "out.png";
   std::string out_tensors;
   std::string dtype = "f32";
-  int tp = 0;  ///< 0: the world size
+  int tp = 0;  ///< 0: the ranks cfg x ulysses x ring leave
+  int ulysses = 1;
+  int ring = 1;
+  bool cfg_parallel = false;  ///< the CFG branches on the two halves of the mesh (cfg degree 2)
   int text_encoder_tp = 0;  ///< 0: the largest degree the text encoders' heads allow
   bool tiled_vae = false;
   bool save_steps = false;
@@ -74,6 +78,9 @@ void compare_with(const std::string& reference_path, const at::Tensor& image) {
 int generate(const GenerateOptions& given) {
   dist::World& world = dist::World::get();
   GenerateOptions options = given;
+  const parallel::ParallelDims dims = parallel::ParallelDims{options.cfg_parallel ? 2 : 1, options.ulysses,
+                                                             options.ring, options.tp}
+                                           .resolved(world.size());
   if (options.model.empty()) {
     const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
     options.model = builtin.pipeline;
@@ -141,8 +148,7 @@ int generate(const GenerateOptions& given) {
   load.dtype = dtype;
   load.device = world.device();
   load.vae_tiling = options.tiled_vae;
-  const int tp = options.tp > 0 ? options.tp : world.size();
-  if (world.size() > 1 || tp != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
+  if (world.size() > 1) load.mesh = dims.build_mesh(world);
   load.load_text_encoders = options.prompt_embeds.empty();
   if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
 
@@ -185,10 +191,11 @@ int generate(const GenerateOptions& given) {
     }
     const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
     fmt::print(
-        "{} ({}, transformer tp {} of {} ranks): {} image(s) {}x{}, {} steps in {:.2f} s (load {:.2f} s) -> {}{}\n",
-        pipeline->class_name(), options.dtype, tp, world.size(), pngs.size(), result.width, result.height,
-        result.num_inference_steps, seconds(start, end), seconds(load_start, start), fmt::join(pngs, ", "),
-        options.out_tensors.empty() ? "" : ", " + options.out_tensors);
+        "{} ({}, transformer tp {} of {} ranks, mesh {}): {} image(s) {}x{}, {} steps in {:.2f} s (load {:.2f} s) -> "
+        "{}{}\n",
+        pipeline->class_name(), options.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
+        result.height, result.num_inference_steps, seconds(start, end), seconds(load_start, start),
+        fmt::join(pngs, ", "), options.out_tensors.empty() ? "" : ", " + options.out_tensors);
   }
   return 0;
 }
@@ -227,9 +234,14 @@ void register_generate(CLI::App& app, CommandBody& body) {
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
   command
       ->add_option("--tp", options->tp,
-                   "transformer tensor-parallel degree, dividing the number of ranks "
-                   "(default: all ranks)")
+                   "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
+                   "leave); cfg x ulysses x ring x tp must divide the number of ranks")
       ->check(CLI::PositiveNumber);
+  command->add_option("--ulysses", options->ulysses, "Ulysses (all-to-all) context-parallel degree")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--ring", options->ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
+  command->add_flag("--cfg-parallel", options->cfg_parallel,
+                    "run the conditional and unconditional CFG branches on the two halves of the ranks");
   command
       ->add_option("--text-encoder-tp", options->text_encoder_tp,
                    "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "

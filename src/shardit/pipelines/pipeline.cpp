@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
@@ -196,10 +197,70 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
                                scheduler_entry.at(1).get<std::string>())
           .config();
   transformer_ = models::create_transformer(transformer_folder);
+
+  if (options_.mesh) {
+    TORCH_CHECK(!options_.transformer_parallel, pipeline_class,
+                ": PipelineLoadOptions sets both a mesh and transformer_parallel; set one (the transformer is "
+                "sharded over the mesh's \"tp\" dimension)");
+    options_.transformer_parallel = parallel::TensorParallelConfig(*options_.mesh, "tp");
+  }
+  if (options_.transformer_parallel) {
+    const auto& mesh = options_.transformer_parallel->mesh;
+    if (mesh) parallel_dims_ = parallel::ParallelDims::of(*mesh);
+    parallel_dims_.tp = options_.transformer_parallel->tp_degree();
+    TORCH_CHECK(parallel_dims_.cfg == 1 || parallel_dims_.cfg == 2, pipeline_class, ": the mesh ", mesh->to_string(),
+                " has a cfg dimension of ", parallel_dims_.cfg,
+                "; classifier-free guidance has two branches, so it is 1 or 2");
+    if (parallel_dims_.cfg == 2) cfg_group_ = mesh->group("cfg");
+  }
+}
+
+parallel::ParallelDims DiffusionPipeline::parallel_dims() const {
+  parallel::ParallelDims dims = parallel_dims_;
+  if (transformer_->resolved_plan() != nullptr) dims.tp = transformer_->tp_degree();
+  return dims;
+}
+
+void DiffusionPipeline::check_parallel() const {
+  TORCH_CHECK(parallel_dims_.cfg == 1 || supports_cfg(), class_name(),
+              ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
+              "classifier-free guidance on the two halves of the mesh, but this pipeline runs no CFG (",
+              cfg_condition(), "); drop --cfg-parallel");
+  if (options_.transformer_parallel && !transformer_->resolved_plan()) {
+    parallel::check_split(*transformer_, parallel_dims_, dist::World::get().size(),
+                          class_name() + "'s transformer", supports_cfg(), options_.dtype);
+  }
+}
+
+void DiffusionPipeline::enable_context_parallel() const {
+  // The one place context parallelism enters the denoising loop; until it is wired to
+  // parallel/context_parallel, the mesh's ulysses and ring dimensions are refused here.
+  TORCH_CHECK(parallel_dims_.ulysses == 1 && parallel_dims_.ring == 1, class_name(), ": the mesh ",
+              parallel_dims_.to_string(),
+              " asks for context parallelism (--ulysses, --ring), which this build cannot run yet; launch with "
+              "--ulysses 1 --ring 1 (cfg-parallel and tp only)");
+}
+
+at::Tensor DiffusionPipeline::guided(
+    bool do_cfg, const std::function<at::Tensor(bool conditional)>& branch,
+    const std::function<at::Tensor(const at::Tensor& cond, const at::Tensor& uncond)>& combine) const {
+  if (!do_cfg) {
+    TORCH_INTERNAL_ASSERT(!cfg_group_, "CFG-parallel on a request without CFG (check() refuses it)");
+    return branch(true);
+  }
+  if (!cfg_group_) {
+    const at::Tensor cond = branch(true);
+    return combine(cond, branch(false));
+  }
+  // This half's branch, then both: [2, ...] with the conditional prediction first (cfg index 0).
+  const at::Tensor mine = branch(cfg_group_->rank() == 0);
+  const at::Tensor both = cfg_group_->all_gather(mine.unsqueeze(0).contiguous(), 0);
+  return combine(both[0], both[1]);
 }
 
 void DiffusionPipeline::load() {
   if (loaded_) return;
+  check_parallel();
   parallel::LoadOptions load;
   load.dtype = options_.dtype;
   load.device = options_.device;
@@ -226,6 +287,11 @@ void DiffusionPipeline::load() {
 
 void DiffusionPipeline::check(const GenerateRequest& request) const {
   check_request(request);
+  check_parallel();
+  TORCH_CHECK(!cfg_group_ || runs_cfg(request), class_name(),
+              ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
+              "classifier-free guidance on the two halves of the mesh, but this request runs no CFG (",
+              cfg_condition(), "); drop --cfg-parallel, or ask for CFG");
   const auto [height, width] = resolve_size(request, /*note=*/false);
   const int64_t h = height / (vae_scale_factor_ * 2);
   const int64_t w = width / (vae_scale_factor_ * 2);
@@ -336,6 +402,7 @@ at::Tensor DiffusionPipeline::denoise(
     schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
     const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
     const GenerateRequest& request) const {
+  enable_context_parallel();
   const at::Tensor timesteps = scheduler.timesteps();
   const int64_t steps = timesteps.size(0);
   ProgressBar progress(steps, request.progress && dist::World::get().rank() == 0);
@@ -368,11 +435,19 @@ std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& pa
   io::ModelFolder folder = io::ModelFolder::open(path);
   TORCH_CHECK(folder.is_pipeline(), path, " has no model_index.json; give a diffusers pipeline folder");
   const std::string name = folder.model_index().value("_class_name", std::string());
-  if (name == "FluxPipeline") return std::make_unique<FluxPipeline>(std::move(folder), options);
-  if (name == "Flux2KleinPipeline") return std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
-  if (name == "QwenImagePipeline") return std::make_unique<QwenImagePipeline>(std::move(folder), options);
-  TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
-              "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+  std::unique_ptr<DiffusionPipeline> pipeline;
+  if (name == "FluxPipeline") {
+    pipeline = std::make_unique<FluxPipeline>(std::move(folder), options);
+  } else if (name == "Flux2KleinPipeline") {
+    pipeline = std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
+  } else if (name == "QwenImagePipeline") {
+    pipeline = std::make_unique<QwenImagePipeline>(std::move(folder), options);
+  } else {
+    TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
+                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+  }
+  pipeline->check_parallel();
+  return pipeline;
 }
 
 std::unique_ptr<DiffusionPipeline> DiffusionPipeline::from_pretrained(const std::string& path,

@@ -14,6 +14,7 @@
 
 #include "shardit/io/model_folder.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
 
@@ -84,8 +85,13 @@ struct PipelineLoadOptions {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   /// The transformer sharded while loading (TensorParallelConfig::from_degree(world, d));
-  /// nullopt: loaded whole (shard later with transformer()->enable_parallelism).
+  /// nullopt: loaded whole (shard later with transformer()->enable_parallelism), or from `mesh`.
   std::optional<parallel::TensorParallelConfig> transformer_parallel;
+  /// The transformer's mesh, cfg x ulysses x ring x tp (parallel::ParallelDims::build_mesh): the
+  /// transformer is sharded over its "tp" dimension, and with a "cfg" dimension of 2 the
+  /// conditional and unconditional branches of classifier-free guidance run on its two halves
+  /// (DiffusionPipeline::guided). Set this or transformer_parallel, not both.
+  std::shared_ptr<const dist::DeviceMesh> mesh;
   /// Whether this rank loads the (replicated) VAE and decodes; nullopt: world rank 0 only.
   std::optional<bool> load_vae;
   /// Decode in tiles (diffusers' vae.enable_tiling()).
@@ -118,14 +124,26 @@ class DiffusionPipeline {
   /// The pipeline class ("FluxPipeline").
   virtual std::string class_name() const = 0;
   /// Checks a request against the pipeline's components without loading or computing anything:
-  /// steps, sizes, the prompt embeddings' widths and dtypes, the latents' shape. generate() makes
-  /// the same checks; call this first to fail before a long load.
+  /// steps, sizes, the prompt embeddings' widths and dtypes, the latents' shape, and under
+  /// CFG-parallel that the request runs CFG. generate() makes the same checks; call this first to
+  /// fail before a long load.
   void check(const GenerateRequest& request) const;
 
   /// Runs the pipeline (after load()). Everything is checked (sizes, steps, embeddings, latents)
-  /// before the first transformer call. Collective: every rank of the transformer's group calls it
+  /// before the first transformer call. Collective: every rank of the transformer's mesh calls it
   /// with the same request.
   virtual GenerateResult generate(const GenerateRequest& request) = 0;
+
+  /// Whether `request` runs classifier-free guidance (a negative prediction combined with the
+  /// positive one at every step).
+  virtual bool runs_cfg(const GenerateRequest& request) const = 0;
+  /// When this pipeline runs CFG, in words, for errors ("... when true_cfg_scale > 1 and a
+  /// negative prompt is given").
+  virtual std::string cfg_condition() const = 0;
+  /// Whether this pipeline can run CFG at all (FLUX.2 klein: not when distilled).
+  virtual bool supports_cfg() const { return true; }
+  /// The degrees of the transformer's mesh: all 1 when loaded whole, tp as it is sharded.
+  parallel::ParallelDims parallel_dims() const;
 
   /// The transformer's text width (joint_attention_dim) and pooled width (0: none).
   virtual int64_t joint_attention_dim() const = 0;
@@ -183,6 +201,15 @@ class DiffusionPipeline {
                      const GenerateRequest& request) const;
   /// vae.decode(z) -> image float32 [B, H, W, 3] in [0, 1] (diffusers' postprocess, "np").
   at::Tensor decode_image(const at::Tensor& vae_latents) const;
+  /// One step's prediction with classifier-free guidance: `branch(true)` runs the transformer on
+  /// the positive prompt, `branch(false)` on the negative one, and `combine(cond, uncond)` is the
+  /// pipeline's CFG formula. Without CFG (`do_cfg` false): branch(true). With CFG on a mesh
+  /// without a cfg dimension: both branches here, one after the other. Under CFG-parallel (a
+  /// "cfg" dimension of 2): this rank runs only its half's branch (cfg index 0 the conditional,
+  /// 1 the unconditional), the two predictions are all-gathered over the cfg group, and every
+  /// rank combines them alike, so the latents stay identical on every rank.
+  at::Tensor guided(bool do_cfg, const std::function<at::Tensor(bool conditional)>& branch,
+                    const std::function<at::Tensor(const at::Tensor& cond, const at::Tensor& uncond)>& combine) const;
 
   io::ModelFolder folder_;
   PipelineLoadOptions options_;
@@ -195,6 +222,17 @@ class DiffusionPipeline {
   std::shared_ptr<PromptEncoder> prompt_encoder_;
   int64_t vae_scale_factor_ = 8;
   schedulers::FlowMatchEulerDiscreteSchedulerConfig scheduler_config_;
+  parallel::ParallelDims parallel_dims_{1, 1, 1, 1};
+  /// The group of the mesh's "cfg" dimension when it is 2 (CFG-parallel); null otherwise.
+  std::shared_ptr<dist::Group> cfg_group_;
+
+ private:
+  /// Refuses CFG-parallel on a pipeline that cannot run CFG, and a mesh the transformer cannot be
+  /// split over (listing those it can), before any weight is read.
+  void check_parallel() const;
+  /// Context parallelism (the mesh's "ulysses" and "ring" dimensions) for the denoising loop,
+  /// called once at the start of denoise(); for now it refuses degrees above 1.
+  void enable_context_parallel() const;
 };
 
 /// Checks prompt embeddings against the transformer's text width `joint_attention_dim` (and the
@@ -220,6 +258,11 @@ at::Tensor unpack_latents_2x2(const at::Tensor& packed, int64_t h, int64_t w);
 /// Checks latents given to a pipeline (`latents=`): floating, of shape `expected` (`layout`
 /// names the dimensions).
 void check_given_latents(const at::Tensor& latents, const std::vector<int64_t>& expected, const std::string& layout);
+
+/// Whether the request gives a negative prompt (as text or as embeddings).
+inline bool has_negative_prompt(const GenerateRequest& request) {
+  return request.negative_prompt_embeds.has_value() || !request.negative_prompt.empty();
+}
 
 /// The negative prompts for `num_prompts` prompts: none, one for all, or one each.
 std::vector<std::string> negative_prompts_for(const std::vector<std::string>& negative, int64_t num_prompts);

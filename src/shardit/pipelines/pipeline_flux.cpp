@@ -24,6 +24,14 @@ std::vector<int64_t> FluxPipeline::latents_shape(int64_t batch, int64_t h, int64
 
 std::string FluxPipeline::latents_layout() const { return "packed [B, (H/16)*(W/16), in_channels]"; }
 
+bool FluxPipeline::runs_cfg(const GenerateRequest& request) const {
+  return request.true_cfg_scale.value_or(1.0) > 1 && has_negative_prompt(request);
+}
+
+std::string FluxPipeline::cfg_condition() const {
+  return "FluxPipeline runs true CFG when true_cfg_scale (default 1) > 1 and a negative prompt is given";
+}
+
 GenerateResult FluxPipeline::generate(const GenerateRequest& request) {
   TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
   check(request);
@@ -38,7 +46,8 @@ GenerateResult FluxPipeline::generate(const GenerateRequest& request) {
   const PromptEmbeds positive = positive_embeds(request);
   const int64_t num_prompts = positive.num_prompts();
   const auto negative = negative_embeds(request, num_prompts);
-  const bool do_true_cfg = true_cfg_scale > 1 && negative.has_value();
+  const bool do_true_cfg = runs_cfg(request);
+  TORCH_INTERNAL_ASSERT(!do_true_cfg || negative.has_value());
 
   // Latent token grid: the VAE's latent is (H/8, W/8), packed 2x2 into (H/16, W/16) tokens.
   const int64_t h = height / (vae_scale_factor_ * 2);
@@ -83,12 +92,11 @@ GenerateResult FluxPipeline::generate(const GenerateRequest& request) {
   latents = denoise(
       scheduler, latents,
       [&](const at::Tensor& x, const at::Tensor& timestep) {
-        at::Tensor noise_pred = run(cond, x, timestep);
-        if (do_true_cfg) {
-          const at::Tensor neg = run(*uncond, x, timestep);
-          noise_pred = neg + true_cfg_scale * (noise_pred - neg);
-        }
-        return noise_pred;
+        return guided(
+            do_true_cfg, [&](bool conditional) { return run(conditional ? cond : *uncond, x, timestep); },
+            [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
+              return neg + true_cfg_scale * (noise_pred - neg);
+            });
       },
       request);
 

@@ -18,6 +18,8 @@ class FluxPipeline : public DiffusionPipeline {
   FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
   std::string class_name() const override { return "FluxPipeline"; }
   GenerateResult generate(const GenerateRequest& request) override;
+  bool runs_cfg(const GenerateRequest& request) const override;
+  std::string cfg_condition() const override;
   int64_t joint_attention_dim() const override;
   int64_t pooled_projection_dim() const override;
   std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const override;

@@ -4,6 +4,8 @@ namespace shardit::pipelines {
 
 namespace {
 
+constexpr double kDefaultGuidanceScale = 4.0;
+
 /// FLUX.2 position ids [B, S, 4] int64: (t, h, w, l) per token.
 at::Tensor image_ids(int64_t batch, int64_t h, int64_t w) {
   const auto options = at::TensorOptions().dtype(at::kLong);
@@ -45,6 +47,16 @@ std::vector<int64_t> Flux2KleinPipeline::latents_shape(int64_t batch, int64_t h,
 
 std::string Flux2KleinPipeline::latents_layout() const { return "[B, in_channels, H/16, W/16]"; }
 
+bool Flux2KleinPipeline::runs_cfg(const GenerateRequest& request) const {
+  return request.guidance_scale.value_or(kDefaultGuidanceScale) > 1 && !is_distilled_;
+}
+
+std::string Flux2KleinPipeline::cfg_condition() const {
+  return std::string("Flux2KleinPipeline runs CFG when guidance_scale (default 4) > 1 and the model is not distilled "
+                     "(model_index.json: is_distilled ") +
+         (is_distilled_ ? "true" : "false") + ")";
+}
+
 GenerateResult Flux2KleinPipeline::generate(const GenerateRequest& request) {
   TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
   check(request);
@@ -52,9 +64,9 @@ GenerateResult Flux2KleinPipeline::generate(const GenerateRequest& request) {
   const auto& config = transformer.config;
   const auto [height, width] = resolve_size(request);
   const int64_t steps = request.num_inference_steps.value_or(50);
-  const double guidance_scale = request.guidance_scale.value_or(4.0);
+  const double guidance_scale = request.guidance_scale.value_or(kDefaultGuidanceScale);
   const int64_t n = request.num_images_per_prompt;
-  const bool do_cfg = guidance_scale > 1 && !is_distilled_;
+  const bool do_cfg = runs_cfg(request);
 
   const PromptEmbeds positive = positive_embeds(request);
   const int64_t num_prompts = positive.num_prompts();
@@ -101,12 +113,11 @@ GenerateResult Flux2KleinPipeline::generate(const GenerateRequest& request) {
   latents = denoise(
       scheduler, latents,
       [&](const at::Tensor& x, const at::Tensor& timestep) {
-        at::Tensor noise_pred = run(cond, x, timestep);
-        if (do_cfg) {
-          const at::Tensor neg = run(*uncond, x, timestep);
-          noise_pred = neg + guidance_scale * (noise_pred - neg);
-        }
-        return noise_pred;
+        return guided(
+            do_cfg, [&](bool conditional) { return run(conditional ? cond : *uncond, x, timestep); },
+            [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
+              return neg + guidance_scale * (noise_pred - neg);
+            });
       },
       request);
 

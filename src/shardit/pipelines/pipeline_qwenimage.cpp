@@ -22,6 +22,18 @@ std::vector<int64_t> QwenImagePipeline::latents_shape(int64_t batch, int64_t h, 
 
 std::string QwenImagePipeline::latents_layout() const { return "packed [B, (H/16)*(W/16), in_channels]"; }
 
+namespace {
+constexpr double kDefaultTrueCfgScale = 4.0;
+}
+
+bool QwenImagePipeline::runs_cfg(const GenerateRequest& request) const {
+  return request.true_cfg_scale.value_or(kDefaultTrueCfgScale) > 1 && has_negative_prompt(request);
+}
+
+std::string QwenImagePipeline::cfg_condition() const {
+  return "QwenImagePipeline runs true CFG when true_cfg_scale (default 4) > 1 and a negative prompt is given";
+}
+
 GenerateResult QwenImagePipeline::generate(const GenerateRequest& request) {
   TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
   check(request);
@@ -29,13 +41,14 @@ GenerateResult QwenImagePipeline::generate(const GenerateRequest& request) {
   const auto& config = transformer.config;
   const auto [height, width] = resolve_size(request);
   const int64_t steps = request.num_inference_steps.value_or(50);
-  const double true_cfg_scale = request.true_cfg_scale.value_or(4.0);
+  const double true_cfg_scale = request.true_cfg_scale.value_or(kDefaultTrueCfgScale);
   const int64_t n = request.num_images_per_prompt;
 
   const PromptEmbeds positive = positive_embeds(request);
   const int64_t num_prompts = positive.num_prompts();
   const auto negative = negative_embeds(request, num_prompts);
-  const bool do_true_cfg = true_cfg_scale > 1 && negative.has_value();
+  const bool do_true_cfg = runs_cfg(request);
+  TORCH_INTERNAL_ASSERT(!do_true_cfg || negative.has_value());
   if (true_cfg_scale > 1 && !negative && request.progress && dist::World::get().rank() == 0) {
     fmt::print(stderr, "note: true_cfg_scale is {} but no negative prompt is given; CFG is not applied\n",
                true_cfg_scale);
@@ -81,16 +94,15 @@ GenerateResult QwenImagePipeline::generate(const GenerateRequest& request) {
   latents = denoise(
       scheduler, latents,
       [&](const at::Tensor& x, const at::Tensor& timestep) {
-        at::Tensor noise_pred = run(cond, x, timestep);
-        if (do_true_cfg) {
-          const at::Tensor neg = run(*uncond, x, timestep);
-          const at::Tensor comb = neg + true_cfg_scale * (noise_pred - neg);
-          // Rescaled to the conditional prediction's per-token norm over the channels.
-          const at::Tensor cond_norm = at::linalg_vector_norm(noise_pred, 2, {-1}, /*keepdim=*/true);
-          const at::Tensor comb_norm = at::linalg_vector_norm(comb, 2, {-1}, /*keepdim=*/true);
-          noise_pred = comb * (cond_norm / comb_norm);
-        }
-        return noise_pred;
+        return guided(
+            do_true_cfg, [&](bool conditional) { return run(conditional ? cond : *uncond, x, timestep); },
+            [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
+              const at::Tensor comb = neg + true_cfg_scale * (noise_pred - neg);
+              // Rescaled to the conditional prediction's per-token norm over the channels.
+              const at::Tensor cond_norm = at::linalg_vector_norm(noise_pred, 2, {-1}, /*keepdim=*/true);
+              const at::Tensor comb_norm = at::linalg_vector_norm(comb, 2, {-1}, /*keepdim=*/true);
+              return comb * (cond_norm / comb_norm);
+            });
       },
       request);
 

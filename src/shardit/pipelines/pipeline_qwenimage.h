@@ -19,6 +19,8 @@ class QwenImagePipeline : public DiffusionPipeline {
   QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
   std::string class_name() const override { return "QwenImagePipeline"; }
   GenerateResult generate(const GenerateRequest& request) override;
+  bool runs_cfg(const GenerateRequest& request) const override;
+  std::string cfg_condition() const override;
   int64_t joint_attention_dim() const override;
   std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const override;
   std::string latents_layout() const override;

@@ -1,0 +1,84 @@
+#pragma once
+// The degrees of the mesh a pipeline's transformer runs on, cfg x ulysses x ring x tp, from the
+// command line's --cfg-parallel, --ulysses, --ring and --tp and the world size: parsed, checked
+// and turned into a dist::DeviceMesh in one place.
+//
+// The mesh's dimensions, row-major with tp varying fastest:
+//   ["replica" (only when > 1)], "cfg", "ulysses", "ring", "tp"
+// cfg, ulysses, ring and tp are always present, size 1 included, so mesh.size("ulysses") and
+// mesh.group("cfg") work on every mesh built here. The world may be a multiple of
+// cfg x ulysses x ring x tp: each block of that many consecutive ranks then runs the whole
+// pipeline as one replica (the same image on every replica), as TensorParallelConfig::from_degree
+// does for a TP degree below the world size.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardit::dist {
+class DeviceMesh;
+class World;
+}  // namespace shardit::dist
+
+namespace shardit::parallel {
+
+class TensorParallelModule;
+
+/// cfg x ulysses x ring x tp.
+struct ParallelDims {
+  /// Classifier-free guidance branches run side by side: 1, or 2 (the conditional branch on the
+  /// first half of the mesh, the unconditional one on the second).
+  int cfg = 1;
+  /// Ulysses (all-to-all) context-parallel degree.
+  int ulysses = 1;
+  /// Ring-attention context-parallel degree.
+  int ring = 1;
+  /// Tensor-parallel degree; 0: what the world leaves after cfg x ulysses x ring.
+  int tp = 0;
+
+  /// cfg * ulysses * ring * tp, with an unset tp counted as 1.
+  int product() const;
+  /// The degrees checked against a world of `world_size` ranks, with tp filled in when unset.
+  /// Errors, naming the command-line flags: a degree below 1 (tp below 0), a cfg degree other
+  /// than 1 or 2, and a product that does not divide the world (listing the meshes that fit it).
+  ParallelDims resolved(int world_size) const;
+  /// Replicas of the (resolved) mesh in a world of `world_size` ranks.
+  int replicas(int world_size) const { return world_size / resolved(world_size).product(); }
+  /// The mesh's dimensions in order (see the file comment), resolved against `world_size`.
+  std::vector<std::pair<std::string, int>> mesh_dims(int world_size) const;
+  /// Builds the mesh over `world` (resolved first). Collective over the world: the ranks first
+  /// agree on the degrees, so ranks launched with different flags fail with a named error.
+  std::shared_ptr<const dist::DeviceMesh> build_mesh(dist::World& world) const;
+  /// "cfg=2 x ulysses=1 x ring=1 x tp=2" (tp=auto when unset).
+  std::string to_string() const;
+  /// The command-line flags that select these degrees ("--cfg-parallel --ulysses 2 --tp 2"):
+  /// --cfg-parallel, --ulysses and --ring only when above 1, --tp always (when set).
+  std::string to_flags() const;
+  /// The degrees of a mesh's "cfg", "ulysses", "ring" and "tp" dimensions (1 for those it lacks).
+  static ParallelDims of(const dist::DeviceMesh& mesh);
+  /// Every cfg x ulysses x ring x tp with cfg in {1, 2} whose product is `world_size`, ordered
+  /// by cfg, then ulysses, then ring.
+  static std::vector<ParallelDims> fitting(int world_size);
+
+  bool operator==(const ParallelDims& other) const {
+    return cfg == other.cfg && ulysses == other.ulysses && ring == other.ring && tp == other.tp;
+  }
+  bool operator!=(const ParallelDims& other) const { return !(*this == other); }
+};
+
+/// The size of `mesh`'s dimension `dim`, or 1 when the mesh has no such dimension.
+int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim);
+
+/// Why `model` cannot run on a mesh of (resolved) `dims`: its plan does not resolve at dims.tp, or
+/// a head count it declares (ModelTraits::divisors, "num_attention_heads") does not divide by
+/// tp x ulysses (Ulysses attention splits the heads TP leaves). "" when it can. Reads no weight.
+std::string split_problem(TensorParallelModule& model, const ParallelDims& dims, at::ScalarType dtype = at::kFloat);
+
+/// Fails unless `model` can run on `dims`, naming `what` (the model) and the problem, and listing
+/// the meshes of `world_size` ranks it can run on (with cfg 2 only when `allow_cfg`).
+void check_split(TensorParallelModule& model, const ParallelDims& dims, int world_size, const std::string& what,
+                 bool allow_cfg, at::ScalarType dtype = at::kFloat);
+
+}  // namespace shardit::parallel
