@@ -4,11 +4,14 @@
 // tp x ulysses = 4 still holds whole heads); the inputs have odd text and image lengths, so every
 // CP degree pads both streams, and a batch of 2. Qwen-Image runs its golden inputs, whose second
 // sample has a padded prompt (the text mask must travel with its keys).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <memory>
 #include <string>
 
+#include "shardit/dist/mesh.h"
+#include "shardit/dist/world.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
@@ -115,6 +118,27 @@ TEST(CpQwenImage, GoldenMaskedTextMatchesSingleRankOnEveryMesh) {
   const ContextParallelCase c = qwenimage_case();
   if (is_worker()) return context_parallel_worker(c);
   expect_context_parallel_matches(c);
+}
+
+// 4 heads cannot be split by tp x ulysses = 1 x 3: refused when context parallelism is enabled,
+// before any forward, listing the pairs that work; the ring degree is free.
+TEST(CpFlux, GoldenHeadsNotDividingTpTimesUlyssesAreRefused) {
+  if (is_worker()) {
+    auto& world = shardit::dist::World::init();
+    const shardit::dist::DeviceMesh mesh(world, {{"ulysses", 3}});
+    auto model = golden_model("flux_b1_square")();
+    const std::string message = shardit::testing::error_of(
+        [&] { model->enable_context_parallelism(shardit::parallel::ContextParallelConfig(mesh)); });
+    EXPECT_THAT(message, ::testing::HasSubstr("FluxTransformer2DModel: num_attention_heads = 4 does not divide by "
+                                              "tp x ulysses = 1 x 3 = 3"));
+    EXPECT_THAT(message, ::testing::HasSubstr("(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1)"));
+    EXPECT_EQ(model->context_parallel_config(), nullptr);
+    const shardit::dist::DeviceMesh ring_mesh(world, {{"ring", 3}});
+    model->enable_context_parallelism(shardit::parallel::ContextParallelConfig(ring_mesh));
+    EXPECT_EQ(model->context_parallel_config()->ring_degree(), 3);
+    return;
+  }
+  EXPECT_EQ(shardit::testing::run_ranks(3), 0);
 }
 
 }  // namespace
