@@ -80,10 +80,12 @@ const CpPlan& test_plan() {
 
 void attention_worker() {
   auto& world = shardit::dist::World::init();
+  const int cfg = std::stoi(env_or("SHARDIT_CP_CFG", "1"));
   const int ulysses = std::stoi(env_or("SHARDIT_CP_ULYSSES"));
   const int ring = std::stoi(env_or("SHARDIT_CP_RING"));
-  ASSERT_EQ(ulysses * ring, world.size());
-  const shardit::dist::DeviceMesh mesh(world, {{"ulysses", ulysses}, {"ring", ring}});
+  ASSERT_EQ(cfg * ulysses * ring, world.size());
+  // The shared convention: cfg x ulysses x ring (x tp), row-major; each cfg half is its own CP group.
+  const shardit::dist::DeviceMesh mesh(world, {{"cfg", cfg}, {"ulysses", ulysses}, {"ring", ring}});
   const ContextParallelConfig config(mesh);
   const Streams s = make_streams();
 
@@ -106,7 +108,7 @@ void attention_worker() {
   const shardit::nn::RotaryEmbedding image_rope{cp.point("image.cos", s.image_rope.cos),
                                                 cp.point("image.sin", s.image_rope.sin)};
   const at::Tensor text_mask = cp.point("text.mask", s.text_mask);
-  EXPECT_EQ(text.query.size(1), (kText + world.size() - 1) / world.size());
+  EXPECT_EQ(text.query.size(1), (kText + config.cp_degree() - 1) / config.cp_degree());
   const auto [text_local, image_local] =
       shardit::nn::joint_attention(text, image, &text_rope, &image_rope, joint_key_mask(text_mask, image.query.size(1)));
   const at::Tensor text_out = cp.point("text.out", text_local);
@@ -124,11 +126,12 @@ void attention_worker() {
   }
 }
 
-void expect_attention_matches(int ulysses, int ring) {
-  EXPECT_EQ(run_ranks(ulysses * ring, {{"SHARDIT_CP_ULYSSES", std::to_string(ulysses)},
-                                       {"SHARDIT_CP_RING", std::to_string(ring)}}),
+void expect_attention_matches(int ulysses, int ring, int cfg = 1) {
+  EXPECT_EQ(run_ranks(cfg * ulysses * ring, {{"SHARDIT_CP_CFG", std::to_string(cfg)},
+                                             {"SHARDIT_CP_ULYSSES", std::to_string(ulysses)},
+                                             {"SHARDIT_CP_RING", std::to_string(ring)}}),
             0)
-      << "ulysses=" << ulysses << " ring=" << ring;
+      << "cfg=" << cfg << " ulysses=" << ulysses << " ring=" << ring;
 }
 
 TEST(CpAttention, Ulysses2MatchesMath) {
@@ -154,6 +157,11 @@ TEST(CpAttention, Ring3MatchesMath) {
 TEST(CpAttention, Ulysses2Ring2MatchesMath) {
   if (is_worker()) return attention_worker();
   expect_attention_matches(2, 2);
+}
+
+TEST(CpAttention, Cfg2Ring2MatchesMath) {
+  if (is_worker()) return attention_worker();
+  expect_attention_matches(1, 2, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
