@@ -120,6 +120,23 @@ TEST(CpQwenImage, GoldenMaskedTextMatchesSingleRankOnEveryMesh) {
   expect_context_parallel_matches(c);
 }
 
+// bf16 weights and activations: the exchanged q/k/v, the ring's packed [k | v | mask] blocks and
+// the gathered sample travel in bf16 (the merge runs in fp32). Against the single-rank bf16
+// forward the difference is bf16 rounding of differently ordered sums: ~1e-2 of |sample| <= 4.
+TEST(CpFlux, GoldenBf16MatchesSingleRankUnderUlyssesAndRing) {
+  ContextParallelCase c = flux_case();
+  const auto load_fp32 = c.load_model;
+  c.load_model = [load_fp32] {
+    auto model = load_fp32();
+    model->to(at::kCPU, at::kBFloat16);
+    return model;
+  };
+  c.atol = 5e-2;
+  c.rtol = 2e-2;
+  if (is_worker()) return context_parallel_worker(c);
+  expect_context_parallel_matches(c, {{1, 2, 1}, {1, 1, 2}});
+}
+
 // 4 heads cannot be split by tp x ulysses = 1 x 3: refused when context parallelism is enabled,
 // before any forward, listing the pairs that work; the ring degree is free.
 TEST(CpFlux, GoldenHeadsNotDividingTpTimesUlyssesAreRefused) {
