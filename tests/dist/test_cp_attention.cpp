@@ -178,6 +178,10 @@ TEST(CpAttention, RingShiftPassesToTheNextMember) {
     const int previous = (world.rank() + world.size() - 1) % world.size();
     EXPECT_TRUE(recv.equal(at::full({3, 2}, static_cast<float>(previous))));
     EXPECT_EQ(group->stats().bytes_sent - bytes_before, 6u * 4u);
+    // A strided destination is written too.
+    at::Tensor strided = at::empty({2, 3}).t();
+    group->ring_shift_async(send, strided).wait();
+    EXPECT_TRUE(strided.equal(at::full({3, 2}, static_cast<float>(previous))));
     at::Tensor wrong = at::empty({2, 2});
     EXPECT_THAT(shardit::testing::error_of([&] { group->ring_shift_async(send, wrong); }),
                 HasSubstr("ring_shift on group"));

@@ -251,7 +251,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
     // one: a single collective on Gloo and NCCL alike (paired send/recv calls could deadlock on
     // NCCL at n = 2, where next and previous are the same peer).
     at::Tensor input = to_wire(send.contiguous().view({-1}));
-    at::Tensor output = recv.is_contiguous() ? to_wire(recv.view({-1})) : to_wire(at::empty_like(recv).view({-1}));
+    at::Tensor output = to_wire(recv.is_contiguous() ? recv.view({-1}) : at::empty({recv.numel()}, recv.options()));
     std::vector<int64_t> input_splits(n, 0);
     std::vector<int64_t> output_splits(n, 0);
     input_splits[(rank_ + 1) % n] = send.numel();
