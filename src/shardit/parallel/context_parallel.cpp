@@ -137,10 +137,12 @@ at::Tensor context_parallel_attention(const ContextParallelConfig& config, const
     TORCH_CHECK(heads % ulysses_degree == 0, "Ulysses attention on group '", ulysses.name(), "': ", heads,
                 " local heads do not divide by the ulysses degree ", ulysses_degree,
                 "; choose tp x ulysses dividing the model's head count");
-    // [B, S_local, H, D] -> [B, ulysses * S_local, H / ulysses, D]: every rank's tokens, a head slice
-    query = ulysses.all_to_all(q.contiguous(), 2, 1);
-    key = ulysses.all_to_all(k.contiguous(), 2, 1);
-    value = ulysses.all_to_all(v.contiguous(), 2, 1);
+    // [3, B, S_local, H, D] -> [3, B, ulysses * S_local, H / ulysses, D]: every rank's tokens, a
+    // head slice; q, k and v in one exchange
+    const std::vector<at::Tensor> exchanged = ulysses.all_to_all(at::stack({q, k, v}), 3, 2).unbind(0);
+    query = exchanged[0];
+    key = exchanged[1];
+    value = exchanged[2];
     // [B, ulysses * S_local]: the mask travels with its keys, in the same rank order
     if (mask) mask = ulysses.all_gather(*mask, 1);
   }
