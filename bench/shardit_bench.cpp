@@ -4,6 +4,7 @@
 //
 //   shardit-bench forward [--nproc-per-node N] [--dtype f32|bf16] [--height 512 --width 512]
 //                         [--text-tokens 512] [--double 2 --single 4] [--model <folder>]
+//                         [--ulysses U --ring R]  (context parallel; TP = N / (U x R))
 //   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
 //   shardit-bench encoder [--nproc-per-node N] --encoder clip|t5|qwen3|qwen2_5_vl [--layers 2]
 //                         [--text-tokens 512] [--dtype f32|bf16]
@@ -29,6 +30,7 @@
 #include <fstream>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +39,7 @@
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
 #include "shardit/dist/launcher.h"
+#include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -82,6 +85,8 @@ struct BenchOptions {
   int attention_tokens = 4608;
   int attention_heads = 24;
   int attention_head_dim = 128;
+  int ulysses = 1;
+  int ring = 1;
 };
 
 double seconds_since(Clock::time_point start) {
@@ -281,7 +286,13 @@ void emit(const BenchOptions& options, const nlohmann::json& result, const std::
 
 int run_forward(const BenchOptions& options) {
   auto& world = shardit::dist::World::init();
-  const int tp = world.size();
+  const int cp = options.ulysses * options.ring;
+  TORCH_CHECK(world.size() % cp == 0, "shardit-bench forward: ulysses x ring = ", cp, " does not divide the ",
+              world.size(), " ranks");
+  const int tp = world.size() / cp;
+  // The shared mesh convention: ulysses x ring x tp, tp fastest.
+  std::optional<shardit::dist::DeviceMesh> mesh;
+  if (cp > 1) mesh.emplace(world, std::vector<std::pair<std::string, int>>{{"ulysses", options.ulysses}, {"ring", options.ring}, {"tp", tp}});
   const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
   const std::string folder_path = prepare_model_folder(options, world);
   const auto folder = shardit::io::open_component(folder_path, "transformer");
@@ -303,8 +314,20 @@ int run_forward(const BenchOptions& options) {
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
   load.dtype = dtype;
-  if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, tp);
+  if (mesh) {
+    if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig(*mesh, "tp");
+  } else if (tp > 1) {
+    load.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, tp);
+  }
   model->load(folder.weights(), load);
+  if (mesh) model->enable_context_parallelism(shardit::parallel::ContextParallelConfig(*mesh));
+  // Every group the forward talks on: the world (barriers), and the mesh's tp, ulysses and ring.
+  std::vector<shardit::dist::Group*> groups = {world.group().get()};
+  if (mesh) {
+    for (const auto& [name, size] : mesh->dims()) groups.push_back(mesh->group(name).get());
+  } else if (load.tensor_parallel && load.tensor_parallel->group.get() != world.group().get()) {
+    groups.push_back(load.tensor_parallel->group.get());
+  }
   const int64_t parameter_bytes = model->parameter_bytes();
 
   // One all-reduce per rowwise layer: what the plan the model was loaded with implies, to compare
@@ -343,10 +366,12 @@ int run_forward(const BenchOptions& options) {
   const int64_t load_peak = peak_rss_bytes();
   const int64_t rss_before_steps = current_rss_bytes();
   const bool high_water_reset = reset_resident_high_water();
-  auto& stats = world.group()->stats();
+  const auto reset_stats = [&] {
+    for (auto* group : groups) group->stats().reset();
+  };
   for (int i = 0; i < options.warmup; ++i) model->forward(inputs);
   world.group()->barrier();
-  stats.reset();
+  reset_stats();
   if (options.profile) {
     shardit::profile::enable(true);
     shardit::profile::reset();
@@ -361,9 +386,18 @@ int run_forward(const BenchOptions& options) {
   shardit::profile::enable(false);
   // The barriers between steps are collectives too; count only the forward's.
   const double steps = options.repeats;
+  shardit::dist::CommStats stats;
+  for (auto* group : groups) {
+    const auto& counted = group->stats();
+    stats.collectives += counted.collectives;
+    stats.bytes_sent += counted.bytes_sent;
+    for (const auto& [op, calls] : counted.calls_by_op) stats.calls_by_op[op] += calls;
+  }
   const double barrier_calls = static_cast<double>(stats.calls_by_op["barrier"]);
   const double all_reduces = stats.calls_by_op["all_reduce"] / steps;
   const double all_gathers = stats.calls_by_op["all_gather"] / steps;
+  const double all_to_alls = stats.calls_by_op["all_to_all"] / steps;
+  const double ring_shifts = stats.calls_by_op["ring_shift"] / steps;
   const double collectives = (stats.collectives - barrier_calls) / steps;
   const double bytes_sent = stats.bytes_sent / steps;
 
@@ -382,7 +416,7 @@ int run_forward(const BenchOptions& options) {
   if (world.rank() != 0) return 0;
 
   nlohmann::json per_rank = nlohmann::json::array();
-  for (int r = 0; r < tp; ++r) {
+  for (int r = 0; r < world.size(); ++r) {
     per_rank.push_back({{"rank", r},
                         {"peak_rss_bytes", static_cast<int64_t>(memory[r][0].item<double>())},
                         {"parameter_bytes", static_cast<int64_t>(memory[r][1].item<double>())}});
@@ -394,6 +428,8 @@ int run_forward(const BenchOptions& options) {
       {"num_layers", config.num_layers},
       {"num_single_layers", config.num_single_layers},
       {"tp_degree", tp},
+      {"ulysses_degree", options.ulysses},
+      {"ring_degree", options.ring},
       {"threads_per_rank", at::get_num_threads()},
       {"dtype", options.dtype},
       {"batch", b},
@@ -408,6 +444,8 @@ int run_forward(const BenchOptions& options) {
       {"all_reduces_per_step", all_reduces},
       {"all_reduces_expected_from_plan", expected_all_reduces},
       {"all_gathers_per_step", all_gathers},
+      {"all_to_alls_per_step", all_to_alls},
+      {"ring_shifts_per_step", ring_shifts},
       {"bytes_sent_per_rank_per_step", bytes_sent},
       {"rss_before_load_bytes", rss_before_load},
       {"step_peak_rss_growth_bytes", step_peak_growth},  // rank 0; -1: VmHWM could not be reset
@@ -417,10 +455,10 @@ int run_forward(const BenchOptions& options) {
   };
   char row[512];
   std::snprintf(row, sizeof(row),
-                "| forward | %s | TP=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f "
+                "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f "
                 "| %.0f all-reduce (plan: %lld), %.1f MiB/rank | %s params, %s peak RSS (rank 0) |",
-                options.dtype.c_str(), tp, at::get_num_threads(), static_cast<long long>(image_tokens),
-                options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
+                options.dtype.c_str(), tp, options.ulysses, options.ring, at::get_num_threads(),
+                static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
                 gemm_machine, all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
@@ -656,6 +694,9 @@ int main(int argc, char** argv) {
   forward->add_option("--batch", options.batch, "batch size");
   forward->add_option("--warmup", options.warmup, "untimed steps first");
   forward->add_option("--repeats", options.repeats, "timed steps");
+  forward->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
+      ->check(CLI::PositiveNumber);
+  forward->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");

@@ -53,6 +53,14 @@ class SingleGroup final : public Group {
     count("all_to_all");
     return tensor;
   }
+  Work ring_shift_async(const at::Tensor& send, at::Tensor& recv) override {
+    TORCH_CHECK(send.sizes() == recv.sizes() && send.scalar_type() == recv.scalar_type(), "ring_shift on group '",
+                name_, "': recv ", recv.sizes(), " ", recv.scalar_type(), " does not match send ", send.sizes(), " ",
+                send.scalar_type());
+    count("ring_shift");
+    recv.copy_(send);
+    return Work();
+  }
   void broadcast(at::Tensor& tensor, int root) override {
     TORCH_CHECK(root == 0, "broadcast on group '", name_, "': root ", root,
                 " is out of range for a group of size 1");

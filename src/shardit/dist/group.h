@@ -22,6 +22,7 @@ namespace shardit::dist {
 ///   all_gather      (n-1)/n * B_out = (n-1) * B_in
 ///   reduce_scatter  (n-1)/n * B_in        (done as one all-to-all plus a local sum on Gloo)
 ///   all_to_all      (n-1)/n * B_in
+///   ring_shift      B                     (to the next member only)
 ///   broadcast       B on the root, 0 elsewhere
 ///   barrier         0
 /// Every call counts in `collectives` and `calls_by_op`, also on a size-1 group (with 0 bytes).
@@ -69,6 +70,11 @@ class Group {
   /// concatenates the received chunks along `gather_dim` (Ulysses attention's exchange).
   virtual at::Tensor all_to_all(const at::Tensor& tensor, int64_t scatter_dim,
                                 int64_t gather_dim) = 0;
+  /// Sends `send` to member (rank + 1) % size and receives member (rank - 1) % size's tensor into
+  /// `recv` (same shape and dtype on every member): one step of ring attention's key/value
+  /// rotation. Asynchronous, so the next block travels while the current one is computed; `recv`
+  /// holds the result only after wait(), and `send` must not change before it.
+  virtual Work ring_shift_async(const at::Tensor& send, at::Tensor& recv) = 0;
   /// Copies member `root`'s tensor into everyone's, in place.
   virtual void broadcast(at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;

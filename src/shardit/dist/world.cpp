@@ -239,6 +239,35 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
     return at::cat(received.unbind(0), gather_dim);
   }
 
+  Work ring_shift_async(const at::Tensor& send, at::Tensor& recv) override {
+    TORCH_CHECK(send.sizes() == recv.sizes() && send.scalar_type() == recv.scalar_type(), "ring_shift on group '",
+                name_, "': recv ", recv.sizes(), " ", recv.scalar_type(), " does not match send ", send.sizes(), " ",
+                send.scalar_type());
+    TORCH_CHECK(send.device() == recv.device(), "ring_shift on group '", name_, "': send is on ", send.device(),
+                " but recv on ", recv.device());
+    const int n = size();
+    count("ring_shift", tensor_bytes(send));
+    // One all-to-all whose only non-empty splits are to the next member and from the previous
+    // one: a single collective on Gloo and NCCL alike (paired send/recv calls could deadlock on
+    // NCCL at n = 2, where next and previous are the same peer).
+    at::Tensor input = to_wire(send.contiguous().view({-1}));
+    at::Tensor output = to_wire(recv.is_contiguous() ? recv.view({-1}) : at::empty({recv.numel()}, recv.options()));
+    std::vector<int64_t> input_splits(n, 0);
+    std::vector<int64_t> output_splits(n, 0);
+    input_splits[(rank_ + 1) % n] = send.numel();
+    output_splits[(rank_ + n - 1) % n] = recv.numel();
+    auto work = guarded("ring_shift", [&] {
+      return backend(send).alltoall_base(output, input, output_splits, input_splits);
+    });
+    auto self = shared_from_this();
+    at::Tensor target = recv;
+    return Work([self, work, input, output, target]() mutable {
+      self->guarded("ring_shift", [&] { work->wait(); });
+      // `output` is a view of `target` unless it was not contiguous.
+      if (output.data_ptr() != target.data_ptr()) target.copy_(from_wire(output, target.scalar_type()).view(target.sizes()));
+    });
+  }
+
   void broadcast(at::Tensor& tensor, int root) override {
     SHARDIT_PROFILE_SCOPE("broadcast");
     const int n = size();

@@ -42,12 +42,21 @@ HeadsQKV project_heads(const at::Tensor& x, const QKVProjections& projections, i
 
 namespace {
 
+thread_local SequenceParallelAttention* sequence_parallel_attention = nullptr;
+
 HeadsQKV with_rope(const HeadsQKV& qkv, const RotaryEmbedding* rope) {
   if (rope == nullptr) return qkv;
   return {apply_rotary_emb(qkv.query, *rope), apply_rotary_emb(qkv.key, *rope), qkv.value};
 }
 
 }  // namespace
+
+SequenceParallelAttentionScope::SequenceParallelAttentionScope(SequenceParallelAttention* attention)
+    : previous_(sequence_parallel_attention) {
+  sequence_parallel_attention = attention;
+}
+
+SequenceParallelAttentionScope::~SequenceParallelAttentionScope() { sequence_parallel_attention = previous_; }
 
 at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std::optional<at::Tensor>& mask,
                      std::optional<double> scale) {
@@ -61,6 +70,24 @@ at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std
     // [B, S, H_kv, hd] -> [B, S, H_q, hd]: each key/value head serves H_q / H_kv consecutive query heads
     rotated.key = rotated.key.repeat_interleave(query_heads / kv_heads, 2);
     rotated.value = rotated.value.repeat_interleave(query_heads / kv_heads, 2);
+  }
+  if (sequence_parallel_attention != nullptr) {
+    std::optional<at::Tensor> key_mask;
+    if (mask.has_value() && mask->defined()) {
+      const at::Tensor& m = *mask;
+      TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == 1 &&
+                      m.size(3) == rotated.key.size(1),
+                  "attention under context parallelism: only a boolean key mask [B, 1, 1, S] (S = ",
+                  rotated.key.size(1), " local tokens) can travel with the keys, got ", m.scalar_type(), " ",
+                  m.sizes());
+      // [B, 1, 1, S] -> [B, S]
+      key_mask = m.flatten(1);
+    }
+    const double softmax_scale = scale.value_or(1.0 / std::sqrt(static_cast<double>(rotated.query.size(-1))));
+    // [B, S, H_local, hd] -> [B, S, H_local * hd]
+    return sequence_parallel_attention->attend(rotated.query, rotated.key, rotated.value, key_mask, softmax_scale)
+        .flatten(2)
+        .to(rotated.query.scalar_type());
   }
   // [B, H_local, S, hd]
   const at::Tensor attended = scaled_dot_product_attention(

@@ -28,6 +28,34 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
                                         const std::optional<at::Tensor>& mask = std::nullopt,
                                         std::optional<double> scale = std::nullopt);
 
+/// Attention whose tokens are spread over several ranks (context parallelism): what nn::attention
+/// calls instead of scaled_dot_product_attention while one is installed on the thread
+/// (SequenceParallelAttentionScope). Implemented in parallel/context_parallel.h (Ulysses and ring
+/// attention), which installs it around a model's forward; nn only calls through it.
+class SequenceParallelAttention {
+ public:
+  virtual ~SequenceParallelAttention() = default;
+  /// q, k, v [B, S_local, H_local, D] of this rank's tokens (RoPE applied, key/value heads
+  /// repeated to the query's); key_mask (optional) bool [B or 1, S_local], true = attend.
+  /// Returns [B, S_local, H_local, D] in q's dtype: the attention of these queries over the keys
+  /// of every rank.
+  virtual at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& key_mask, double scale) = 0;
+};
+
+/// Installs `attention` for nn::attention on this thread for the scope's lifetime (null: none),
+/// restoring the previous one after.
+class SequenceParallelAttentionScope {
+ public:
+  explicit SequenceParallelAttentionScope(SequenceParallelAttention* attention);
+  ~SequenceParallelAttentionScope();
+  SequenceParallelAttentionScope(const SequenceParallelAttentionScope&) = delete;
+  SequenceParallelAttentionScope& operator=(const SequenceParallelAttentionScope&) = delete;
+
+ private:
+  SequenceParallelAttention* previous_;
+};
+
 /// Per-head query, key and value of one stream, [B, S, H_local, head_dim] each.
 struct HeadsQKV {
   at::Tensor query, key, value;
@@ -55,7 +83,9 @@ HeadsQKV split_qkv_heads(const at::Tensor& q, const at::Tensor& k, const at::Ten
 /// the query's dtype. mask as scaled_dot_product_attention's, over [B, H, S, S]; scale defaults to
 /// 1/sqrt(head_dim). Grouped-query attention: key/value may hold fewer heads than the query (a
 /// divisor of its count); query head h then uses key/value head h / (H_q / H_kv), as transformers'
-/// repeat_kv. Under tensor parallelism the local counts are used, whatever they are.
+/// repeat_kv. Under tensor parallelism the local counts are used, whatever they are. Under
+/// context parallelism (a SequenceParallelAttention installed) the sequence is this rank's share
+/// and the mask may only mask keys (bool, [B or 1, 1, 1, S]).
 at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope,
                      const std::optional<at::Tensor>& mask = std::nullopt,
                      std::optional<double> scale = std::nullopt);

@@ -29,4 +29,12 @@ TpPlanKind parse_tp_plan_kind(const std::string& name) {
   TORCH_CHECK(false, "unknown tensor-parallel plan '", name, "'; expected 'full' or 'reference'");
 }
 
+const char* sequence_stream_name(SequenceStream stream) {
+  switch (stream) {
+    case SequenceStream::Text: return "text";
+    case SequenceStream::Image: return "image";
+  }
+  return "?";
+}
+
 }  // namespace shardit::parallel

@@ -44,4 +44,34 @@ struct TpDivisor {
   int64_t value;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Context-parallel plans (diffusers' `_cp_plan`): which tensors of a forward are split along the
+// sequence and where the output is gathered. A model's forward names its points
+// (ContextParallelForward::point, parallel/context_parallel.h); the plan says what each does.
+
+/// The sequence a split tensor belongs to. Tensors of one stream are split alike (the same
+/// padding, the same shard per rank), so tokens keep their rotary rows and mask entries.
+/// Joint sequences are [text; image], as nn::joint_attention lays them out.
+enum class SequenceStream { Text, Image };
+const char* sequence_stream_name(SequenceStream stream);
+
+/// What a context-parallel point does with its tensor.
+enum class CpAction {
+  Split,   ///< pad `dim` to a multiple of the CP degree (zeros; masked as keys), keep this rank's chunk
+  Gather,  ///< all-gather `dim` over the CP ranks and strip the padding
+};
+
+/// One plan entry: the point named `point` in the model's forward.
+struct CpPlanEntry {
+  std::string point;
+  CpAction action;
+  int64_t dim;  ///< the sequence dimension of the tensor at that point
+  SequenceStream stream;
+  /// The forward may skip the point (an optional input); otherwise every Split point must be
+  /// reached before the gather.
+  bool optional = false;
+};
+
+using CpPlan = std::vector<CpPlanEntry>;
+
 }  // namespace shardit::parallel

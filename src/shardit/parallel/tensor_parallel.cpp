@@ -819,16 +819,44 @@ const TpPlan& TensorParallelModule::plan(TpPlanKind kind) const {
   return *reference;
 }
 
+namespace {
+
+// Every head count the model declares must split into whole heads over tp x ulysses.
+void check_context_parallel_divisors(const TensorParallelModule& model, const ContextParallelConfig& config) {
+  const int tp = std::max(model.tp_degree(), config.mesh_tp_degree());
+  for (const TpDivisor& divisor : model.traits().divisors) {
+    const std::string& what = divisor.what;
+    if (what.size() < 5 || what.compare(what.size() - 5, 5, "heads") != 0) continue;
+    check_context_parallel_heads(model.type_name(), what, divisor.value, tp, config.ulysses_degree());
+  }
+}
+
+}  // namespace
+
 void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config, TpPlanKind kind) {
   resolved_plan_ = apply_tensor_parallel(*this, plan(kind), config, traits());
   resolved_plan_->plan = kind;
   config_ = config;
+  if (cp_config_) check_context_parallel_divisors(*this, *cp_config_);
 }
 
 void TensorParallelModule::load(const io::Checkpoint& checkpoint, const LoadOptions& options) {
   resolved_plan_ = load_weights(*this, checkpoint, plan(options.plan), options, traits());
   resolved_plan_->plan = options.plan;
   config_ = options.tensor_parallel;
+  if (cp_config_) check_context_parallel_divisors(*this, *cp_config_);
+}
+
+void TensorParallelModule::enable_context_parallelism(const ContextParallelConfig& config) {
+  TORCH_CHECK(cp_plan() != nullptr, type_name(), " has no context-parallel plan (cp_plan); it cannot split its ",
+              "sequence over ", config.to_string());
+  check_context_parallel_divisors(*this, config);
+  cp_config_ = config;
+}
+
+ContextParallelForward TensorParallelModule::context_parallel_forward() const {
+  if (!cp_config_) return ContextParallelForward();
+  return ContextParallelForward(*cp_config_, *cp_plan(), type_name());
 }
 
 void TensorParallelModule::to(at::Device device, at::ScalarType dtype) {

@@ -14,6 +14,7 @@
 #include "shardit/dist/group.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/module.h"
+#include "shardit/parallel/context_parallel.h"
 #include "shardit/parallel/plan.h"
 
 namespace shardit::dist {
@@ -179,9 +180,24 @@ class TensorParallelModule : public nn::Module {
   /// The config it was sharded with; null when whole.
   const TensorParallelConfig* parallel_config() const { return config_ ? &*config_ : nullptr; }
 
+  /// The model's context-parallel plan (diffusers' `_cp_plan`): the points of its forward that
+  /// split the sequence and gather the output. Null: the model has none.
+  virtual const CpPlan* cp_plan() const { return nullptr; }
+  /// Splits every following forward's sequence over `config`'s ranks (parallel/context_parallel.h);
+  /// composes with tensor parallelism (enable it before or after). Refused, before any forward,
+  /// when the model has no cp plan or a head count does not divide by tp x ulysses (the message
+  /// lists the pairs that work).
+  void enable_context_parallelism(const ContextParallelConfig& config);
+  /// The config from enable_context_parallelism; null without.
+  const ContextParallelConfig* context_parallel_config() const { return cp_config_ ? &*cp_config_ : nullptr; }
+  /// For the model's forward: the scope in which its cp plan's points split and gather and its
+  /// attention exchanges; a no-op scope without context parallelism.
+  ContextParallelForward context_parallel_forward() const;
+
  private:
   std::optional<ResolvedPlan> resolved_plan_;
   std::optional<TensorParallelConfig> config_;
+  std::optional<ContextParallelConfig> cp_config_;
 };
 
 }  // namespace shardit::parallel

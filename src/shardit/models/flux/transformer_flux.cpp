@@ -351,11 +351,17 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
     const size_t batched = nn::check_shape_any(where, name, ids, {{{"S", len}, n_axes}, {"B", {"S", len}, n_axes}});
     return batched ? ids.select(0, 0) : ids;
   };
-  const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
-  const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
+  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
+  // [B, N_local, C], [B, L_local, C], [N_local, 3], [L_local, 3].
+  parallel::ContextParallelForward cp = context_parallel_forward();
+  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
+  const at::Tensor text_tokens = cp.point("encoder_hidden_states", inputs.encoder_hidden_states);
+  const at::Tensor txt_ids = cp.point("txt_ids", ids_2d(inputs.txt_ids, "txt_ids", text_len));
+  const at::Tensor img_ids = cp.point("img_ids", ids_2d(inputs.img_ids, "img_ids", image_len));
+  const int64_t local_text_len = text_tokens.size(1);
 
   // [B, N, D]
-  at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
+  at::Tensor hidden_states = x_embedder->forward(to_model(image_tokens));
   emit("x_embedder", hidden_states);
 
   // [B, D]
@@ -363,7 +369,7 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
   emit("temb", temb);
 
   // [B, L, D]
-  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
+  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(text_tokens));
   emit("context_embedder", encoder_hidden_states);
 
   // [L + N, head_dim] fp32, text first
@@ -385,19 +391,35 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
   for (auto& block : *single_transformer_blocks) {
     hidden_states = block->forward(hidden_states, temb, rope);
     if (observed()) {
-      emit("block." + block->path() + ".encoder_hidden_states", hidden_states.slice(1, 0, text_len));
-      emit("block." + block->path() + ".hidden_states", hidden_states.slice(1, text_len));
+      emit("block." + block->path() + ".encoder_hidden_states", hidden_states.slice(1, 0, local_text_len));
+      emit("block." + block->path() + ".hidden_states", hidden_states.slice(1, local_text_len));
     }
   }
   // [B, N, D]
-  hidden_states = hidden_states.slice(1, text_len);
+  hidden_states = hidden_states.slice(1, local_text_len);
 
   at::Tensor norm_out_emb;
   hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
   emit("norm_out.linear", norm_out_emb);
   emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
-  return proj_out->forward(hidden_states);
+  return cp.point("proj_out", proj_out->forward(hidden_states));
+}
+
+const parallel::CpPlan* FluxTransformer2DModel::cp_plan() const {
+  using parallel::CpAction;
+  using parallel::SequenceStream;
+  // diffusers' `_cp_plan`: both token streams and their position ids split along the sequence
+  // (the RoPE tables are computed from the local ids, so they travel with their tokens); the
+  // sample gathered after proj_out. Everything else is per token or per sample.
+  static const parallel::CpPlan plan = {
+      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
+      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+      {"img_ids", CpAction::Split, 0, SequenceStream::Image},
+      {"txt_ids", CpAction::Split, 0, SequenceStream::Text},
+      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
+  };
+  return &plan;
 }
 
 }  // namespace shardit::models

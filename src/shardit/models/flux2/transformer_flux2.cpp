@@ -377,8 +377,14 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
     const size_t batched = nn::check_shape_any(where, name, ids, {{"B", {"S", len}, n_axes}, {{"S", len}, n_axes}});
     return (batched == 0 ? ids.select(0, 0) : ids).to(device);
   };
-  const at::Tensor txt_ids = ids_2d(inputs.txt_ids, "txt_ids", text_len);
-  const at::Tensor img_ids = ids_2d(inputs.img_ids, "img_ids", image_len);
+  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
+  // [B, N_local, C], [B, L_local, C], [N_local, n_axes], [L_local, n_axes].
+  parallel::ContextParallelForward cp = context_parallel_forward();
+  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
+  const at::Tensor text_tokens = cp.point("encoder_hidden_states", inputs.encoder_hidden_states);
+  const at::Tensor txt_ids = cp.point("txt_ids", ids_2d(inputs.txt_ids, "txt_ids", text_len));
+  const at::Tensor img_ids = cp.point("img_ids", ids_2d(inputs.img_ids, "img_ids", image_len));
+  const int64_t local_text_len = text_tokens.size(1);
 
   // [B, D]
   const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, dtype);
@@ -392,9 +398,9 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
   emit("mod.single_stream", mod_single.emb);
 
   // [B, N, D] and [B, L, D]
-  at::Tensor hidden_states = x_embedder->forward(to_model(hidden_states_in));
+  at::Tensor hidden_states = x_embedder->forward(to_model(image_tokens));
   emit("x_embedder", hidden_states);
-  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(inputs.encoder_hidden_states));
+  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(text_tokens));
   emit("context_embedder", encoder_hidden_states);
 
   // [N, hd] and [L, hd] fp32, joined text first
@@ -424,14 +430,29 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
     if (observed()) emit("block." + block->path() + ".hidden_states", hidden_states);
   }
   // [B, N, D]
-  hidden_states = hidden_states.slice(1, text_len);
+  hidden_states = hidden_states.slice(1, local_text_len);
 
   at::Tensor norm_out_emb;
   hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
   emit("norm_out.linear", norm_out_emb);
   emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
-  return proj_out->forward(hidden_states);
+  return cp.point("proj_out", proj_out->forward(hidden_states));
+}
+
+const parallel::CpPlan* Flux2Transformer2DModel::cp_plan() const {
+  using parallel::CpAction;
+  using parallel::SequenceStream;
+  // As FLUX.1's: both token streams and their position ids split (RoPE rows computed from the
+  // local ids travel with their tokens); the modulation is per sample; the sample gathered.
+  static const parallel::CpPlan plan = {
+      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
+      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+      {"img_ids", CpAction::Split, 0, SequenceStream::Image},
+      {"txt_ids", CpAction::Split, 0, SequenceStream::Text},
+      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
+  };
+  return &plan;
 }
 
 }  // namespace shardit::models

@@ -339,23 +339,30 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   TORCH_CHECK(grid_tokens == image_len, "QwenImageTransformer2DModel: img_shapes ", format_shapes(shapes), " hold ",
               grid_tokens, " tokens but hidden_states has ", image_len, " (N = sum of frame * height * width)");
 
+  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
+  // [B, N_local, C], [B, L_local, C].
+  parallel::ContextParallelForward cp = context_parallel_forward();
+  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
+  const at::Tensor text_tokens = cp.point("encoder_hidden_states", text_in);
+
   // Key mask over [text; image], true = attend: padded text tokens are hidden.
   std::optional<at::Tensor> key_mask;
   if (inputs.encoder_hidden_states_mask.has_value() && inputs.encoder_hidden_states_mask->defined()) {
     const at::Tensor& mask = *inputs.encoder_hidden_states_mask;
     nn::check_shape(where, "encoder_hidden_states_mask", mask, {{"B", batch}, {"L", text_len}});
-    const at::Tensor text_mask = mask.to(device).to(at::kBool);
-    const at::Tensor image_mask = at::ones({batch, image_len}, text_mask.options());
+    // [B, L_local]
+    const at::Tensor text_mask = cp.point("encoder_hidden_states_mask", mask.to(device).to(at::kBool));
+    const at::Tensor image_mask = at::ones({batch, image_tokens.size(1)}, text_mask.options());
     // [B, L + N]
     key_mask = at::cat({text_mask, image_mask}, 1);
   }
 
   // [B, N, D]
-  at::Tensor hidden_states = img_in->forward(to_model(hidden_states_in));
+  at::Tensor hidden_states = img_in->forward(to_model(image_tokens));
   emit("img_in", hidden_states);
 
   // [B, L, C] -> [B, L, D]
-  const at::Tensor text_normed = txt_norm->forward(to_model(text_in));
+  const at::Tensor text_normed = txt_norm->forward(to_model(text_tokens));
   emit("txt_norm", text_normed);
   at::Tensor encoder_hidden_states = txt_in->forward(text_normed);
   emit("txt_in", encoder_hidden_states);
@@ -371,8 +378,9 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
     emit("rope.txt.real", at::cos(tables.txt_angles));
     emit("rope.txt.imag", at::sin(tables.txt_angles));
   }
-  const nn::RotaryEmbedding img_rope = rotary_from_angles(tables.img_angles);
-  const nn::RotaryEmbedding txt_rope = rotary_from_angles(tables.txt_angles);
+  // The tables of the full sequences, then this rank's rows: [N_local, hd / 2], [L_local, hd / 2].
+  const nn::RotaryEmbedding img_rope = rotary_from_angles(cp.point("rope.img", tables.img_angles));
+  const nn::RotaryEmbedding txt_rope = rotary_from_angles(cp.point("rope.txt", tables.txt_angles));
 
   for (auto& block : *transformer_blocks) {
     std::tie(encoder_hidden_states, hidden_states) =
@@ -388,7 +396,24 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   emit("norm_out.linear", norm_out_emb);
   emit("norm_out", hidden_states);
   // [B, N, patch^2 * out_channels]
-  return proj_out->forward(hidden_states);
+  return cp.point("proj_out", proj_out->forward(hidden_states));
+}
+
+const parallel::CpPlan* QwenImageTransformer2DModel::cp_plan() const {
+  using parallel::CpAction;
+  using parallel::SequenceStream;
+  // diffusers' `_cp_plan`: the token streams, the text mask and the rotary tables (computed for
+  // the full grids, then split, so each token keeps its row) along the sequence; the sample
+  // gathered. Mask padding is false, so padded text keys stay hidden.
+  static const parallel::CpPlan plan = {
+      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
+      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+      {"encoder_hidden_states_mask", CpAction::Split, 1, SequenceStream::Text, /*optional=*/true},
+      {"rope.img", CpAction::Split, 0, SequenceStream::Image},
+      {"rope.txt", CpAction::Split, 0, SequenceStream::Text},
+      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
+  };
+  return &plan;
 }
 
 }  // namespace shardit::models

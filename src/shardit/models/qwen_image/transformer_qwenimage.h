@@ -162,6 +162,8 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
   parallel::ModelTraits traits() const override;
+  /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
+  const parallel::CpPlan* cp_plan() const override;
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
   /// model's dtype. Intermediates go to Module::emit (img_in, txt_norm, txt_in, temb.*, rope.*,
