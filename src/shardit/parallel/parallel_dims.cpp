@@ -125,12 +125,10 @@ std::string split_problem(TensorParallelModule& model, const ParallelDims& dims,
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
-  for (const TpDivisor& divisor : model.traits().divisors) {
-    if (divisor.what != "num_attention_heads" || dims.ulysses == 1) continue;
-    if (divisor.value % (static_cast<int64_t>(dims.tp) * dims.ulysses) != 0) {
-      return divisor.what + " = " + std::to_string(divisor.value) + ", which does not divide by tp x ulysses = " +
-             std::to_string(dims.tp) + " x " + std::to_string(dims.ulysses);
-    }
+  try {
+    check_context_parallel_split(model, dims.tp, dims.ulysses);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
   }
   return "";
 }

@@ -72,7 +72,7 @@ struct ParallelDims {
 int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim);
 
 /// Why `model` cannot run on a mesh of (resolved) `dims`: its plan does not resolve at dims.tp, or
-/// a head count it declares (ModelTraits::divisors, "num_attention_heads") does not divide by
+/// a head count it declares (check_context_parallel_split) does not divide by
 /// tp x ulysses (Ulysses attention splits the heads TP leaves). "" when it can. Reads no weight.
 std::string split_problem(TensorParallelModule& model, const ParallelDims& dims, at::ScalarType dtype = at::kFloat);
 

@@ -823,15 +823,18 @@ namespace {
 
 // Every head count the model declares must split into whole heads over tp x ulysses.
 void check_context_parallel_divisors(const TensorParallelModule& model, const ContextParallelConfig& config) {
-  const int tp = std::max(model.tp_degree(), config.mesh_tp_degree());
-  for (const TpDivisor& divisor : model.traits().divisors) {
-    const std::string& what = divisor.what;
-    if (what.size() < 5 || what.compare(what.size() - 5, 5, "heads") != 0) continue;
-    check_context_parallel_heads(model.type_name(), what, divisor.value, tp, config.ulysses_degree());
-  }
+  check_context_parallel_split(model, std::max(model.tp_degree(), config.mesh_tp_degree()), config.ulysses_degree());
 }
 
 }  // namespace
+
+void check_context_parallel_split(const TensorParallelModule& model, int tp_degree, int ulysses_degree) {
+  for (const TpDivisor& divisor : model.traits().divisors) {
+    const std::string& what = divisor.what;
+    if (what.size() < 5 || what.compare(what.size() - 5, 5, "heads") != 0) continue;
+    check_context_parallel_heads(model.type_name(), what, divisor.value, tp_degree, ulysses_degree);
+  }
+}
 
 void TensorParallelModule::enable_parallelism(const TensorParallelConfig& config, TpPlanKind kind) {
   resolved_plan_ = apply_tensor_parallel(*this, plan(kind), config, traits());

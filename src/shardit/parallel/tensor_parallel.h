@@ -150,6 +150,13 @@ struct LoadOptions {
 ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
                           const LoadOptions& options, const ModelTraits& traits = {});
 
+class TensorParallelModule;
+
+/// Refuses tensor-parallel and Ulysses degrees that do not split every head count the model
+/// declares (ModelTraits::divisors named "...heads") into whole heads; the message lists the
+/// (tp, ulysses) pairs that work. The ring degree is free.
+void check_context_parallel_split(const TensorParallelModule& model, int tp_degree, int ulysses_degree);
+
 /// A model that carries its tensor-parallel plan. Model code declares the plan; it never reads
 /// ranks.
 class TensorParallelModule : public nn::Module {

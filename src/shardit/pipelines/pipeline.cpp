@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "shardit/dist/mesh.h"
+#include "shardit/parallel/context_parallel.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
@@ -232,15 +233,6 @@ void DiffusionPipeline::check_parallel() const {
   }
 }
 
-void DiffusionPipeline::enable_context_parallel() const {
-  // The one place context parallelism enters the denoising loop; until it is wired to
-  // parallel/context_parallel, the mesh's ulysses and ring dimensions are refused here.
-  TORCH_CHECK(parallel_dims_.ulysses == 1 && parallel_dims_.ring == 1, class_name(), ": the mesh ",
-              parallel_dims_.to_string(),
-              " asks for context parallelism (--ulysses, --ring), which this build cannot run yet; launch with "
-              "--ulysses 1 --ring 1 (cfg-parallel and tp only)");
-}
-
 at::Tensor DiffusionPipeline::guided(
     bool do_cfg, const std::function<at::Tensor(bool conditional)>& branch,
     const std::function<at::Tensor(const at::Tensor& cond, const at::Tensor& uncond)>& combine) const {
@@ -266,6 +258,10 @@ void DiffusionPipeline::load() {
   load.device = options_.device;
   load.tensor_parallel = options_.transformer_parallel;
   transformer_->load(transformer_weights_, load);
+  if (parallel_dims_.ulysses > 1 || parallel_dims_.ring > 1) {
+    // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
+    transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.transformer_parallel->mesh));
+  }
   if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name())) {
     TextEncoderLoadOptions text;
     text.dtype = options_.dtype;
@@ -402,7 +398,6 @@ at::Tensor DiffusionPipeline::denoise(
     schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
     const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
     const GenerateRequest& request) const {
-  enable_context_parallel();
   const at::Tensor timesteps = scheduler.timesteps();
   const int64_t steps = timesteps.size(0);
   ProgressBar progress(steps, request.progress && dist::World::get().rank() == 0);

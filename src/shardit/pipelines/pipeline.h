@@ -230,9 +230,6 @@ class DiffusionPipeline {
   /// Refuses CFG-parallel on a pipeline that cannot run CFG, and a mesh the transformer cannot be
   /// split over (listing those it can), before any weight is read.
   void check_parallel() const;
-  /// Context parallelism (the mesh's "ulysses" and "ring" dimensions) for the denoising loop,
-  /// called once at the start of denoise(); for now it refuses degrees above 1.
-  void enable_context_parallel() const;
 };
 
 /// Checks prompt embeddings against the transformer's text width `joint_attention_dim` (and the
