@@ -46,6 +46,7 @@ struct GenerateOptions {
   int tp = 0;  ///< 0: the world size
   int text_encoder_tp = 0;  ///< 0: the largest degree the text encoders' heads allow
   bool tiled_vae = false;
+  bool vae_parallel = false;
   bool save_steps = false;
   std::string compare_to;
 };
@@ -140,6 +141,7 @@ int generate(const GenerateOptions& given) {
   load.dtype = dtype;
   load.device = world.device();
   load.vae_tiling = options.tiled_vae;
+  load.vae_parallel = options.vae_parallel;
   const int tp = options.tp > 0 ? options.tp : world.size();
   if (world.size() > 1 || tp != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
   load.load_text_encoders = options.prompt_embeds.empty();
@@ -237,6 +239,10 @@ void register_generate(CLI::App& app, CommandBody& body) {
                       "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
                       "within one 8-bit level");
   command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+  command
+      ->add_flag("--vae-parallel", options->vae_parallel,
+                 "decode on all ranks of the transformer's group together, each a band of the image's rows")
+      ->excludes("--tiled-vae");
   command->callback([&body, options] { body = [options] { return generate(*options); }; });
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardit::dist {
@@ -22,6 +23,7 @@ namespace shardit::dist {
 ///   all_gather      (n-1)/n * B_out = (n-1) * B_in
 ///   reduce_scatter  (n-1)/n * B_in        (done as one all-to-all plus a local sum on Gloo)
 ///   all_to_all      (n-1)/n * B_in
+///   neighbour_exchange  the bytes sent to the members that exist (B_prev + B_next)
 ///   broadcast       B on the root, 0 elsewhere
 ///   barrier         0
 /// Every call counts in `collectives` and `calls_by_op`, also on a size-1 group (with 0 bytes).
@@ -69,6 +71,15 @@ class Group {
   /// concatenates the received chunks along `gather_dim` (Ulysses attention's exchange).
   virtual at::Tensor all_to_all(const at::Tensor& tensor, int64_t scatter_dim,
                                 int64_t gather_dim) = 0;
+  /// The halo exchange of a tensor split into bands in group order: sends `to_previous` to member
+  /// rank - 1 and `to_next` to member rank + 1, and returns {from_previous, from_next}: what
+  /// member rank - 1 sent as its to_next and what member rank + 1 sent as its to_previous. The
+  /// first member has no previous and the last no next: the tensor for a missing neighbour is not
+  /// sent (it may be undefined) and the one from it is undefined. A received tensor has the shape
+  /// and dtype of the one sent back to that neighbour (from_previous those of to_previous), so
+  /// neighbours must exchange tensors of equal shapes. Every member calls it.
+  virtual std::pair<at::Tensor, at::Tensor> neighbour_exchange(const at::Tensor& to_previous,
+                                                               const at::Tensor& to_next) = 0;
   /// Copies member `root`'s tensor into everyone's, in place.
   virtual void broadcast(at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
