@@ -26,11 +26,14 @@
 #include "shardit/models/vae/vae.h"
 #include "shardit/nn/spatial_parallel.h"
 #include "shardit/parallel/spatial_parallel.h"
+#include "shardit/pipelines/pipeline.h"
 #include "support/multiprocess.h"
+#include "support/pipeline_case.h"
 #include "support/test_support.h"
 
 namespace {
 
+using shardit::testing::env_or;
 using shardit::testing::golden_path;
 using shardit::testing::is_worker;
 using shardit::testing::run_ranks;
@@ -274,6 +277,98 @@ TEST(SpatialParallelGoldenErrors, TooManyRanksForTheRowsAndTilingAreRefused) {
     return;
   }
   EXPECT_EQ(run_ranks(3), 0);
+}
+
+// The pipeline options refuse what cannot work, before anything is loaded.
+TEST(SpatialParallelGoldenErrors, PipelineRefusesVaeParallelWithTilingOrWithoutTheVae) {
+  const std::string dir = golden_path("pipeline_flux1");
+  shardit::pipelines::PipelineLoadOptions options;
+  options.vae_parallel = true;
+  options.vae_tiling = true;
+  EXPECT_THAT(shardit::testing::error_of([&] { shardit::pipelines::DiffusionPipeline::open(dir, options); }),
+              HasSubstr("vae_parallel (--vae-parallel) and vae_tiling (--tiled-vae) do not combine"));
+  options.vae_tiling = false;
+  options.load_vae = false;
+  EXPECT_THAT(shardit::testing::error_of([&] { shardit::pipelines::DiffusionPipeline::open(dir, options); }),
+              HasSubstr("vae_parallel needs the VAE on every rank"));
+}
+
+// The pipelines with vae_parallel: every rank of the transformer's group (TP 2 on 2 ranks; the
+// whole world with a replicated transformer on 3) loads the VAE, decodes its band, and holds the
+// golden image.
+void pipeline_worker() {
+  shardit::dist::World& world = shardit::dist::World::init();
+  shardit::testing::PipelineCase golden = shardit::testing::read_pipeline_case(env_or("SHARDIT_PIPELINE_CASE"));
+  shardit::pipelines::PipelineLoadOptions options;
+  options.vae_parallel = true;
+  if (world.size() == 2) {
+    options.transformer_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, 2);
+  }
+  const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
+  ASSERT_NE(pipeline->vae(), nullptr);
+  EXPECT_EQ(pipeline->vae()->parallel_decode_degree(), world.size());
+  std::vector<at::Tensor> steps;
+  golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) {
+    steps.push_back(latents.clone());
+  };
+  const auto result = pipeline->generate(golden.request);
+  shardit::testing::expect_pipeline_matches(golden, steps, result.image,
+                                            golden.dir + " (vae_parallel on " + std::to_string(world.size()) +
+                                                " ranks, rank " + std::to_string(world.rank()) + ")");
+}
+
+class SpatialParallelGoldenPipelines : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SpatialParallelGoldenPipelines, ApiOnTwoAndThreeRanksGivesTheGoldenImageOnEveryRank) {
+  if (is_worker()) return pipeline_worker();
+  const std::string dir = golden_path(GetParam());
+  EXPECT_EQ(run_ranks(2, {{"SHARDIT_PIPELINE_CASE", dir}}), 0);
+  EXPECT_EQ(run_ranks(3, {{"SHARDIT_PIPELINE_CASE", dir}}), 0);
+}
+
+TEST_P(SpatialParallelGoldenPipelines, GenerateVaeParallelOnTwoRanks) {
+  if (is_worker()) return;
+  auto golden = shardit::testing::read_pipeline_case(golden_path(GetParam()));
+  golden.cli_args.push_back("--vae-parallel");
+  const auto run = shardit::testing::run_generate_cli(golden, "--nproc-per-node 2");
+  shardit::testing::expect_pipeline_matches(golden, run.step_latents, run.image, GetParam() + " (CLI, --vae-parallel)");
+  shardit::testing::expect_pngs_match(golden, run.pngs, GetParam() + " (CLI PNG, --vae-parallel)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, SpatialParallelGoldenPipelines,
+                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"),
+                         [](const auto& info) { return info.param.substr(9); });
+
+// `shardit --nproc-per-node 3 run-vae`: the ranks decode together and rank 0 writes the sample
+// and every intermediate whole, equal to diffusers'.
+TEST(SpatialParallelGoldenCli, RunVaeOnThreeRanksWritesTheGoldenTensors) {
+  if (is_worker()) return;
+  for (const std::string name : {"vae_flux2", "vae_qwenimage"}) {
+    const std::string dir = golden_path(name);
+    const std::string out = shardit::testing::make_temp_dir("run_vae_parallel") + "/out.safetensors";
+    std::string output;
+    ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " --nproc-per-node 3 run-vae --model " +
+                                                dir + " --inputs " + dir + " --out " + out,
+                                            &output),
+              0)
+        << output;
+    EXPECT_THAT(output, HasSubstr("3 ranks by row bands"));
+    const auto written = shardit::io::SafetensorsFile::open(out);
+    const auto outputs = shardit::io::SafetensorsFile::open(dir + "/outputs.safetensors");
+    for (const std::string& tensor : outputs->names()) {
+      ASSERT_TRUE(written->contains(tensor)) << "run-vae did not write '" << tensor << "'";
+      EXPECT_TRUE(tensors_close("run-vae on 3 ranks " + name + " " + tensor, written->read(tensor),
+                                outputs->read(tensor), kTol, kTol));
+    }
+  }
+  std::string output;
+  const std::string dir = golden_path("vae_flux1");
+  EXPECT_NE(shardit::testing::run_command(shardit::testing::cli_path() + " --nproc-per-node 2 run-vae --tiled --model " +
+                                              dir + " --inputs " + dir + " --out " +
+                                              shardit::testing::make_temp_dir("run_vae_tiled") + "/out.safetensors",
+                                          &output),
+            0);
+  EXPECT_THAT(output, HasSubstr("--tiled decodes on one rank"));
 }
 
 }  // namespace
