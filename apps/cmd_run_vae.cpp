@@ -79,9 +79,9 @@ int run_vae(const RunVaeOptions& options) {
     std::vector<std::pair<std::string, at::Tensor>> tensors{{"sample", sample.to(at::kCPU, at::kFloat).contiguous()}};
     for (auto& entry : recorded) tensors.push_back(std::move(entry));
     io::save_safetensors(options.out, tensors);
+    const std::string split = world.size() > 1 ? fmt::format(", {} ranks by row bands", world.size()) : "";
     fmt::print("{} ({}{}{}): sample {} in {:.3f} s -> {}\n", vae->type_name(), options.dtype,
-               options.tiled ? ", tiled" : "", world.size() > 1 ? fmt::format(", {} ranks by row bands", world.size()) : "",
-               fmt::join(sample.sizes(), "x"),
+               options.tiled ? ", tiled" : "", split, fmt::join(sample.sizes(), "x"),
                std::chrono::duration<double>(end - start).count(), options.out);
   }
   return 0;

@@ -119,6 +119,14 @@ TEST_P(SpatialParallelGoldenVae, UnevenBandsOfLargerLatentsEqualSingleRank) {
     // The single-row bands of a height equal to the degree.
     auto vae = load_vae("vae_flux2");
     expect_parallel_equals_single(*vae, random_latents(latent_shape(*vae, 1, degree, 6), 5), "vae_flux2 one row each");
+    // bf16 weights and activations (halos and gathers travel as bf16, statistics in fp32/f64):
+    // within bf16 rounding (8 bits of mantissa, 4e-3 relative) of the bf16 single-rank decode.
+    vae->to(at::kCPU, at::kBFloat16);
+    const at::Tensor z = random_latents(latent_shape(*vae, 1, height, 7), 23).to(at::kBFloat16);
+    const at::Tensor single = vae->decode(z).to(at::kFloat);
+    vae->enable_parallel_decode(shardit::dist::World::get().group());
+    const at::Tensor parallel = vae->decode(z).to(at::kFloat);
+    EXPECT_TRUE(tensors_close("vae_flux2 bf16", parallel, single, 3e-2, 3e-2));
     return;
   }
   EXPECT_EQ(run_ranks(GetParam()), 0);
