@@ -53,6 +53,7 @@ struct GenerateOptions {
   bool cfg_parallel = false;  ///< the CFG branches on the two halves of the mesh (cfg degree 2)
   int text_encoder_tp = 0;  ///< 0: the largest degree the text encoders' heads allow
   bool tiled_vae = false;
+  bool vae_parallel = false;
   bool save_steps = false;
   std::string compare_to;
 };
@@ -149,6 +150,7 @@ int generate(const GenerateOptions& given) {
   load.device = world.device();
   load.vae_tiling = options.tiled_vae;
   if (world.size() > 1) load.mesh = dims.build_mesh(world);
+  load.vae_parallel = options.vae_parallel;
   load.load_text_encoders = options.prompt_embeds.empty();
   if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
 
@@ -253,6 +255,10 @@ void register_generate(CLI::App& app, CommandBody& body) {
                       "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
                       "within one 8-bit level");
   command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+  command
+      ->add_flag("--vae-parallel", options->vae_parallel,
+                 "decode on all ranks together, each a band of the image's rows")
+      ->excludes("--tiled-vae");
   command->callback([&body, options] { body = [options] { return generate(*options); }; });
 }
 

@@ -1,6 +1,7 @@
 // `shardit run-vae`: decodes a golden-style VAE case (inputs.safetensors holding the pipeline's
 // `latents`, FLUX.2's `latents_patchified`, or the decoder input `z`) and writes `sample` with
-// the decoder's intermediates under the reference's names.
+// the decoder's intermediates under the reference's names. Started on several ranks
+// (--nproc-per-node), they decode together, each a band of the rows.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -17,6 +18,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/spatial_parallel.h"
 
 namespace shardit::apps {
 
@@ -44,6 +46,10 @@ int run_vae(const RunVaeOptions& options) {
   load_options.device = world.device();
   vae->load(component.weights(), load_options);
   if (options.tiled) vae->enable_tiling();
+  // Several ranks decode together, each a band of the rows; the tensors written are whole.
+  TORCH_CHECK(!(options.tiled && world.size() > 1), "run-vae: --tiled decodes on one rank, but ", world.size(),
+              " ranks were started (they decode in parallel, by row bands); drop --tiled or run one rank");
+  vae->enable_parallel_decode(world.group());
 
   std::vector<std::pair<std::string, at::Tensor>> recorded;
   const models::IntermediateRecorder record = [&recorded](const std::string& name, const at::Tensor& value) {
@@ -61,15 +67,21 @@ int run_vae(const RunVaeOptions& options) {
     TORCH_CHECK(inputs->contains("z"), inputs_path, ": holds none of 'latents', 'latents_patchified' or 'z'");
     z = read_input("z");
   }
-  const at::Tensor sample = vae->decode(z, record);
+  // Under a parallel decode the decoder's intermediates arrive as bands: gathered in order.
+  const models::IntermediateRecorder record_decode =
+      world.size() == 1 ? record : [&](const std::string& name, const at::Tensor& band) {
+        record(name, nn::gather_rows(band, -2, *world.group()));
+      };
+  const at::Tensor sample = vae->decode(z, record_decode);
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {
     std::vector<std::pair<std::string, at::Tensor>> tensors{{"sample", sample.to(at::kCPU, at::kFloat).contiguous()}};
     for (auto& entry : recorded) tensors.push_back(std::move(entry));
     io::save_safetensors(options.out, tensors);
-    fmt::print("{} ({}{}): sample {} in {:.3f} s -> {}\n", vae->type_name(), options.dtype,
-               options.tiled ? ", tiled" : "", fmt::join(sample.sizes(), "x"),
+    const std::string split = world.size() > 1 ? fmt::format(", {} ranks by row bands", world.size()) : "";
+    fmt::print("{} ({}{}{}): sample {} in {:.3f} s -> {}\n", vae->type_name(), options.dtype,
+               options.tiled ? ", tiled" : "", split, fmt::join(sample.sizes(), "x"),
                std::chrono::duration<double>(end - start).count(), options.out);
   }
   return 0;

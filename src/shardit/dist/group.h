@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardit::dist {
@@ -23,6 +24,7 @@ namespace shardit::dist {
 ///   reduce_scatter  (n-1)/n * B_in        (done as one all-to-all plus a local sum on Gloo)
 ///   all_to_all      (n-1)/n * B_in
 ///   ring_shift      B                     (to the next member only)
+///   neighbour_exchange  the bytes sent to the members that exist (B_prev + B_next)
 ///   broadcast       B on the root, 0 elsewhere
 ///   barrier         0
 /// Every call counts in `collectives` and `calls_by_op`, also on a size-1 group (with 0 bytes).
@@ -75,6 +77,15 @@ class Group {
   /// rotation. Asynchronous, so the next block travels while the current one is computed; `recv`
   /// holds the result only after wait(), and `send` must not change before it.
   virtual Work ring_shift_async(const at::Tensor& send, at::Tensor& recv) = 0;
+  /// The halo exchange of a tensor split into bands in group order: sends `to_previous` to member
+  /// rank - 1 and `to_next` to member rank + 1, and returns {from_previous, from_next}: what
+  /// member rank - 1 sent as its to_next and what member rank + 1 sent as its to_previous. The
+  /// first member has no previous and the last no next: the tensor for a missing neighbour is not
+  /// sent (it may be undefined) and the one from it is undefined. A received tensor has the shape
+  /// and dtype of the one sent back to that neighbour (from_previous those of to_previous), so
+  /// neighbours must exchange tensors of equal shapes. Every member calls it.
+  virtual std::pair<at::Tensor, at::Tensor> neighbour_exchange(const at::Tensor& to_previous,
+                                                               const at::Tensor& to_next) = 0;
   /// Copies member `root`'s tensor into everyone's, in place.
   virtual void broadcast(at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;

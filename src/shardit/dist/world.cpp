@@ -151,6 +151,9 @@ using LostRanksFn = std::function<std::string(const std::vector<int>&)>;
 // Sizes of what a rank sends, by the ring algorithms' count (see CommStats in group.h).
 uint64_t tensor_bytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
+// The c10d tag of neighbour_exchange's messages (each pair of members exchanges in call order).
+constexpr int kNeighbourTag = 16;
+
 class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGroup> {
  public:
   C10dGroup(std::string name, int rank, std::vector<int> global_ranks,
@@ -266,6 +269,51 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
       // `output` is a view of `target` unless it was not contiguous.
       if (output.data_ptr() != target.data_ptr()) target.copy_(from_wire(output, target.scalar_type()).view(target.sizes()));
     });
+  }
+
+  std::pair<at::Tensor, at::Tensor> neighbour_exchange(const at::Tensor& to_previous,
+                                                       const at::Tensor& to_next) override {
+    SHARDIT_PROFILE_SCOPE("neighbour_exchange");
+    const bool has_previous = rank_ > 0;
+    const bool has_next = rank_ + 1 < size();
+    TORCH_CHECK((!has_previous || to_previous.defined()) && (!has_next || to_next.defined()),
+                "neighbour_exchange on group '", name_, "': member ", rank_, " of ", size(),
+                " has a neighbour but no tensor for it");
+    const at::Tensor send_previous = has_previous ? to_wire(to_previous.contiguous()) : at::Tensor();
+    const at::Tensor send_next = has_next ? to_wire(to_next.contiguous()) : at::Tensor();
+    at::Tensor from_previous = has_previous ? at::empty_like(send_previous) : at::Tensor();
+    at::Tensor from_next = has_next ? at::empty_like(send_next) : at::Tensor();
+    count("neighbour_exchange",
+          (has_previous ? tensor_bytes(send_previous) : 0) + (has_next ? tensor_bytes(send_next) : 0));
+    if (!has_previous && !has_next) return {};
+    C10dBackend& transport = backend(has_previous ? to_previous : to_next);
+    // Every send and receive is posted before any is waited for, so no member waits on a
+    // neighbour that is itself waiting (NCCL needs them in one group for that).
+    guarded("neighbour_exchange", [&] {
+      std::vector<decltype(transport.barrier())> pending;
+      const auto post = [&](bool send, const at::Tensor& tensor, int peer) {
+        std::vector<at::Tensor> tensors{tensor};
+        pending.push_back(send ? transport.send(tensors, peer, kNeighbourTag) : transport.recv(tensors, peer, kNeighbourTag));
+      };
+#if SHARDIT_WITH_NCCL
+      const bool nccl = send_previous.defined() ? send_previous.is_cuda() : send_next.is_cuda();
+      if (nccl) c10d::ProcessGroupNCCL::groupStart();
+#endif
+      if (has_previous) {
+        post(true, send_previous, rank_ - 1);
+        post(false, from_previous, rank_ - 1);
+      }
+      if (has_next) {
+        post(true, send_next, rank_ + 1);
+        post(false, from_next, rank_ + 1);
+      }
+#if SHARDIT_WITH_NCCL
+      if (nccl) c10d::ProcessGroupNCCL::groupEnd();
+#endif
+      for (auto& work : pending) work->wait();
+    });
+    return {has_previous ? from_wire(from_previous, to_previous.scalar_type()) : at::Tensor(),
+            has_next ? from_wire(from_next, to_next.scalar_type()) : at::Tensor()};
   }
 
   void broadcast(at::Tensor& tensor, int root) override {

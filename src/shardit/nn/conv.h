@@ -1,12 +1,15 @@
 #pragma once
 // torch.nn.Conv2d and torch.nn.Conv3d (zero padding, groups 1, dilation 1): the convolutions of
-// the VAE decoders. Replicated layers; tensor parallelism never splits them.
+// the VAE decoders. Replicated layers; tensor parallelism never splits them. Under spatial
+// parallelism (nn/spatial_parallel.h) the input is a band of rows and the height padding is the
+// neighbouring bands' rows.
 #include <ATen/ATen.h>
 
 #include <array>
 #include <string>
 
 #include "shardit/nn/module.h"
+#include "shardit/nn/spatial_parallel.h"
 
 namespace shardit::nn {
 
@@ -26,10 +29,12 @@ struct Conv2dOptions {
 };
 
 /// torch.nn.Conv2d: weight [out, in, kH, kW], bias [out].
-class Conv2d : public Module {
+class Conv2d : public Module, public SpatialParallelLayer {
  public:
   explicit Conv2d(const Conv2dOptions& options);
   std::string type_name() const override { return "Conv2d"; }
+  /// (kH - 1) / 2: a band needs that many rows of its neighbours.
+  int64_t halo_rows() const override { return (options_.kernel_size[0] - 1) / 2; }
   /// [B, in, H, W] -> [B, out, H', W'].
   at::Tensor forward(const at::Tensor& x) const;
   const Conv2dOptions& options() const { return options_; }
@@ -56,10 +61,12 @@ struct Conv3dOptions {
 };
 
 /// torch.nn.Conv3d: weight [out, in, kT, kH, kW], bias [out].
-class Conv3d : public Module {
+class Conv3d : public Module, public SpatialParallelLayer {
  public:
   explicit Conv3d(const Conv3dOptions& options);
   std::string type_name() const override { return "Conv3d"; }
+  /// (kH - 1) / 2: a band needs that many rows of its neighbours.
+  int64_t halo_rows() const override { return (options_.kernel_size[1] - 1) / 2; }
   /// [B, in, T, H, W] -> [B, out, T', H', W'].
   at::Tensor forward(const at::Tensor& x) const;
   const Conv3dOptions& options() const { return options_; }

@@ -1,11 +1,13 @@
 #pragma once
 // torch.nn.GroupNorm with affine parameters, over [B, C, *] (computed in fp32 for bf16/fp16
-// inputs, cast back).
+// inputs, cast back). Under spatial parallelism (nn/spatial_parallel.h) the statistics cover
+// every band of the map.
 #include <ATen/ATen.h>
 
 #include <string>
 
 #include "shardit/nn/module.h"
+#include "shardit/nn/spatial_parallel.h"
 
 namespace shardit::nn {
 
@@ -19,8 +21,10 @@ struct GroupNormOptions {
 };
 
 /// torch.nn.GroupNorm(affine=True): per sample and group of C / G channels, (x - mean) /
-/// sqrt(var + eps), then * weight + bias per channel.
-class GroupNorm : public Module {
+/// sqrt(var + eps), then * weight + bias per channel. Split over a group, the mean and the
+/// (biased) variance are those of the whole map: the sums of x, then of (x - mean)^2, over each
+/// band are all-reduced (two passes, as exact as the single-rank statistics).
+class GroupNorm : public Module, public SpatialParallelLayer {
  public:
   explicit GroupNorm(const GroupNormOptions& options);
   std::string type_name() const override { return "GroupNorm"; }
@@ -31,6 +35,9 @@ class GroupNorm : public Module {
   at::Tensor bias;    ///< [C]
 
  private:
+  /// The normalisation with statistics all-reduced over the spatial group.
+  at::Tensor forward_banded(const at::Tensor& x) const;
+
   GroupNormOptions options_;
 };
 

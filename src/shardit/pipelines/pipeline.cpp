@@ -187,6 +187,11 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
   TORCH_CHECK(transformer_folder.class_name() == transformer_class, transformer_folder.dir,
               "/config.json: _class_name is '", transformer_folder.class_name(), "', but a ", pipeline_class,
               " needs a ", transformer_class);
+  TORCH_CHECK(!(options_.vae_parallel && options_.vae_tiling), pipeline_class,
+              ": vae_parallel (--vae-parallel) and vae_tiling (--tiled-vae) do not combine; the parallel decode "
+              "already splits the activations over the ranks: choose one");
+  TORCH_CHECK(!(options_.vae_parallel && options_.load_vae == std::optional<bool>(false)), pipeline_class,
+              ": vae_parallel needs the VAE on every rank, but load_vae is false here");
   transformer_weights_ = transformer_folder.weights();
   vae_weights_ = vae_folder.weights();
   vae_model_ = models::create_vae(vae_folder);
@@ -270,12 +275,17 @@ void DiffusionPipeline::load() {
     text.transformer_tp_degree = options_.transformer_parallel ? options_.transformer_parallel->tp_degree() : 1;
     prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
   }
-  if (options_.load_vae.value_or(dist::World::get().rank() == 0)) {
+  if (options_.vae_parallel || options_.load_vae.value_or(dist::World::get().rank() == 0)) {
     parallel::LoadOptions vae_load;  // replicated: no parallel config
     vae_load.dtype = options_.dtype;
     vae_load.device = options_.device;
     vae_model_->load(vae_weights_, vae_load);
     if (options_.vae_tiling) vae_model_->enable_tiling();
+    if (options_.vae_parallel) {
+      // Every rank ends the denoising loop with the same latents (tp, cfg, context-parallel and
+      // replica ranks alike), so the whole world decodes together.
+      vae_model_->enable_parallel_decode(dist::World::get().group());
+    }
     vae_ = vae_model_;
   }
   loaded_ = true;

@@ -71,7 +71,7 @@ struct GenerateRequest {
 
 /// What a call returns.
 struct GenerateResult {
-  at::Tensor image;    ///< float32 [B, H, W, 3] in [0, 1]; undefined on ranks without a VAE
+  at::Tensor image;    ///< float32 [B, H, W, 3] in [0, 1]; undefined on ranks without a VAE (see vae_parallel)
   at::Tensor latents;  ///< the final packed latents [B, N, C4], float32
   int64_t height = 0;  ///< the (possibly rounded) image size
   int64_t width = 0;
@@ -96,6 +96,11 @@ struct PipelineLoadOptions {
   std::optional<bool> load_vae;
   /// Decode in tiles (diffusers' vae.enable_tiling()).
   bool vae_tiling = false;
+  /// Decode on all ranks of the world together (they all end the denoising loop with the same
+  /// latents), each holding a band of the rows (AutoencoderModel::
+  /// enable_parallel_decode): they all load the VAE, and the image is on each of them. Not with
+  /// vae_tiling, nor with load_vae false.
+  bool vae_parallel = false;
   /// Whether load() also loads the folder's tokenizers and text encoders as the PromptEncoder
   /// (when the folder has them and none was set with set_prompt_encoder).
   bool load_text_encoders = true;

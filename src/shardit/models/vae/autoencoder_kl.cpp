@@ -36,7 +36,7 @@ at::Tensor AutoencoderKL::denormalize_latents(const at::Tensor& latents, const I
   return z;
 }
 
-at::Tensor AutoencoderKL::decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKL::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
   return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
 }

@@ -44,9 +44,6 @@ class AutoencoderKL : public AutoencoderModel {
   int64_t vae_scale_factor() const override;
   /// [B, C, h, w]: latents / scaling_factor (+ shift_factor) (FluxPipeline).
   at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
-  /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W]; tiled when tiling is on
-  /// and z is larger than a tile. `record` gets post_quant_conv and decoder.*.
-  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) override;
   const AutoencoderKLConfig& config() const { return config_; }
 
   /// The tile settings enable_tiling uses (diffusers' attributes; may be changed).
@@ -54,6 +51,11 @@ class AutoencoderKL : public AutoencoderModel {
 
   std::shared_ptr<Decoder> decoder;
   std::shared_ptr<nn::Conv2d> post_quant_conv;  ///< null when use_post_quant_conv is false
+
+ protected:
+  /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W]; tiled when tiling is on
+  /// and z is larger than a tile. `record` gets post_quant_conv and decoder.*.
+  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
 
  private:
   AutoencoderKLConfig config_;

@@ -74,7 +74,7 @@ at::Tensor AutoencoderKLFlux2::denormalize_latents(const at::Tensor& latents, co
   return z;
 }
 
-at::Tensor AutoencoderKLFlux2::decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLFlux2::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
   return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
 }

@@ -64,8 +64,6 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   /// sqrt(bn.running_var + batch_norm_eps) + bn.running_mean, then unpatchify. `record` gets
   /// z_patchified and z.
   at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
-  /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W].
-  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) override;
   const AutoencoderKLFlux2Config& config() const { return config_; }
 
   AutoencoderKLTiling tiling;
@@ -73,6 +71,10 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   std::shared_ptr<Decoder> decoder;
   std::shared_ptr<nn::Conv2d> post_quant_conv;  ///< null when use_post_quant_conv is false
   std::shared_ptr<BatchNorm2d> bn;
+
+ protected:
+  /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W].
+  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
 
  private:
   AutoencoderKLFlux2Config config_;

@@ -50,17 +50,20 @@ at::Tensor QwenImageCausalConv3d::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels, "QwenImageCausalConv3d: input has shape ",
               x.sizes(), ", expected [B, ", options.in_channels, ", T, H, W]");
   const int64_t time_kernel = options.kernel_size[0];
-  if (x.size(2) == 1 && 2 * causal_padding_[0] == time_kernel - 1) {
-    // One frame: the 2 * padding_t frames before it are zeros, so only the last temporal slice of
-    // the kernel meets data. [B, in, H, W] -> [B, out, H, W]
-    const at::Tensor frame = x.squeeze(2);
-    const at::Tensor kernel = weight.select(2, time_kernel - 1);
-    return at::conv2d(frame, kernel, bias, /*stride=*/{1, 1}, {causal_padding_[1], causal_padding_[2]}).unsqueeze(2);
-  }
-  // F.pad order: (w_left, w_right, h_top, h_bottom, t_front, t_back).
-  const at::Tensor padded = at::constant_pad_nd(x, {causal_padding_[2], causal_padding_[2], causal_padding_[1],
-                                                    causal_padding_[1], 2 * causal_padding_[0], 0});
-  return at::conv3d(padded, weight, bias);
+  // The height padding through convolve_rows (the rows beyond a band come from its neighbours).
+  return convolve_rows(x, 3, causal_padding_[1], [&](const at::Tensor& input, int64_t pad_h) {
+    if (input.size(2) == 1 && 2 * causal_padding_[0] == time_kernel - 1) {
+      // One frame: the 2 * padding_t frames before it are zeros, so only the last temporal slice
+      // of the kernel meets data. [B, in, H, W] -> [B, out, H, W]
+      const at::Tensor frame = input.squeeze(2);
+      const at::Tensor kernel = weight.select(2, time_kernel - 1);
+      return at::conv2d(frame, kernel, bias, /*stride=*/{1, 1}, {pad_h, causal_padding_[2]}).unsqueeze(2);
+    }
+    // F.pad order: (w_left, w_right, h_top, h_bottom, t_front, t_back).
+    const at::Tensor padded = at::constant_pad_nd(
+        input, {causal_padding_[2], causal_padding_[2], pad_h, pad_h, 2 * causal_padding_[0], 0});
+    return at::conv3d(padded, weight, bias);
+  });
 }
 
 QwenImageRMS_norm::QwenImageRMS_norm(int64_t dim, bool images) : scale_(std::sqrt(static_cast<double>(dim))) {
@@ -145,7 +148,7 @@ at::Tensor QwenImageAttentionBlock::forward(const at::Tensor& x) {
   // [B * T, 3C, H, W] -> [B * T, 1, 3C, H * W] -> [B * T, 1, H * W, 3C]
   const at::Tensor qkv = to_qkv->forward(frames).reshape({b * t, 1, c * 3, -1}).permute({0, 1, 3, 2}).contiguous();
   const auto parts = qkv.chunk(3, -1);  // each [B * T, 1, H * W, C]
-  at::Tensor attended = nn::scaled_dot_product_attention(parts[0], parts[1], parts[2]);
+  at::Tensor attended = attend(parts[0], parts[1], parts[2]);
   // [B * T, H * W, C] -> [B * T, C, H, W]
   attended = attended.squeeze(1).permute({0, 2, 1}).reshape({b * t, c, h, w});
   attended = proj->forward(attended);
@@ -270,7 +273,7 @@ at::Tensor AutoencoderKLQwenImage::decode_frame(const at::Tensor& z, const Inter
   return decoder->forward(x, prefixed_recorder(record, "decoder."));
 }
 
-at::Tensor AutoencoderKLQwenImage::decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLQwenImage::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
   check_latents(type_name(), z, 5, config_.z_dim, "[B, C, 1, h, w]");
   TORCH_CHECK(z.size(2) == 1, type_name(), ": latents have ", z.size(2),
               " frames; only single-frame (image) latents [B, C, 1, h, w] are decoded");

@@ -15,6 +15,7 @@
 #include "shardit/models/vae/vae.h"
 #include "shardit/nn/conv.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/spatial_parallel.h"
 
 namespace shardit::models {
 
@@ -102,7 +103,7 @@ class QwenImageResidualBlock : public nn::Module {
 };
 
 /// Single-head self-attention over the H*W positions of each frame, with a residual.
-class QwenImageAttentionBlock : public nn::Module {
+class QwenImageAttentionBlock : public nn::FeatureMapAttention {
  public:
   explicit QwenImageAttentionBlock(int64_t dim);
   std::string type_name() const override { return "QwenImageAttentionBlock"; }
@@ -162,9 +163,6 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   int64_t vae_scale_factor() const override;
   /// [B, z_dim, 1, h, w]: latents / (1 / latents_std) + latents_mean (QwenImagePipeline).
   at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
-  /// z [B, z_dim, 1, h, w] -> sample [B, 3, 1, H, W], clamped to [-1, 1] unless tiled. `record`
-  /// gets post_quant_conv, decoder.* and decoder_out_before_clamp.
-  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) override;
 
   /// diffusers' enable_tiling with its optional arguments (sample pixels; nullopt keeps the value).
   void enable_tiling(std::optional<int64_t> tile_sample_min_height, std::optional<int64_t> tile_sample_min_width,
@@ -182,6 +180,11 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
 
   std::shared_ptr<QwenImageCausalConv3d> post_quant_conv;
   std::shared_ptr<QwenImageDecoder3d> decoder;
+
+ protected:
+  /// z [B, z_dim, 1, h, w] -> sample [B, 3, 1, H, W], clamped to [-1, 1] unless tiled. `record`
+  /// gets post_quant_conv, decoder.* and decoder_out_before_clamp.
+  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
 
  private:
   at::Tensor decode_frame(const at::Tensor& z, const IntermediateRecorder& record);

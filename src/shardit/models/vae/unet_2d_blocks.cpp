@@ -32,7 +32,7 @@ at::Tensor Attention::forward(const at::Tensor& hidden_states) {
   const at::Tensor query = to_q->forward(normed).view({batch, -1, heads_, head_dim}).transpose(1, 2);
   const at::Tensor key = to_k->forward(normed).view({batch, -1, heads_, head_dim}).transpose(1, 2);
   const at::Tensor value = to_v->forward(normed).view({batch, -1, heads_, head_dim}).transpose(1, 2);
-  at::Tensor attended = nn::scaled_dot_product_attention(query, key, value);
+  at::Tensor attended = attend(query, key, value);
   // [B, H*W, C]
   attended = attended.transpose(1, 2).reshape({batch, -1, heads_ * head_dim});
   attended = (*to_out)[0].forward(attended);

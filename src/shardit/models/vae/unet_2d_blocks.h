@@ -10,13 +10,14 @@
 #include "shardit/nn/group_norm.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/spatial_parallel.h"
 
 namespace shardit::models {
 
 /// attention_processor.py's Attention as UNetMidBlock2D builds it: self-attention over the H*W
 /// positions of a feature map, `group_norm` first, one head of `channels / heads` wide, the
 /// residual added and the sum divided by rescale_output_factor (AttnProcessor2_0).
-class Attention : public nn::Module {
+class Attention : public nn::FeatureMapAttention {
  public:
   Attention(int64_t channels, int64_t heads, int64_t norm_num_groups, double eps, double rescale_output_factor = 1.0);
   std::string type_name() const override { return "Attention"; }

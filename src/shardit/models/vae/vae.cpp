@@ -169,8 +169,28 @@ at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Te
   return decode_untiled(z, record);
 }
 
+at::Tensor AutoencoderModel::decode(const at::Tensor& z, const IntermediateRecorder& record) {
+  if (spatial_.degree() == 1) return _decode(z, record);
+  TORCH_CHECK(!use_tiling_, type_name(), ": tiled decoding and a parallel decode over ", spatial_.degree(),
+              " ranks do not combine; disable one (the parallel decode already splits the activations over the ranks)");
+  TORCH_CHECK(z.defined() && z.dim() >= 4, type_name(), ": latents have shape ",
+              z.defined() ? z.sizes() : c10::IntArrayRef{}, ", expected [B, C, (T,) h, w]");
+  // Bands of latent rows -> bands of sample rows (the decoders only upsample).
+  const at::Tensor band = spatial_.split(z, -2, type_name() + " parallel decode");
+  return spatial_.gather(_decode(band, record), -2);
+}
+
+void AutoencoderModel::enable_parallel_decode(std::shared_ptr<dist::Group> group) {
+  spatial_ = parallel::enable_spatial_parallelism(*this, std::move(group));
+}
+
+void AutoencoderModel::disable_parallel_decode() {
+  parallel::disable_spatial_parallelism(*this);
+  spatial_ = {};
+}
+
 const parallel::TpPlan& AutoencoderModel::tp_plan() const {
-  // Replicated: a VAE decode runs on one rank (rank 0 of a pipeline).
+  // Replicated: a VAE decodes on one rank, or on several by row bands (enable_parallel_decode).
   static const parallel::TpPlan plan = {};
   return plan;
 }

@@ -14,6 +14,7 @@
 #include "shardit/models/vae/unet_2d_blocks.h"
 #include "shardit/nn/conv.h"
 #include "shardit/nn/group_norm.h"
+#include "shardit/parallel/spatial_parallel.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::models {
@@ -113,16 +114,34 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// The pipeline's final latents, unpacked, to the decoder input z (the de-normalisation each
   /// pipeline applies before vae.decode). `record` receives "z" (and model-specific steps).
   virtual at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const = 0;
-  /// vae.decode(z).sample. `record` receives the golden intermediates (not while tiling).
-  virtual at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {}) = 0;
+  /// vae.decode(z).sample. `record` receives the golden intermediates (not while tiling; under
+  /// a parallel decode, this member's band of each). Under enable_parallel_decode, collective
+  /// over its group: every member passes the same z and gets the whole sample.
+  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {});
 
   /// diffusers' enable_tiling / disable_tiling with the model's current tile settings.
   void enable_tiling() { use_tiling_ = true; }
   void disable_tiling() { use_tiling_ = false; }
   bool use_tiling() const { return use_tiling_; }
 
+  /// Decodes on the members of `group` together (parallel/spatial_parallel.h): each decodes a
+  /// band of the latent rows, exchanging halo rows, GroupNorm statistics and attention keys with
+  /// the others, and every member returns the whole sample. A group of one: decodes alone. Does
+  /// not combine with tiling (decode refuses it).
+  void enable_parallel_decode(std::shared_ptr<dist::Group> group);
+  void disable_parallel_decode();
+  /// The members decoding together (1: alone).
+  int parallel_decode_degree() const { return spatial_.degree(); }
+
  protected:
+  /// The model's own decode (diffusers' _decode) of z, or of a band of its rows under a parallel
+  /// decode.
+  virtual at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) = 0;
+
   bool use_tiling_ = false;
+
+ private:
+  parallel::SpatialParallelism spatial_;
 };
 
 /// Checks z against a decoder input of `channels` channels and `dims` dimensions, naming `model`.
