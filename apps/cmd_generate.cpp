@@ -136,14 +136,10 @@ int generate(const GenerateOptions& given) {
                           options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
                           options.seed, options.latents, options.dtype));
 
-  pipelines::PipelineLoadOptions load;
-  load.dtype = dtype;
-  load.device = world.device();
-  load.vae_tiling = options.tiled_vae;
+  pipelines::PipelineLoadOptions load =
+      pipeline_load_options(world, dtype, options.tp, options.text_encoder_tp, options.tiled_vae);
   const int tp = options.tp > 0 ? options.tp : world.size();
-  if (world.size() > 1 || tp != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, tp);
   load.load_text_encoders = options.prompt_embeds.empty();
-  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
 
   // The request is checked against the components' configs before any weight is read.
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
@@ -159,9 +155,7 @@ int generate(const GenerateOptions& given) {
                                                            : fmt::format("{}", fmt::join(options.prompt, " | "));
     const std::string seed_text =
         options.latents.empty() ? std::to_string(options.seed) : "(latents from " + options.latents + ")";
-    const std::string model_name = fs::path(options.model).lexically_normal().filename().string().empty()
-                                       ? fs::path(options.model).lexically_normal().parent_path().filename().string()
-                                       : fs::path(options.model).lexically_normal().filename().string();
+    const std::string model_name = model_folder_name(options.model);
     const std::vector<std::pair<std::string, std::string>> text = {
         {"parameters",
          fmt::format("{}\nNegative prompt: {}\nSteps: {}, Seed: {}, Size: {}x{}, Guidance: {}, Model: {}, "
@@ -194,6 +188,36 @@ int generate(const GenerateOptions& given) {
 
 }  // namespace
 
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, at::ScalarType dtype, int tp,
+                                                     int text_encoder_tp, bool tiled_vae) {
+  pipelines::PipelineLoadOptions load;
+  load.dtype = dtype;
+  load.device = world.device();
+  load.vae_tiling = tiled_vae;
+  const int degree = tp > 0 ? tp : world.size();
+  if (world.size() > 1 || degree != 1) load.transformer_parallel = parallel::TensorParallelConfig::from_degree(world, degree);
+  if (text_encoder_tp > 0) load.text_encoder_tp = text_encoder_tp;
+  return load;
+}
+
+void add_pipeline_options(CLI::App* command, std::string& dtype, int& tp, int& text_encoder_tp, bool& tiled_vae) {
+  command->add_option("--dtype", dtype, "compute dtype: f32 or bf16");
+  command
+      ->add_option("--tp", tp, "transformer tensor-parallel degree, dividing the number of ranks (default: all ranks)")
+      ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--text-encoder-tp", text_encoder_tp,
+                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
+                   "such degree their heads allow)")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--tiled-vae", tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+}
+
+std::string model_folder_name(const std::string& path) {
+  const fs::path normal = fs::path(path).lexically_normal();
+  return normal.filename().string().empty() ? normal.parent_path().filename().string() : normal.filename().string();
+}
+
 void register_generate(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<GenerateOptions>();
   CLI::App* command = app.add_subcommand("generate", "text to image with a diffusers pipeline folder, written as PNG");
@@ -220,23 +244,12 @@ void register_generate(CLI::App& app, CommandBody& body) {
   command->add_option("--out", options->out, "output PNG (out_0.png, out_1.png ... for several images)");
   command->add_option("--out-tensors", options->out_tensors,
                       "also write `image` (float32 [B, H, W, 3] in [0, 1]) and the final `latents` here");
-  command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
-  command
-      ->add_option("--tp", options->tp,
-                   "transformer tensor-parallel degree, dividing the number of ranks "
-                   "(default: all ranks)")
-      ->check(CLI::PositiveNumber);
-  command
-      ->add_option("--text-encoder-tp", options->text_encoder_tp,
-                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
-                   "such degree their heads allow)")
-      ->check(CLI::PositiveNumber);
+  add_pipeline_options(command, options->dtype, options->tp, options->text_encoder_tp, options->tiled_vae);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");
   command->add_option("--compare-to", options->compare_to,
                       "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
                       "within one 8-bit level");
-  command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
   command->callback([&body, options] { body = [options] { return generate(*options); }; });
 }
 

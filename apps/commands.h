@@ -11,6 +11,7 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/parallel/tensor_parallel.h"
+#include "shardit/pipelines/pipeline.h"
 
 namespace shardit::apps {
 
@@ -37,6 +38,20 @@ std::string tensor_table(const File& file) {
 /// ranks (0: the whole world; none on a world of one at tp 1).
 parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp);
 
+/// How generate and serve load a pipeline: `dtype` on the world's device, the transformer over
+/// `tp` ranks (0: the whole world), the text encoders at `text_encoder_tp` (0: the largest degree
+/// their heads allow), the VAE tiled or not.
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, at::ScalarType dtype, int tp,
+                                                     int text_encoder_tp, bool tiled_vae);
+
+/// Adds --dtype, --tp, --text-encoder-tp and --tiled-vae (what pipeline_load_options takes) to
+/// a pipeline command.
+void add_pipeline_options(CLI::App* command, std::string& dtype, int& tp, int& text_encoder_tp, bool& tiled_vae);
+
+/// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the
+/// model's name in PNG metadata and in the served API.
+std::string model_folder_name(const std::string& path);
+
 /// Adds `generate` (a text-to-image pipeline to PNG files).
 void register_generate(CLI::App& app, CommandBody& body);
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
@@ -53,5 +68,7 @@ void register_schedule(CLI::App& app, CommandBody& body);
 void register_tokenize(CLI::App& app, CommandBody& body);
 /// Adds `check-backends` (each attention backend against math on a model).
 void register_check_backends(CLI::App& app, CommandBody& body);
+/// Adds `serve` (an OpenAI-compatible images API over a pipeline).
+void register_serve(CLI::App& app, CommandBody& body);
 
 }  // namespace shardit::apps
