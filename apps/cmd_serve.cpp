@@ -54,14 +54,12 @@ int serve(ServeCommandOptions options) {
 
   serving::Server server(serve);
   const int port = server.listen();
-  const auto load_start = std::chrono::steady_clock::now();
-  pipeline->load();
   if (world.rank() == 0) {
-    fmt::print("shardit serve: {} ({}) loaded in {:.2f} s; answering on port {}\n", serve.model_id,
-               pipeline->class_name(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count(), port);
+    fmt::print("shardit serve: loading {} ({}) on {} rank(s); GET http://{}:{}/health answers 503 until ready\n",
+               serve.model_id, pipeline->class_name(), world.size(), serve.host, port);
     std::fflush(stdout);
   }
+  pipeline->load();
   const int code = server.run(*pipeline);
   if (world.rank() == 0) {
     fmt::print("shardit serve: stopped\n");

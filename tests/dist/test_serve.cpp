@@ -374,10 +374,8 @@ TEST(ServeGolden, FullQueueAnswers429) {
   EXPECT_EQ(health->status, 200);
 }
 
-// The ranks started by hand, as torchrun would: rank 0's own detection is what is tested (no
-// launcher to report the death).
-TEST(ServeGolden, LostRankFailsHealthAndExitsNamingIt) {
-  const std::string dir = make_temp_dir("serve_lost");
+// Two ranks started by hand, as torchrun would (no launcher to report or forward anything).
+std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir) {
   const int master_port = free_port();
   std::vector<std::unique_ptr<Process>> ranks;
   for (int r = 0; r < 2; ++r) {
@@ -389,6 +387,27 @@ TEST(ServeGolden, LostRankFailsHealthAndExitsNamingIt) {
         std::vector<std::string>{cli_path(), "serve", "--model", served_model(), "--port", "0"}, env,
         dir + "/rank" + std::to_string(r) + ".log"));
   }
+  return ranks;
+}
+
+// SIGTERM to rank 0 alone: rank 0 tells the other ranks to stop, and every rank exits 0.
+TEST(ServeGolden, SigtermToRankZeroStopsEveryRank) {
+  const std::string dir = make_temp_dir("serve_stop");
+  auto ranks = start_ranks(dir);
+  const int port = ranks[0]->wait_listening();
+  ASSERT_GT(port, 0);
+  ::kill(ranks[0]->pid(), SIGTERM);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(20))) << "rank " << r << ":\n" << ranks[r]->log();
+    EXPECT_EQ(ranks[r]->exit_code(), 0) << "rank " << r << ":\n" << ranks[r]->log();
+  }
+}
+
+// Rank 0's own detection (no launcher): a request in flight when rank 1 dies is answered with an
+// error, /health fails naming rank 1, and rank 0 exits non-zero naming it within the timeout.
+TEST(ServeGolden, LostRankFailsHealthAndExitsNamingIt) {
+  const std::string dir = make_temp_dir("serve_lost");
+  auto ranks = start_ranks(dir);
   const int port = ranks[0]->wait_listening();
   ASSERT_GT(port, 0);
   auto health = client(port)->Get("/health");
@@ -397,6 +416,20 @@ TEST(ServeGolden, LostRankFailsHealthAndExitsNamingIt) {
   const json listed = json::parse(health->body)["ranks"];
   ASSERT_EQ(listed.size(), 2u);
   EXPECT_EQ(listed[1]["pid"].get<int64_t>(), ranks[1]->pid());
+
+  // A long request (many steps), running when rank 1 is killed.
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = 100;
+  auto in_flight = std::async(std::launch::async, [&] { return post(port, slow.dump()); });
+  const auto started = Clock::now();
+  bool running = false;
+  while (!running && Clock::now() - started < std::chrono::seconds(30)) {
+    auto h = client(port)->Get("/health");
+    running = h && json::parse(h->body)["queue"]["running"].get<bool>();
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(running) << "the request never started";
 
   const auto killed_at = Clock::now();
   ::kill(static_cast<pid_t>(listed[1]["pid"].get<int64_t>()), SIGKILL);
@@ -416,6 +449,10 @@ TEST(ServeGolden, LostRankFailsHealthAndExitsNamingIt) {
   // The server reports the loss for a second before it exits: polled every 50 ms, it is seen.
   EXPECT_THAT(failure_body, HasSubstr("lost rank 1"));
   EXPECT_THAT(failure_body, HasSubstr("\"status\":\"failed\""));
+  auto answer = in_flight.get();
+  ASSERT_TRUE(answer) << "the request in flight got no answer: " << httplib::to_string(answer.error());
+  EXPECT_TRUE(answer->status == 500 || answer->status == 503) << answer->status;
+  EXPECT_THAT(answer->body, HasSubstr("lost rank 1"));
   ASSERT_TRUE(ranks[0]->exited(std::chrono::seconds(20))) << ranks[0]->log();
   EXPECT_LT(Clock::now() - killed_at, std::chrono::seconds(12)) << "timeout 10 s";
   EXPECT_NE(ranks[0]->exit_code(), 0);
