@@ -324,6 +324,11 @@ TEST(ServeGolden, BadRequestsGetTheirStatusAndKeepServing) {
   EXPECT_EQ(huge->status, 413);
   EXPECT_EQ(json::parse(huge->body)["error"]["message"], "the request body is too large");
 
+  // A second server on the same port is refused (not bound beside the first).
+  std::string output;
+  EXPECT_EQ(run_command(cli_path() + " serve --model " + served_model() + " --port " + std::to_string(port), &output), 1);
+  EXPECT_THAT(output, HasSubstr("serve: cannot listen on 127.0.0.1:" + std::to_string(port) + ": the port is in use"));
+
   // Still serving.
   auto answer = post(port, kValid.dump());
   ASSERT_TRUE(answer);

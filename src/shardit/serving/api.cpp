@@ -200,7 +200,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
 void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline) {
   try {
     pipeline.check(request.to_generate());
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     throw ApiError(400, error_message(e));
   }
 }

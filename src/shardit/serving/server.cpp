@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <httplib.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -274,6 +275,12 @@ int Server::listen() {
   const size_t threads = static_cast<size_t>(options.queue_depth) + 8;
   s.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   s.http.set_payload_max_length(1 << 20);
+  // SO_REUSEADDR only: httplib's default SO_REUSEPORT would let a second server bind the same
+  // port and silently take half of the requests.
+  s.http.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   s.route();
   if (options.port == 0) {
     options.port = s.http.bind_to_any_port(options.host);
