@@ -46,14 +46,7 @@ struct GenerateOptions {
   std::string latents;
   std::string out = "out.png";
   std::string out_tensors;
-  std::string dtype = "f32";
-  int tp = 0;  ///< 0: the ranks cfg x ulysses x ring leave
-  int ulysses = 1;
-  int ring = 1;
-  bool cfg_parallel = false;  ///< the CFG branches on the two halves of the mesh (cfg degree 2)
-  int text_encoder_tp = 0;  ///< 0: the largest degree the text encoders' heads allow
-  bool tiled_vae = false;
-  bool vae_parallel = false;
+  PipelineCliOptions pipeline;
   bool save_steps = false;
   std::string compare_to;
 };
@@ -79,9 +72,7 @@ void compare_with(const std::string& reference_path, const at::Tensor& image) {
 int generate(const GenerateOptions& given) {
   dist::World& world = dist::World::get();
   GenerateOptions options = given;
-  const parallel::ParallelDims dims = parallel::ParallelDims{options.cfg_parallel ? 2 : 1, options.ulysses,
-                                                             options.ring, options.tp}
-                                           .resolved(world.size());
+  const parallel::ParallelDims dims = options.pipeline.dims().resolved(world.size());
   if (options.model.empty()) {
     const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
     options.model = builtin.pipeline;
@@ -93,7 +84,7 @@ int generate(const GenerateOptions& given) {
           given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
     }
   }
-  const at::ScalarType dtype = parse_compute_dtype(options.dtype);
+  const at::ScalarType dtype = parse_compute_dtype(options.pipeline.dtype);
 
   // Everything the command reads or writes is checked before anything is loaded.
   pipelines::GenerateRequest request;
@@ -143,16 +134,10 @@ int generate(const GenerateOptions& given) {
                           options.prompt_embeds, fmt::join(options.negative_prompt, "\x1f"),
                           options.height.value_or(-1), options.width.value_or(-1), options.steps.value_or(-1),
                           options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
-                          options.seed, options.latents, options.dtype));
+                          options.seed, options.latents, options.pipeline.dtype));
 
-  pipelines::PipelineLoadOptions load;
-  load.dtype = dtype;
-  load.device = world.device();
-  load.vae_tiling = options.tiled_vae;
-  if (world.size() > 1) load.mesh = dims.build_mesh(world);
-  load.vae_parallel = options.vae_parallel;
+  pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();
-  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
 
   // The request is checked against the components' configs before any weight is read.
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
@@ -168,9 +153,7 @@ int generate(const GenerateOptions& given) {
                                                            : fmt::format("{}", fmt::join(options.prompt, " | "));
     const std::string seed_text =
         options.latents.empty() ? std::to_string(options.seed) : "(latents from " + options.latents + ")";
-    const std::string model_name = fs::path(options.model).lexically_normal().filename().string().empty()
-                                       ? fs::path(options.model).lexically_normal().parent_path().filename().string()
-                                       : fs::path(options.model).lexically_normal().filename().string();
+    const std::string model_name = model_folder_name(options.model);
     const std::vector<std::pair<std::string, std::string>> text = {
         {"parameters",
          fmt::format("{}\nNegative prompt: {}\nSteps: {}, Seed: {}, Size: {}x{}, Guidance: {}, Model: {}, "
@@ -195,7 +178,7 @@ int generate(const GenerateOptions& given) {
     fmt::print(
         "{} ({}, transformer tp {} of {} ranks, mesh {}): {} image(s) {}x{}, {} steps in {:.2f} s (load {:.2f} s) -> "
         "{}{}\n",
-        pipeline->class_name(), options.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
+        pipeline->class_name(), options.pipeline.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
         result.height, result.num_inference_steps, seconds(start, end), seconds(load_start, start),
         fmt::join(pngs, ", "), options.out_tensors.empty() ? "" : ", " + options.out_tensors);
   }
@@ -203,6 +186,49 @@ int generate(const GenerateOptions& given) {
 }
 
 }  // namespace
+
+parallel::ParallelDims PipelineCliOptions::dims() const {
+  return parallel::ParallelDims{cfg_parallel ? 2 : 1, ulysses, ring, tp};
+}
+
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options) {
+  pipelines::PipelineLoadOptions load;
+  load.dtype = parse_compute_dtype(options.dtype);
+  load.device = world.device();
+  load.vae_tiling = options.tiled_vae;
+  load.vae_parallel = options.vae_parallel;
+  const parallel::ParallelDims dims = options.dims().resolved(world.size());  // wrong degrees fail here
+  if (world.size() > 1) load.mesh = dims.build_mesh(world);
+  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
+  return load;
+}
+
+void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
+  command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
+  command
+      ->add_option("--tp", options.tp,
+                   "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
+                   "leave); cfg x ulysses x ring x tp must divide the number of ranks")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
+  command->add_flag("--cfg-parallel", options.cfg_parallel,
+                    "run the conditional and unconditional CFG branches on the two halves of the ranks");
+  command
+      ->add_option("--text-encoder-tp", options.text_encoder_tp,
+                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
+                   "such degree their heads allow)")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+  command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
+      ->excludes("--tiled-vae");
+}
+
+std::string model_folder_name(const std::string& path) {
+  const fs::path normal = fs::path(path).lexically_normal();
+  return normal.filename().string().empty() ? normal.parent_path().filename().string() : normal.filename().string();
+}
 
 void register_generate(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<GenerateOptions>();
@@ -233,32 +259,12 @@ void register_generate(CLI::App& app, CommandBody& body) {
   command->add_option("--out", options->out, "output PNG (out_0.png, out_1.png ... for several images)");
   command->add_option("--out-tensors", options->out_tensors,
                       "also write `image` (float32 [B, H, W, 3] in [0, 1]) and the final `latents` here");
-  command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
-  command
-      ->add_option("--tp", options->tp,
-                   "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
-                   "leave); cfg x ulysses x ring x tp must divide the number of ranks")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--ulysses", options->ulysses, "Ulysses (all-to-all) context-parallel degree")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--ring", options->ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
-  command->add_flag("--cfg-parallel", options->cfg_parallel,
-                    "run the conditional and unconditional CFG branches on the two halves of the ranks");
-  command
-      ->add_option("--text-encoder-tp", options->text_encoder_tp,
-                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
-                   "such degree their heads allow)")
-      ->check(CLI::PositiveNumber);
+  add_pipeline_options(command, options->pipeline);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");
   command->add_option("--compare-to", options->compare_to,
                       "a PNG from another run (e.g. another TP degree): fail unless the first image equals it "
                       "within one 8-bit level");
-  command->add_flag("--tiled-vae", options->tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
-  command
-      ->add_flag("--vae-parallel", options->vae_parallel,
-                 "decode on all ranks together, each a band of the image's rows")
-      ->excludes("--tiled-vae");
   command->callback([&body, options] { body = [options] { return generate(*options); }; });
 }
 

@@ -11,6 +11,8 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/parallel/tensor_parallel.h"
+#include "shardit/parallel/parallel_dims.h"
+#include "shardit/pipelines/pipeline.h"
 
 namespace shardit::apps {
 
@@ -37,6 +39,33 @@ std::string tensor_table(const File& file) {
 /// ranks (0: the whole world; none on a world of one at tp 1).
 parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp);
 
+/// The options generate and serve share: how the pipeline is loaded and laid out on the ranks.
+struct PipelineCliOptions {
+  std::string dtype = "f32";
+  int tp = 0;  ///< 0: the ranks cfg x ulysses x ring leave
+  int ulysses = 1;
+  int ring = 1;
+  bool cfg_parallel = false;  ///< the CFG branches on the two halves of the mesh (cfg degree 2)
+  int text_encoder_tp = 0;    ///< 0: the largest degree the text encoders' heads allow
+  bool tiled_vae = false;
+  bool vae_parallel = false;
+  /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
+  parallel::ParallelDims dims() const;
+};
+
+/// The load options of `options`: the dtype on the world's device, the transformer on the
+/// cfg x ulysses x ring x tp mesh (built over the world: collective), the text encoders' degree,
+/// the VAE tiled or decoding in parallel.
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
+
+/// Adds --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp, --tiled-vae and
+/// --vae-parallel to a pipeline command.
+void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
+
+/// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the
+/// model's name in PNG metadata and in the served API.
+std::string model_folder_name(const std::string& path);
+
 /// Adds `generate` (a text-to-image pipeline to PNG files).
 void register_generate(CLI::App& app, CommandBody& body);
 /// Adds `inspect` (checkpoint tensors, config, resolved TP plan).
@@ -53,5 +82,7 @@ void register_schedule(CLI::App& app, CommandBody& body);
 void register_tokenize(CLI::App& app, CommandBody& body);
 /// Adds `check-backends` (each attention backend against math on a model).
 void register_check_backends(CLI::App& app, CommandBody& body);
+/// Adds `serve` (an OpenAI-compatible images API over a pipeline).
+void register_serve(CLI::App& app, CommandBody& body);
 
 }  // namespace shardit::apps

@@ -26,6 +26,12 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(SentencePiece REQUIRED IMPORTED_TARGET sentencepiece)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 find_package(ICU REQUIRED COMPONENTS uc i18n)
+# `shardit serve`: HTTP through Debian's cpp-httplib (a compiled library; its flags come from pkg-config).
+pkg_check_modules(HTTPLIB IMPORTED_TARGET cpp-httplib>=0.11)
+if(NOT HTTPLIB_FOUND)
+  message(FATAL_ERROR "cpp-httplib (>= 0.11) was not found: `shardit serve` needs it; install the Debian package "
+                      "libcpp-httplib-dev (scripts/setup.sh does)")
+endif()
 
 if(SHARDIT_LIBTORCH_DIR)
   get_filename_component(found_prefix "${TORCH_INSTALL_PREFIX}" REALPATH)

@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 // Rank of each layer; a file may include a layer of lower rank, or its own layer.
 const std::map<std::string, int> kLayerRank = {
     {"core", 0}, {"io", 1}, {"dist", 1}, {"nn", 2}, {"tokenizers", 2}, {"schedulers", 2}, {"parallel", 3},
-    {"models", 4}, {"verify", 5}, {"pipelines", 5},
+    {"models", 4}, {"verify", 5}, {"pipelines", 5}, {"serving", 6},
 };
 
 std::vector<std::string> upward_includes() {

@@ -18,8 +18,8 @@ bool is_ascii(const std::string& value) {
   return true;
 }
 
-void write_to_file(png_structp png, png_bytep data, png_size_t size) {
-  static_cast<AtomicFile*>(png_get_io_ptr(png))->write(data, size);
+void append_to_string(png_structp png, png_bytep data, png_size_t size) {
+  static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), size);
 }
 
 void flush_nothing(png_structp) {}
@@ -32,10 +32,10 @@ void flush_nothing(png_structp) {}
 void on_png_warning(png_structp, png_const_charp) {}
 
 /// libpng's part of a write, with only plain locals across its setjmp; false on an error.
-bool encode_png(png_structp png, png_infop info, AtomicFile* file, png_text* chunks, int num_chunks,
-                const uint8_t* data, png_uint_32 width, png_uint_32 height) {
+bool encode_rows(png_structp png, png_infop info, std::string* out, png_text* chunks, int num_chunks,
+                 const uint8_t* data, png_uint_32 width, png_uint_32 height) {
   if (setjmp(png_jmpbuf(png))) return false;
-  png_set_write_fn(png, file, write_to_file, flush_nothing);
+  png_set_write_fn(png, out, append_to_string, flush_nothing);
   png_set_IHDR(png, info, width, height, 8, PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
                PNG_FILTER_TYPE_DEFAULT);
   if (num_chunks > 0) png_set_text(png, info, chunks, num_chunks);
@@ -74,9 +74,9 @@ at::Tensor to_uint8_pixels(const at::Tensor& image) {
   return at::round(image.to(at::kFloat).clamp(0, 1) * 255).to(at::kByte).contiguous();
 }
 
-void write_png(const std::string& path, const at::Tensor& pixels,
-               const std::vector<std::pair<std::string, std::string>>& text) {
-  TORCH_CHECK(pixels.scalar_type() == at::kByte && pixels.dim() == 3 && pixels.size(2) == 3, path,
+std::string encode_png(const at::Tensor& pixels, const std::vector<std::pair<std::string, std::string>>& text,
+                       const std::string& what) {
+  TORCH_CHECK(pixels.scalar_type() == at::kByte && pixels.dim() == 3 && pixels.size(2) == 3, what,
               ": pixels must be uint8 [H, W, 3], got ", pixels.scalar_type(), " ", pixels.sizes());
   const at::Tensor rows = pixels.contiguous();
   std::vector<png_text> chunks(text.size());
@@ -91,16 +91,24 @@ void write_png(const std::string& path, const at::Tensor& pixels,
     chunk.lang = nullptr;
     chunk.lang_key = nullptr;
   }
-  AtomicFile file(path);
+  std::string out;
   std::string error;
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
-  TORCH_CHECK(png != nullptr, path, ": libpng could not start a write");
+  TORCH_CHECK(png != nullptr, what, ": libpng could not start a write");
   png_infop info = png_create_info_struct(png);
   const bool ok = info != nullptr &&
-                  encode_png(png, info, &file, chunks.data(), static_cast<int>(chunks.size()), rows.data_ptr<uint8_t>(),
-                             static_cast<png_uint_32>(rows.size(1)), static_cast<png_uint_32>(rows.size(0)));
+                  encode_rows(png, info, &out, chunks.data(), static_cast<int>(chunks.size()), rows.data_ptr<uint8_t>(),
+                              static_cast<png_uint_32>(rows.size(1)), static_cast<png_uint_32>(rows.size(0)));
   png_destroy_write_struct(&png, &info);
-  TORCH_CHECK(ok, path, ": writing the PNG failed: ", error);
+  TORCH_CHECK(ok, what, ": writing the PNG failed: ", error);
+  return out;
+}
+
+void write_png(const std::string& path, const at::Tensor& pixels,
+               const std::vector<std::pair<std::string, std::string>>& text) {
+  const std::string bytes = encode_png(pixels, text, path);
+  AtomicFile file(path);
+  file.write(bytes.data(), bytes.size());
   file.commit();
 }
 

@@ -19,6 +19,11 @@ at::Tensor to_uint8_pixels(const at::Tensor& image);
 void write_png(const std::string& path, const at::Tensor& pixels,
                const std::vector<std::pair<std::string, std::string>>& text = {});
 
+/// `pixels` (uint8 [H, W, 3]) encoded as an 8-bit RGB PNG in memory, with `text` chunks as
+/// write_png writes them. `what` names the image in errors.
+std::string encode_png(const at::Tensor& pixels, const std::vector<std::pair<std::string, std::string>>& text = {},
+                       const std::string& what = "image");
+
 /// Reads an 8-bit RGB or RGBA PNG as uint8 [H, W, 3] (alpha dropped). Errors name the path.
 at::Tensor read_png(const std::string& path);
 

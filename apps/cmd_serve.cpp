@@ -1,0 +1,110 @@
+// `shardit serve`: an OpenAI-compatible images API (POST /v1/images/generations, GET /v1/models,
+// /health, /metrics) over a diffusers pipeline folder, loaded once and sharded over the ranks.
+// Rank 0 answers HTTP; every rank computes.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "apps/commands.h"
+#include "shardit/core/dtype.h"
+#include "shardit/dist/world.h"
+#include "shardit/models/builtin.h"
+#include "shardit/serving/server.h"
+
+namespace shardit::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ServeCommandOptions {
+  std::string model;
+  std::string model_name;
+  serving::ServeOptions serve;
+  PipelineCliOptions pipeline;
+};
+
+int serve(ServeCommandOptions options) {
+  dist::World& world = dist::World::get();
+  serving::install_stop_handlers();
+  serving::ServeOptions& serve = options.serve;
+  if (options.model.empty()) {
+    options.model = models::write_builtin_model(models::default_builtin_model_root()).pipeline;
+    if (options.model_name.empty()) options.model_name = "shardit-builtin";
+    if (world.rank() == 0) {
+      fmt::print("(no --model given: serving the built-in tiny FLUX.1-architecture pipeline with RANDOM weights as "
+                 "\"{}\"; its images are noise)\n",
+                 options.model_name);
+    }
+  }
+  serve.model_id = options.model_name.empty() ? model_folder_name(options.model) : options.model_name;
+  if (!serve.output_dir.empty()) {
+    TORCH_CHECK(fs::is_directory(serve.output_dir), "serve: --output-dir ", serve.output_dir,
+                " is not a folder; create it first");
+    serve.output_dir = fs::absolute(serve.output_dir).lexically_normal().string();
+  }
+  // Idle ranks hear from rank 0 at least every tick: well inside the collective timeout.
+  serve.tick = std::min<std::chrono::milliseconds>(std::chrono::seconds(1), world.options().timeout / 4);
+  const PipelineCliOptions& pipeline_options = options.pipeline;
+  world.agree("serve arguments",
+              fmt::format("{}|{}|{}|{}|{}|{}|{}", options.model, pipeline_options.dtype, pipeline_options.dims().to_string(),
+                          pipeline_options.text_encoder_tp, serve.limits.max_sequence_length, pipeline_options.tiled_vae,
+                          pipeline_options.vae_parallel));
+
+  const auto load = pipeline_load_options(world, pipeline_options);
+  const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
+  serve.limits.size_multiple = 2 * pipeline->vae_scale_factor();
+
+  serving::Server server(serve);
+  const int port = server.listen();
+  if (world.rank() == 0) {
+    fmt::print("shardit serve: loading {} ({}) on {} rank(s); GET http://{}:{}/health answers 503 until ready\n",
+               serve.model_id, pipeline->class_name(), world.size(), serve.host, port);
+    std::fflush(stdout);
+  }
+  pipeline->load();
+  const int code = server.run(*pipeline);
+  if (world.rank() == 0) {
+    fmt::print("shardit serve: stopped\n");
+    std::fflush(stdout);
+  }
+  return code;
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app, CommandBody& body) {
+  auto options = std::make_shared<ServeCommandOptions>();
+  CLI::App* command =
+      app.add_subcommand("serve", "an OpenAI-compatible images API (POST /v1/images/generations) over a pipeline");
+  command->add_option("--model", options->model,
+                      "diffusers pipeline folder (model_index.json); default: the built-in tiny random pipeline");
+  command->add_option("--model-name", options->model_name,
+                      "the name clients give as `model` (default: the folder's name)");
+  command->add_option("--host", options->serve.host, "address to listen on (default 127.0.0.1: this host only)");
+  command->add_option("--port", options->serve.port, "port to listen on; 0: any free port (printed)")
+      ->check(CLI::Range(0, 65535));
+  command->add_option("--queue-depth", options->serve.queue_depth,
+                      "generation requests that may wait behind the running one; more get 429")
+      ->check(CLI::Range(1, 4096));
+  command->add_option("--output-dir", options->serve.output_dir,
+                      "folder for response_format \"url\" (images served under /images/); default: url refused");
+  command->add_option("--max-images", options->serve.limits.max_images, "largest `n` per request")
+      ->check(CLI::Range(1, 64));
+  command->add_option("--max-steps", options->serve.limits.max_steps, "largest num_inference_steps")
+      ->check(CLI::Range(1, 10000));
+  command->add_option("--max-image-size", options->serve.limits.max_side, "largest width or height in pixels")
+      ->check(CLI::Range(16, 16384));
+  command->add_option("--max-sequence-length", options->serve.limits.max_sequence_length,
+                      "prompt tokens kept (longer prompts are truncated)")
+      ->check(CLI::PositiveNumber);
+  add_pipeline_options(command, options->pipeline);
+  command->callback([&body, options] { body = [options] { return serve(*options); }; });
+}
+
+}  // namespace shardit::apps

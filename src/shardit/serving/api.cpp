@@ -1,0 +1,252 @@
+#include "shardit/serving/api.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <limits>
+#include <random>
+#include <regex>
+
+#include "shardit/core/error.h"
+#include "shardit/io/json.h"
+
+namespace shardit::serving {
+
+namespace {
+
+using nlohmann::json;
+
+// The JSON type of `value` in words, as messages name it.
+std::string type_name(const json& value) {
+  if (value.is_number_integer()) return "integer";
+  if (value.is_number_float()) return "number";
+  return value.type_name();
+}
+
+ApiError bad_type(const std::string& field, const std::string& expected, const json& value) {
+  return ApiError(400, fmt::format("'{}' must be {}, got {}", field, expected, type_name(value)), field);
+}
+
+std::string string_field(const json& value, const std::string& field) {
+  if (!value.is_string()) throw bad_type(field, "a string", value);
+  return value.get<std::string>();
+}
+
+int64_t integer_field(const json& value, const std::string& field, int64_t low, int64_t high) {
+  if (!value.is_number_integer()) throw bad_type(field, "an integer", value);
+  // Non-negative integers parse as unsigned (and may exceed int64's range).
+  const bool in_range = value.is_number_unsigned()
+                            ? value.get<uint64_t>() <= static_cast<uint64_t>(high) &&
+                                  (low <= 0 || value.get<uint64_t>() >= static_cast<uint64_t>(low))
+                            : value.get<int64_t>() >= low && value.get<int64_t>() <= high;
+  if (!in_range) {
+    throw ApiError(400, fmt::format("'{}' must be between {} and {}, got {}", field, low, high, value.dump()), field);
+  }
+  return value.get<int64_t>();
+}
+
+double number_field(const json& value, const std::string& field, double low, double high) {
+  if (!value.is_number()) throw bad_type(field, "a number", value);
+  const double number = value.get<double>();
+  if (!(number >= low && number <= high)) {
+    throw ApiError(400, fmt::format("'{}' must be between {} and {}, got {}", field, low, high, value.dump()), field);
+  }
+  return number;
+}
+
+std::string checked_prompt(const json& value, const std::string& field, const RequestLimits& limits,
+                           bool allow_empty) {
+  std::string prompt = string_field(value, field);
+  if (!allow_empty && prompt.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw ApiError(400, fmt::format("'{}' must not be empty", field), field);
+  }
+  if (static_cast<int64_t>(prompt.size()) > limits.max_prompt_chars) {
+    throw ApiError(400,
+                   fmt::format("'{}' is {} bytes long; at most {} are accepted (longer prompts are truncated to {} "
+                               "tokens anyway)",
+                               field, prompt.size(), limits.max_prompt_chars, limits.max_sequence_length),
+                   field);
+  }
+  return prompt;
+}
+
+uint64_t random_seed() {
+  static std::mutex mutex;
+  static std::mt19937_64 engine{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mutex);
+  return engine() >> 1;  // kept below 2^63: every JSON reader takes it as an integer
+}
+
+}  // namespace
+
+ApiError::ApiError(int status, std::string message, std::string param, std::string code)
+    : status_(status), message_(std::move(message)), param_(std::move(param)), code_(std::move(code)) {}
+
+std::string ApiError::type() const {
+  switch (status_) {
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable_error";
+    default: return status_ >= 500 ? "server_error" : "invalid_request_error";
+  }
+}
+
+nlohmann::json ApiError::body() const {
+  json error = {{"message", message_}, {"type", type()}};
+  error["param"] = param_.empty() ? json(nullptr) : json(param_);
+  error["code"] = code_.empty() ? json(nullptr) : json(code_);
+  return json{{"error", error}};
+}
+
+const std::vector<std::string>& request_fields() {
+  static const std::vector<std::string> fields = {
+      "prompt",         "model",          "n",          "size",           "response_format",
+      "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+      "user"};
+  return fields;
+}
+
+ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id) {
+  json document;
+  try {
+    document = io::parse_json(body.data(), body.size(), "the request body");
+  } catch (const std::exception& e) {
+    throw ApiError(400, "the request body is not valid JSON: " + error_message(e));
+  }
+  if (!document.is_object()) {
+    throw ApiError(400, "the request body must be a JSON object, got " + type_name(document));
+  }
+  const auto& fields = request_fields();
+  for (const auto& [key, value] : document.items()) {
+    if (std::find(fields.begin(), fields.end(), key) == fields.end()) {
+      throw ApiError(400,
+                     fmt::format("unknown field {} (fields: {})", io::quoted(key), fmt::join(fields, ", ")), key);
+    }
+  }
+  ImageRequest request;
+  request.max_sequence_length = limits.max_sequence_length;
+  if (!document.contains("prompt")) throw ApiError(400, "'prompt' is required", "prompt");
+  request.prompt = checked_prompt(document["prompt"], "prompt", limits, false);
+  if (document.contains("model")) {
+    const std::string model = string_field(document["model"], "model");
+    if (model != model_id) {
+      throw ApiError(404, fmt::format("the model {} does not exist; this server serves '{}'", io::quoted(model), model_id),
+                     "model", "model_not_found");
+    }
+  }
+  if (document.contains("n")) request.n = integer_field(document["n"], "n", 1, limits.max_images);
+  if (document.contains("size")) {
+    const std::string size = string_field(document["size"], "size");
+    std::smatch match;
+    static const std::regex size_re("([0-9]{1,6})x([0-9]{1,6})");
+    if (size != "auto") {
+      if (!std::regex_match(size, match, size_re)) {
+        throw ApiError(400, fmt::format("'size' must be \"WIDTHxHEIGHT\" in pixels (e.g. \"512x512\") or \"auto\", got {}",
+                                        io::quoted(size)),
+                       "size");
+      }
+      const int64_t width = std::stoll(match[1]);
+      const int64_t height = std::stoll(match[2]);
+      const int64_t m = limits.size_multiple;
+      if (width < m || height < m || width > limits.max_side || height > limits.max_side) {
+        throw ApiError(400, fmt::format("'size' {} is not supported: width and height must be between {} and {}", size,
+                                        m, limits.max_side),
+                       "size");
+      }
+      if (width % m != 0 || height % m != 0) {
+        throw ApiError(400, fmt::format("'size' {} is not supported by this model: width and height must be "
+                                        "multiples of {} (e.g. {}x{})",
+                                        size, m, width / m * m, height / m * m),
+                       "size");
+      }
+      request.width = width;
+      request.height = height;
+    }
+  }
+  if (document.contains("response_format")) {
+    request.response_format = string_field(document["response_format"], "response_format");
+    if (request.response_format != "b64_json" && request.response_format != "url") {
+      throw ApiError(400, fmt::format("'response_format' must be \"b64_json\" or \"url\", got {}",
+                                      io::quoted(request.response_format)),
+                     "response_format");
+    }
+    if (request.response_format == "url" && !limits.url_output) {
+      throw ApiError(400, "'response_format' \"url\" is not served: the server was started without --output-dir",
+                     "response_format");
+    }
+  }
+  request.seed = document.contains("seed")
+                     ? static_cast<uint64_t>(
+                           integer_field(document["seed"], "seed", 0, std::numeric_limits<int64_t>::max()))
+                     : random_seed();
+  if (document.contains("negative_prompt")) {
+    request.negative_prompt = checked_prompt(document["negative_prompt"], "negative_prompt", limits, true);
+  }
+  if (document.contains("num_inference_steps")) {
+    request.num_inference_steps =
+        integer_field(document["num_inference_steps"], "num_inference_steps", 1, limits.max_steps);
+  }
+  if (document.contains("guidance_scale")) {
+    request.guidance_scale = number_field(document["guidance_scale"], "guidance_scale", 0, 100);
+  }
+  if (document.contains("true_cfg_scale")) {
+    request.true_cfg_scale = number_field(document["true_cfg_scale"], "true_cfg_scale", 0, 100);
+  }
+  if (document.contains("user")) string_field(document["user"], "user");
+  return request;
+}
+
+void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline) {
+  try {
+    pipeline.check(request.to_generate());
+  } catch (const std::exception& e) {
+    throw ApiError(400, error_message(e));
+  }
+}
+
+pipelines::GenerateRequest ImageRequest::to_generate() const {
+  pipelines::GenerateRequest request;
+  request.prompt = {prompt};
+  if (negative_prompt) request.negative_prompt = {*negative_prompt};
+  request.height = height;
+  request.width = width;
+  request.num_inference_steps = num_inference_steps;
+  request.guidance_scale = guidance_scale;
+  request.true_cfg_scale = true_cfg_scale;
+  request.num_images_per_prompt = n;
+  request.max_sequence_length = max_sequence_length;
+  request.seed = seed;
+  request.progress = false;
+  return request;
+}
+
+nlohmann::json ImageRequest::to_json() const {
+  json out = {{"prompt", prompt}, {"n", n}, {"response_format", response_format}, {"seed", seed},
+              {"max_sequence_length", max_sequence_length}};
+  if (negative_prompt) out["negative_prompt"] = *negative_prompt;
+  if (width) out["width"] = *width;
+  if (height) out["height"] = *height;
+  if (num_inference_steps) out["num_inference_steps"] = *num_inference_steps;
+  if (guidance_scale) out["guidance_scale"] = *guidance_scale;
+  if (true_cfg_scale) out["true_cfg_scale"] = *true_cfg_scale;
+  return out;
+}
+
+ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
+  ImageRequest request;
+  request.prompt = json.at("prompt").get<std::string>();
+  request.n = json.at("n").get<int64_t>();
+  request.response_format = json.at("response_format").get<std::string>();
+  request.seed = json.at("seed").get<uint64_t>();
+  request.max_sequence_length = json.at("max_sequence_length").get<int64_t>();
+  if (json.contains("negative_prompt")) request.negative_prompt = json["negative_prompt"].get<std::string>();
+  if (json.contains("width")) request.width = json["width"].get<int64_t>();
+  if (json.contains("height")) request.height = json["height"].get<int64_t>();
+  if (json.contains("num_inference_steps")) request.num_inference_steps = json["num_inference_steps"].get<int64_t>();
+  if (json.contains("guidance_scale")) request.guidance_scale = json["guidance_scale"].get<double>();
+  if (json.contains("true_cfg_scale")) request.true_cfg_scale = json["true_cfg_scale"].get<double>();
+  return request;
+}
+
+}  // namespace shardit::serving

@@ -1,0 +1,84 @@
+#pragma once
+// The OpenAI images API as shardit serves it: the request fields of POST /v1/images/generations,
+// their checks (each failure an ApiError with the HTTP status and OpenAI's error object), and the
+// request as every rank receives it.
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+
+#include "shardit/pipelines/pipeline.h"
+
+namespace shardit::serving {
+
+/// An error answered to a client: the HTTP status and OpenAI's error object
+/// {"error": {"message", "type", "param", "code"}}.
+class ApiError : public std::exception {
+ public:
+  ApiError(int status, std::string message, std::string param = "", std::string code = "");
+  int status() const { return status_; }
+  const std::string& message() const { return message_; }
+  const std::string& param() const { return param_; }
+  /// OpenAI's error type for the status: invalid_request_error (400, 404, 413),
+  /// rate_limit_error (429), server_error (500), service_unavailable_error (503).
+  std::string type() const;
+  /// The JSON body.
+  nlohmann::json body() const;
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  int status_;
+  std::string message_;
+  std::string param_;
+  std::string code_;
+};
+
+/// What the server accepts (set by `shardit serve` options).
+struct RequestLimits {
+  int64_t max_images = 4;            ///< largest `n`
+  int64_t max_steps = 100;           ///< largest `num_inference_steps`
+  int64_t max_side = 2048;           ///< largest width or height in pixels
+  int64_t size_multiple = 16;        ///< width and height must be multiples (2 x the VAE's scale)
+  int64_t max_prompt_chars = 10000;  ///< longer prompts are refused before tokenizing
+  int64_t max_sequence_length = 512; ///< tokens kept per prompt (longer prompts are truncated)
+  bool url_output = false;           ///< whether response_format "url" is served (an output folder is set)
+};
+
+/// One POST /v1/images/generations request, checked. `seed` is always set (drawn by the server
+/// when the client gave none), so every rank runs the same generation.
+struct ImageRequest {
+  std::string prompt;
+  std::optional<std::string> negative_prompt;
+  int64_t n = 1;
+  std::optional<int64_t> width;
+  std::optional<int64_t> height;
+  std::string response_format = "b64_json";
+  uint64_t seed = 0;
+  std::optional<int64_t> num_inference_steps;
+  std::optional<double> guidance_scale;
+  std::optional<double> true_cfg_scale;
+  int64_t max_sequence_length = 512;
+
+  /// The pipeline call (no progress bar).
+  pipelines::GenerateRequest to_generate() const;
+  /// As the control plane sends it to the other ranks.
+  nlohmann::json to_json() const;
+  /// What to_json() wrote.
+  static ImageRequest from_json(const nlohmann::json& json);
+};
+
+/// Parses and checks a request body (throws ApiError naming the field): a JSON object of the
+/// known fields with the right types and ranges, the `model` (when given) equal to `model_id`.
+/// `seed` is drawn when absent. Checks against the pipeline itself are check_with_pipeline's.
+ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id);
+
+/// The request checked by the pipeline's own check() (what `shardit generate` refuses), as an
+/// ApiError 400 with the pipeline's message.
+void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline);
+
+/// The fields parse_image_request accepts, in the order documented.
+const std::vector<std::string>& request_fields();
+
+}  // namespace shardit::serving

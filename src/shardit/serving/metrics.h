@@ -1,0 +1,46 @@
+#pragma once
+// The server's counters, rendered in the Prometheus text exposition format (GET /metrics).
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "shardit/serving/control.h"
+
+namespace shardit::serving {
+
+/// Thread-safe counters of a server.
+class Metrics {
+ public:
+  Metrics();
+  /// A finished HTTP request to `endpoint` ("generations", "models", ...) answered with `status`.
+  void count_request(const std::string& endpoint, int status);
+  /// A generation request answered 200 after `seconds` (queue wait included), with `images`
+  /// images of `steps` denoising steps computed in `generation_seconds`.
+  void observe_generation(double seconds, int64_t images, int64_t steps, double generation_seconds);
+  void set_queue(int64_t waiting, int64_t capacity, bool running);
+  void set_ranks(const std::vector<RankReport>& reports);
+  void set_ready(bool ready);
+  /// Prometheus text format, version 0.0.4.
+  std::string render() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<std::pair<std::string, int>, uint64_t> requests_;
+  std::vector<double> bucket_bounds_;
+  std::vector<uint64_t> bucket_counts_;  ///< per bound, not cumulative
+  uint64_t latency_count_ = 0;
+  double latency_sum_ = 0;
+  uint64_t images_ = 0;
+  uint64_t steps_ = 0;
+  double generation_seconds_ = 0;
+  double last_steps_per_second_ = 0;
+  int64_t waiting_ = 0;
+  int64_t capacity_ = 0;
+  bool running_ = false;
+  bool ready_ = false;
+  std::vector<RankReport> ranks_;
+};
+
+}  // namespace shardit::serving

@@ -1,0 +1,428 @@
+#include "shardit/serving/server.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "shardit/core/error.h"
+#include "shardit/dist/world.h"
+#include "shardit/io/file.h"
+#include "shardit/io/png.h"
+#include "shardit/serving/base64.h"
+#include "shardit/serving/control.h"
+#include "shardit/serving/metrics.h"
+
+namespace shardit::serving {
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the stop flag is set from a signal handler");
+
+void on_stop_signal(int signal) { g_stop_signal.store(signal); }
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+/// What an HTTP handler answers.
+struct Reply {
+  int status = 200;
+  std::string body;
+};
+
+Reply error_reply(const ApiError& error) { return {error.status(), error.body().dump()}; }
+
+/// A generation request accepted into the queue.
+struct Job {
+  ImageRequest request;
+  std::string base_url;  ///< "http://host:port" as the client addressed the server
+  Clock::time_point arrived;
+  std::promise<Reply> reply;
+  bool answered = false;
+
+  void answer(Reply r) {
+    if (answered) return;
+    answered = true;
+    reply.set_value(std::move(r));
+  }
+};
+
+/// The endpoint label of a path in the request counters.
+std::string endpoint_of(const std::string& path) {
+  if (path == "/v1/images/generations") return "generations";
+  if (path == "/v1/models") return "models";
+  if (path == "/health") return "health";
+  if (path == "/metrics") return "metrics";
+  if (path.rfind("/images/", 0) == 0) return "images";
+  return "other";
+}
+
+}  // namespace
+
+void install_stop_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+}
+
+enum class Phase { Loading, Ready, Stopping, Failed };
+
+struct Server::State {
+  ServeOptions options;
+  Metrics metrics;
+  httplib::Server http;
+  std::thread listener;
+  bool listening = false;
+  time_t started = std::time(nullptr);
+
+  std::mutex mutex;  // guards everything below
+  std::condition_variable wake;
+  Phase phase = Phase::Loading;
+  std::string failure;
+  std::deque<std::shared_ptr<Job>> waiting;
+  std::shared_ptr<Job> running;
+  std::vector<RankReport> ranks;
+  const pipelines::DiffusionPipeline* pipeline = nullptr;
+  uint64_t images_written = 0;
+
+  void publish_queue() { metrics.set_queue(static_cast<int64_t>(waiting.size()), options.queue_depth, running != nullptr); }
+
+  // Answers every waiting request with `error` (the caller holds the lock).
+  void fail_waiting(const ApiError& error) {
+    for (auto& job : waiting) job->answer(error_reply(error));
+    waiting.clear();
+    publish_queue();
+  }
+
+  Reply health() {
+    std::lock_guard<std::mutex> lock(mutex);
+    static const char* names[] = {"loading", "ok", "stopping", "failed"};
+    json body = {{"status", names[static_cast<int>(phase)]},
+                 {"model", options.model_id},
+                 {"world_size", dist::World::get().size()},
+                 {"queue", {{"waiting", waiting.size()}, {"capacity", options.queue_depth}, {"running", running != nullptr}}}};
+    json ranks_json = json::array();
+    for (const auto& r : ranks) {
+      ranks_json.push_back({{"rank", r.rank}, {"pid", r.pid}, {"resident_memory_bytes", r.rss_bytes},
+                            {"peak_resident_memory_bytes", r.peak_rss_bytes}});
+    }
+    body["ranks"] = ranks_json;
+    if (!failure.empty()) body["error"] = failure;
+    return {phase == Phase::Ready ? 200 : 503, body.dump()};
+  }
+
+  Reply models() {
+    json model = {{"id", options.model_id}, {"object", "model"}, {"created", started}, {"owned_by", "shardit"}};
+    return {200, json{{"object", "list"}, {"data", json::array({model})}}.dump()};
+  }
+
+  Reply generations(const httplib::Request& request) {
+    const pipelines::DiffusionPipeline* loaded = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (phase != Phase::Ready) return error_reply(unavailable());
+      loaded = pipeline;
+    }
+    std::shared_ptr<Job> job = std::make_shared<Job>();
+    try {
+      job->request = parse_image_request(request.body, options.limits, options.model_id);
+      check_with_pipeline(job->request, *loaded);
+    } catch (const ApiError& error) {
+      return error_reply(error);
+    }
+    job->arrived = Clock::now();
+    const std::string host = request.get_header_value("Host");
+    job->base_url = "http://" + (host.empty() ? options.host + ":" + std::to_string(options.port) : host);
+    std::future<Reply> reply = job->reply.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (phase != Phase::Ready) return error_reply(unavailable());
+      if (static_cast<int64_t>(waiting.size()) >= options.queue_depth) {
+        return error_reply(ApiError(
+            429, fmt::format("the queue is full ({} requests waiting behind the running one); retry later",
+                             options.queue_depth)));
+      }
+      waiting.push_back(job);
+      publish_queue();
+    }
+    wake.notify_all();
+    return reply.get();
+  }
+
+  // The error for a request that cannot be served now (the caller holds the lock).
+  ApiError unavailable() const {
+    switch (phase) {
+      case Phase::Loading: return ApiError(503, "the model is still loading; retry when GET /health answers 200");
+      case Phase::Stopping: return ApiError(503, "the server is shutting down");
+      default: return ApiError(503, "the server failed: " + failure);
+    }
+  }
+
+  void route() {
+    const auto send = [](httplib::Response& res, const Reply& reply, const char* type = "application/json") {
+      res.status = reply.status;
+      res.set_content(reply.body, type);
+    };
+    http.Post("/v1/images/generations",
+              [this, send](const httplib::Request& req, httplib::Response& res) { send(res, generations(req)); });
+    http.Get("/v1/images/generations", [send](const httplib::Request&, httplib::Response& res) {
+      send(res, error_reply(ApiError(405, "use POST for /v1/images/generations")));
+    });
+    http.Get("/v1/models", [this, send](const httplib::Request&, httplib::Response& res) { send(res, models()); });
+    http.Get("/health", [this, send](const httplib::Request&, httplib::Response& res) { send(res, health()); });
+    http.Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {
+      send(res, {200, metrics.render()}, "text/plain; version=0.0.4");
+    });
+    http.Get(R"(/images/([A-Za-z0-9_-]+\.png))", [this, send](const httplib::Request& req, httplib::Response& res) {
+      const std::string path = options.output_dir + "/" + req.matches[1].str();
+      if (options.output_dir.empty() || !io::regular_file_problem(path).empty()) {
+        send(res, error_reply(ApiError(404, "no image " + req.matches[1].str())));
+        return;
+      }
+      std::ifstream in(path, std::ios::binary);
+      std::stringstream bytes;
+      bytes << in.rdbuf();
+      send(res, {200, bytes.str()}, "image/png");
+    });
+    // Errors httplib answers itself (unknown path, body too large) get OpenAI's error body too.
+    http.set_error_handler(httplib::Server::Handler([send](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      const int status = res.status;
+      if (status == 404) {
+        send(res, error_reply(ApiError(404, fmt::format("no route {} {}", req.method, req.path))));
+      } else if (status == 413) {
+        send(res, error_reply(ApiError(413, "the request body is too large")));
+      } else {
+        send(res, error_reply(ApiError(status, fmt::format("HTTP error {}", status))));
+      }
+    }));
+    http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+      metrics.count_request(endpoint_of(req.path), res.status);
+    });
+  }
+
+  // The answer to a finished generation: the PNGs as base64 or as files under output_dir.
+  Reply images_reply(const Job& job, const pipelines::GenerateResult& result) {
+    json data = json::array();
+    const std::vector<std::pair<std::string, std::string>> text = {
+        {"prompt", job.request.prompt},
+        {"seed", std::to_string(job.request.seed)},
+        {"steps", std::to_string(result.num_inference_steps)},
+        {"model", options.model_id},
+        {"Software", "shardit"}};
+    for (int64_t i = 0; i < result.image.size(0); ++i) {
+      const at::Tensor pixels = io::to_uint8_pixels(result.image[i]);
+      if (job.request.response_format == "url") {
+        uint64_t index = 0;
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          index = images_written++;
+        }
+        const std::string name = fmt::format("img-{}-{}-{}.png", started, index, job.request.seed);
+        io::write_png(options.output_dir + "/" + name, pixels, text);
+        data.push_back({{"url", job.base_url + "/images/" + name}});
+      } else {
+        data.push_back({{"b64_json", base64_encode(io::encode_png(pixels, text))}});
+      }
+    }
+    json body = {{"created", std::time(nullptr)},
+                 {"data", data},
+                 {"seed", job.request.seed},
+                 {"size", fmt::format("{}x{}", result.width, result.height)},
+                 {"num_inference_steps", result.num_inference_steps}};
+    return {200, body.dump()};
+  }
+};
+
+Server::Server(ServeOptions options) : state_(std::make_unique<State>()) {
+  TORCH_CHECK(options.queue_depth >= 1, "serve: --queue-depth must be at least 1, got ", options.queue_depth);
+  options.limits.url_output = !options.output_dir.empty();
+  state_->options = std::move(options);
+}
+
+Server::~Server() {
+  if (state_->listening) {
+    state_->http.stop();
+    if (state_->listener.joinable()) state_->listener.join();
+  }
+}
+
+int Server::listen() {
+  if (dist::World::get().rank() != 0) return 0;
+  State& s = *state_;
+  ServeOptions& options = s.options;
+  // One thread per request that may wait (queue + the running one) plus a few for /health,
+  // /metrics and refusals, so a full queue never blocks a health check.
+  const size_t threads = static_cast<size_t>(options.queue_depth) + 8;
+  s.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  s.http.set_payload_max_length(1 << 20);
+  // SO_REUSEADDR only: httplib's default SO_REUSEPORT would let a second server bind the same
+  // port and silently take half of the requests.
+  s.http.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  s.route();
+  if (options.port == 0) {
+    options.port = s.http.bind_to_any_port(options.host);
+    TORCH_CHECK(options.port > 0, "serve: cannot listen on ", options.host, " (no free port, or not an address of "
+                "this host)");
+  } else {
+    TORCH_CHECK(s.http.bind_to_port(options.host, options.port), "serve: cannot listen on ", options.host, ":",
+                options.port, ": the port is in use or the address is not one of this host's; choose another --port "
+                "or --host");
+  }
+  s.listening = true;
+  s.listener = std::thread([&s] { s.http.listen_after_bind(); });
+  return options.port;
+}
+
+int Server::run(pipelines::DiffusionPipeline& pipeline) {
+  dist::World& world = dist::World::get();
+  ControlPlane plane(world.group());
+  State& s = *state_;
+
+  if (world.rank() != 0) {
+    plane.report(false);
+    for (;;) {
+      auto [kind, payload] = plane.receive();
+      bool failed = false;
+      if (kind == ControlKind::Generate) {
+        try {
+          pipeline.generate(ImageRequest::from_json(json::parse(payload)).to_generate());
+        } catch (const std::exception&) {
+          failed = true;  // rank 0 names the failure; a lost rank fails the report below
+        }
+      }
+      plane.report(failed);
+      if (kind == ControlKind::Stop) return 0;
+    }
+  }
+
+  const auto fatal = [&](const std::string& message) {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.phase = Phase::Failed;
+      s.failure = message;
+      s.metrics.set_ready(false);
+      if (s.running) s.running->answer(error_reply(ApiError(500, "the generation failed: " + message)));
+      s.running.reset();
+      s.fail_waiting(ApiError(503, "the server failed: " + message));
+    }
+    std::this_thread::sleep_for(s.options.linger);
+    s.http.stop();
+    if (s.listener.joinable()) s.listener.join();
+    s.listening = false;
+    TORCH_CHECK(false, "serve: ", message);
+  };
+
+  try {
+    {
+      const auto reports = plane.report(false);
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.ranks = reports;
+      s.metrics.set_ranks(reports);
+      s.pipeline = &pipeline;
+      s.phase = Phase::Ready;
+      s.metrics.set_ready(true);
+      s.publish_queue();
+    }
+    fmt::print("shardit serve: {} on {} rank(s); listening on http://{}:{}\n", s.options.model_id, world.size(),
+               s.options.host, s.options.port);
+    std::fflush(stdout);
+    auto last_message = Clock::now();
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(s.mutex);
+        s.wake.wait_for(lock, std::min<std::chrono::milliseconds>(s.options.tick, std::chrono::milliseconds(100)),
+                        [&] { return !s.waiting.empty(); });
+        if (g_stop_signal.load() != 0) {
+          s.phase = Phase::Stopping;
+          s.metrics.set_ready(false);
+          s.fail_waiting(ApiError(503, "the server is shutting down"));
+          break;
+        }
+        if (!s.waiting.empty()) {
+          job = s.waiting.front();
+          s.waiting.pop_front();
+          s.running = job;
+          s.publish_queue();
+        }
+      }
+      if (!job) {
+        if (Clock::now() - last_message < s.options.tick) continue;
+        plane.send(ControlKind::Tick);
+        const auto reports = plane.report(false);
+        last_message = Clock::now();
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.ranks = reports;
+        s.metrics.set_ranks(reports);
+        continue;
+      }
+
+      plane.send(ControlKind::Generate, job->request.to_json().dump());
+      const auto start = Clock::now();
+      pipelines::GenerateResult result;
+      std::string failure;
+      try {
+        result = pipeline.generate(job->request.to_generate());
+      } catch (const std::exception& e) {
+        failure = error_message(e);
+      }
+      const auto end = Clock::now();
+      const auto reports = plane.report(!failure.empty());
+      last_message = Clock::now();
+      for (const auto& r : reports) {
+        if (failure.empty() && r.failed) failure = fmt::format("the generation failed on rank {}", r.rank);
+      }
+      Reply reply;
+      if (failure.empty()) {
+        try {
+          reply = s.images_reply(*job, result);
+          s.metrics.observe_generation(seconds_between(job->arrived, Clock::now()), result.image.size(0),
+                                       result.num_inference_steps, seconds_between(start, end));
+        } catch (const std::exception& e) {
+          reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
+        }
+      } else {
+        reply = error_reply(ApiError(500, "the generation failed: " + failure));
+      }
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.ranks = reports;
+      s.metrics.set_ranks(reports);
+      job->answer(std::move(reply));
+      s.running.reset();
+      s.publish_queue();
+    }
+    plane.send(ControlKind::Stop);
+    plane.report(false);
+  } catch (const c10::Error& e) {
+    fatal(error_message(e));
+  }
+  s.http.stop();
+  if (s.listener.joinable()) s.listener.join();
+  s.listening = false;
+  return 0;
+}
+
+}  // namespace shardit::serving

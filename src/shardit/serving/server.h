@@ -1,0 +1,50 @@
+#pragma once
+// `shardit serve`: an OpenAI-compatible images API over a tensor-parallel pipeline. Rank 0 answers
+// HTTP (cpp-httplib) and runs one generation at a time from a bounded queue; every rank computes,
+// told what to run by the control plane (control.h).
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "shardit/pipelines/pipeline.h"
+#include "shardit/serving/api.h"
+
+namespace shardit::serving {
+
+struct ServeOptions {
+  std::string host = "127.0.0.1";  ///< loopback unless told otherwise
+  int port = 8000;                 ///< 0: any free port (printed)
+  int64_t queue_depth = 16;        ///< requests that may wait behind the running one; more get 429
+  std::string model_id;            ///< the `model` clients name (GET /v1/models)
+  std::string output_dir;          ///< where response_format "url" writes images; empty: url not served
+  RequestLimits limits;
+  /// The most time between two control messages while idle; keep well below the collective timeout.
+  std::chrono::milliseconds tick{1000};
+  /// How long /health reports a lost rank before the server exits.
+  std::chrono::milliseconds linger{1000};
+};
+
+/// Installs SIGINT/SIGTERM handlers that ask the server to stop gracefully (on rank 0; the other
+/// ranks keep serving until rank 0 tells them to stop).
+void install_stop_handlers();
+
+/// A served pipeline. Collective over the world: every rank constructs one and calls run().
+class Server {
+ public:
+  explicit Server(ServeOptions options);
+  ~Server();
+  /// Rank 0: binds host:port and starts answering (GET /health is 503 "loading" until run());
+  /// returns the bound port. Errors name the address. Other ranks: does nothing, returns 0.
+  int listen();
+  /// Serves until a stop is asked (SIGINT/SIGTERM on rank 0): returns 0 after finishing the
+  /// running request and stopping every rank. Throws c10::Error naming the lost rank when a rank
+  /// is lost (after answering every open request and reporting it on /health).
+  int run(pipelines::DiffusionPipeline& pipeline);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace shardit::serving

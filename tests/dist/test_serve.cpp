@@ -1,0 +1,476 @@
+// `shardit serve` end to end: a real server (the CLI as a subprocess, TP=2 on loopback) driven by a
+// real HTTP client. The image equals `shardit generate`'s; bad requests get their documented
+// status and message while the server keeps serving; a full queue answers 429; a lost rank fails
+// /health and the server exits non-zero naming it; SIGTERM stops it with exit code 0.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <map>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardit/io/png.h"
+#include "shardit/serving/base64.h"
+#include "shardit/models/builtin.h"
+#include "support/test_support.h"
+
+namespace {
+
+using nlohmann::json;
+using shardit::testing::cli_path;
+using shardit::testing::make_temp_dir;
+using shardit::testing::run_command;
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+// The pipeline every case serves: the built-in tiny FLUX.1 pipeline, with its CLIP and T5 text
+// encoders and tokenizers (prompts need them), written once per test process. Prompts are kept to
+// 64 tokens by the server and by `generate` alike.
+const std::string kModelId = "tiny-flux";
+std::string served_model() {
+  static const std::string path =
+      shardit::models::write_builtin_model(make_temp_dir("serve-model") + "/" + kModelId).pipeline;
+  return path;
+}
+const std::string kMaxSequenceLength = "64";
+
+// A tiny, quick request: 2 steps at 64x48.
+const json kValid = {{"prompt", "A cat holding a sign that says hello world"},
+                     {"size", "64x48"},
+                     {"num_inference_steps", 2},
+                     {"seed", 7}};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A child process with its stdout and stderr in a log file; SIGKILLed when still running at the end.
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env, std::string log)
+      : log_(std::move(log)) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      for (const auto& [key, value] : env) ::setenv(key.c_str(), value.c_str(), 1);
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+  }
+  ~Process() {
+    if (!status_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  std::string log() const { return read_text(log_); }
+
+  // The port from the "listening on http://host:port" line, once the model is loaded.
+  int wait_listening(std::chrono::seconds limit = std::chrono::seconds(180)) {
+    const std::regex line_re("listening on http://[^:]+:([0-9]+)");
+    const auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+      std::smatch match;
+      const std::string text = log();
+      if (std::regex_search(text, match, line_re)) return std::stoi(match[1]);
+      if (exited(std::chrono::milliseconds(100))) break;
+    }
+    ADD_FAILURE() << "the server did not start; its output:\n" << log();
+    return 0;
+  }
+
+  // Whether the process exited within `limit` (its status in status()).
+  bool exited(std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    do {
+      if (status_) return true;
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        status_ = status;
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } while (Clock::now() < deadline);
+    return false;
+  }
+  /// The exit code (128 + signal when killed); -1 while running.
+  int exit_code() const {
+    if (!status_) return -1;
+    return WIFSIGNALED(*status_) ? 128 + WTERMSIG(*status_) : WEXITSTATUS(*status_);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_;
+  std::optional<int> status_;
+};
+
+// `shardit --nproc-per-node 2 --timeout 20 serve --model <model> --port 0 <extra>`.
+std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {cli_path(), "--nproc-per-node", "2", "--timeout", "20", "serve",
+                                   "--model", served_model(), "--port", "0",
+                                   "--max-sequence-length", kMaxSequenceLength};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return std::make_unique<Process>(argv, std::map<std::string, std::string>{}, dir + "/server.log");
+}
+
+std::unique_ptr<httplib::Client> client(int port) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
+  c->set_read_timeout(std::chrono::seconds(120));
+  c->set_connection_timeout(std::chrono::seconds(5));
+  return c;
+}
+
+httplib::Result post(int port, const std::string& body, const std::string& path = "/v1/images/generations") {
+  return client(port)->Post(path.c_str(), body, "application/json");
+}
+
+// The pixels of the base64 PNG of a 200 answer.
+at::Tensor png_pixels(const std::string& b64, const std::string& dir, const std::string& name) {
+  const auto bytes = shardit::serving::base64_decode(b64);
+  EXPECT_TRUE(bytes.has_value()) << "b64_json is not base64";
+  write_text(dir + "/" + name, bytes.value_or(""));
+  return shardit::io::read_png(dir + "/" + name);
+}
+
+TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
+  const std::string dir = make_temp_dir("serve_equal");
+  const std::string images = dir + "/images";
+  std::filesystem::create_directories(images);
+  auto server = start_server(dir, {"--output-dir", images});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health) << "GET /health failed";
+  EXPECT_EQ(health->status, 200) << health->body;
+  const json health_json = json::parse(health->body);
+  EXPECT_EQ(health_json["status"], "ok");
+  EXPECT_EQ(health_json["ranks"].size(), 2u);
+
+  auto models = client(port)->Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(models->status, 200);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], kModelId);
+
+  auto answer = post(port, kValid.dump());
+  ASSERT_TRUE(answer) << "POST failed: " << httplib::to_string(answer.error());
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  const json body = json::parse(answer->body);
+  ASSERT_EQ(body["data"].size(), 1u);
+  EXPECT_EQ(body["size"], "64x48");
+  const at::Tensor served = png_pixels(body["data"][0]["b64_json"], dir, "served.png");
+
+  // The same image from `shardit generate` at the same TP degree, seed, size, steps and prompt.
+  std::string output;
+  const std::string generated = dir + "/generated.png";
+  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + served_model() +
+                                   " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
+                                   "--height 48 --steps 2 --max-sequence-length " + kMaxSequenceLength + " --out " + generated,
+                               &output);
+  ASSERT_EQ(code, 0) << output;
+  const at::Tensor expected = shardit::io::read_png(generated);
+  ASSERT_EQ(served.sizes(), expected.sizes());
+  EXPECT_TRUE(served.equal(expected)) << "the served image differs from generate's in "
+                                      << served.ne(expected).sum().item<int64_t>() << " values";
+
+  // response_format "url": the same picture, written under --output-dir and served by the server.
+  json as_url = kValid;
+  as_url["response_format"] = "url";
+  auto url_answer = post(port, as_url.dump());
+  ASSERT_TRUE(url_answer);
+  ASSERT_EQ(url_answer->status, 200) << url_answer->body;
+  const std::string url = json::parse(url_answer->body)["data"][0]["url"];
+  const std::string prefix = "http://127.0.0.1:" + std::to_string(port);
+  ASSERT_EQ(url.rfind(prefix, 0), 0u) << url;
+  auto file = client(port)->Get(url.substr(prefix.size()).c_str());
+  ASSERT_TRUE(file);
+  ASSERT_EQ(file->status, 200);
+  write_text(dir + "/from_url.png", file->body);
+  EXPECT_TRUE(shardit::io::read_png(dir + "/from_url.png").equal(expected));
+
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_requests_total{endpoint=\"generations\",status=\"200\"} 2"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_request_duration_seconds_count 2"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_rank_resident_memory_bytes{rank=\"1\"}"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_denoising_steps_total 4"));
+
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+  EXPECT_THAT(server->log(), HasSubstr("shardit serve: stopped"));
+}
+
+struct BadRequest {
+  std::string body;
+  int status;
+  std::string message;  ///< exact, or the start when it ends with "..."
+  std::string param;    ///< "" for null
+};
+
+TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
+  const std::string dir = make_temp_dir("serve_errors");
+  auto server = start_server(dir, {"--max-steps", "50"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  const auto with = [](const json& changes) {
+    json body = kValid;
+    for (const auto& [key, value] : changes.items()) body[key] = value;
+    return body.dump();
+  };
+  const std::string fields =
+      "prompt, model, n, size, response_format, seed, negative_prompt, num_inference_steps, guidance_scale, "
+      "true_cfg_scale, user";
+  const std::vector<BadRequest> cases = {
+      {"{not json", 400, "the request body is not valid JSON: ...", ""},
+      {R"({"prompt": "a", "prompt": "b"})", 400, "the request body is not valid JSON: ...", ""},
+      {"[1, 2]", 400, "the request body must be a JSON object, got array", ""},
+      {"{}", 400, "'prompt' is required", "prompt"},
+      {R"({"prompt": 5})", 400, "'prompt' must be a string, got integer", "prompt"},
+      {R"({"prompt": "  "})", 400, "'prompt' must not be empty", "prompt"},
+      {json{{"prompt", std::string(10001, 'a')}}.dump(), 400,
+       "'prompt' is 10001 bytes long; at most 10000 are accepted (longer prompts are truncated to " + kMaxSequenceLength + " tokens anyway)",
+       "prompt"},
+      {with({{"n", 0}}), 400, "'n' must be between 1 and 4, got 0", "n"},
+      {with({{"n", "2"}}), 400, "'n' must be an integer, got string", "n"},
+      {with({{"n", 1.5}}), 400, "'n' must be an integer, got number", "n"},
+      {with({{"size", "big"}}), 400,
+       "'size' must be \"WIDTHxHEIGHT\" in pixels (e.g. \"512x512\") or \"auto\", got \"big\"", "size"},
+      {with({{"size", "100x64"}}), 400,
+       "'size' 100x64 is not supported by this model: width and height must be multiples of 16 (e.g. 96x64)", "size"},
+      {with({{"size", "4096x64"}}), 400, "'size' 4096x64 is not supported: width and height must be between 16 and 2048",
+       "size"},
+      {with({{"response_format", "png"}}), 400, "'response_format' must be \"b64_json\" or \"url\", got \"png\"",
+       "response_format"},
+      {with({{"response_format", "url"}}), 400,
+       "'response_format' \"url\" is not served: the server was started without --output-dir", "response_format"},
+      {with({{"num_inference_steps", 0}}), 400, "'num_inference_steps' must be between 1 and 50, got 0",
+       "num_inference_steps"},
+      {with({{"num_inference_steps", 51}}), 400, "'num_inference_steps' must be between 1 and 50, got 51",
+       "num_inference_steps"},
+      {with({{"guidance_scale", "high"}}), 400, "'guidance_scale' must be a number, got string", "guidance_scale"},
+      {with({{"true_cfg_scale", -1}}), 400, "'true_cfg_scale' must be between 0 and 100, got -1", "true_cfg_scale"},
+      {with({{"seed", -1}}), 400, "'seed' must be between 0 and 9223372036854775807, got -1", "seed"},
+      {with({{"model", "dall-e-3"}}), 404,
+       "the model \"dall-e-3\" does not exist; this server serves '" + kModelId + "'", "model"},
+      {with({{"quality", "hd"}}), 400, "unknown field \"quality\" (fields: " + fields + ")", "quality"},
+  };
+  ASSERT_GE(cases.size(), 20u);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.body.substr(0, 200));
+    auto answer = post(port, c.body);
+    ASSERT_TRUE(answer) << "no answer: " << httplib::to_string(answer.error());
+    EXPECT_EQ(answer->status, c.status) << answer->body;
+    const json error = json::parse(answer->body)["error"];
+    const std::string message = error["message"];
+    if (c.message.size() > 3 && c.message.compare(c.message.size() - 3, 3, "...") == 0) {
+      EXPECT_EQ(message.rfind(c.message.substr(0, c.message.size() - 3), 0), 0u) << message;
+    } else {
+      EXPECT_EQ(message, c.message);
+    }
+    EXPECT_EQ(error["type"], c.status == 404 || c.status == 400 ? "invalid_request_error" : "?");
+    EXPECT_EQ(error["param"], c.param.empty() ? json(nullptr) : json(c.param));
+  }
+  // The routes and limits httplib enforces answer in the same shape.
+  auto get = client(port)->Get("/v1/images/generations");
+  ASSERT_TRUE(get);
+  EXPECT_EQ(get->status, 405);
+  EXPECT_EQ(json::parse(get->body)["error"]["message"], "use POST for /v1/images/generations");
+  auto missing = post(port, kValid.dump(), "/v1/nothing");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_EQ(json::parse(missing->body)["error"]["message"], "no route POST /v1/nothing");
+  auto huge = post(port, std::string(2 << 20, ' '));
+  ASSERT_TRUE(huge);
+  EXPECT_EQ(huge->status, 413);
+  EXPECT_EQ(json::parse(huge->body)["error"]["message"], "the request body is too large");
+
+  // A second server on the same port is refused (not bound beside the first).
+  std::string output;
+  EXPECT_EQ(run_command(cli_path() + " serve --model " + served_model() + " --port " + std::to_string(port), &output), 1);
+  EXPECT_THAT(output, HasSubstr("serve: cannot listen on 127.0.0.1:" + std::to_string(port) + ": the port is in use"));
+
+  // Still serving.
+  auto answer = post(port, kValid.dump());
+  ASSERT_TRUE(answer);
+  EXPECT_EQ(answer->status, 200) << answer->body;
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(Serve, FullQueueAnswers429) {
+  const std::string dir = make_temp_dir("serve_queue");
+  auto server = start_server(dir, {"--queue-depth", "4"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  // Larger than the other cases, so that a generation outlasts the arrival of all eight.
+  json request = kValid;
+  request["size"] = "128x128";
+  request["num_inference_steps"] = 4;
+  std::promise<void> go;
+  std::shared_future<void> start = go.get_future().share();
+  std::vector<std::future<int>> statuses;
+  for (int i = 0; i < 8; ++i) {
+    statuses.push_back(std::async(std::launch::async, [&, start] {
+      auto c = client(port);
+      start.wait();
+      auto answer = c->Post("/v1/images/generations", request.dump(), "application/json");
+      return answer ? answer->status : -1;
+    }));
+  }
+  go.set_value();
+  int ok = 0, rejected = 0;
+  for (auto& status : statuses) {
+    const int s = status.get();
+    if (s == 200) ++ok;
+    if (s == 429) ++rejected;
+  }
+  std::printf("8 concurrent requests, queue depth 4: %d answered 200, %d answered 429\n", ok, rejected);
+  // Four wait behind the running one at most; with eight arriving together some must be refused.
+  EXPECT_EQ(ok + rejected, 8);
+  EXPECT_GE(ok, 4);
+  EXPECT_GE(rejected, 1);
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body,
+              HasSubstr("shardit_requests_total{endpoint=\"generations\",status=\"429\"} " + std::to_string(rejected)));
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+// Two ranks started by hand, as torchrun would (no launcher to report or forward anything).
+std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir) {
+  const int master_port = free_port();
+  std::vector<std::unique_ptr<Process>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    const std::map<std::string, std::string> env = {{"RANK", std::to_string(r)},       {"WORLD_SIZE", "2"},
+                                                     {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "2"},
+                                                     {"MASTER_ADDR", "127.0.0.1"},      {"MASTER_PORT", std::to_string(master_port)},
+                                                     {"SHARDIT_DIST_TIMEOUT_MS", "10000"}};
+    ranks.push_back(std::make_unique<Process>(
+        std::vector<std::string>{cli_path(), "serve", "--model", served_model(), "--port", "0",
+                                 "--max-sequence-length", kMaxSequenceLength},
+        env,
+        dir + "/rank" + std::to_string(r) + ".log"));
+  }
+  return ranks;
+}
+
+// SIGTERM to rank 0 alone: rank 0 tells the other ranks to stop, and every rank exits 0.
+TEST(Serve, SigtermToRankZeroStopsEveryRank) {
+  const std::string dir = make_temp_dir("serve_stop");
+  auto ranks = start_ranks(dir);
+  const int port = ranks[0]->wait_listening();
+  ASSERT_GT(port, 0);
+  ::kill(ranks[0]->pid(), SIGTERM);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(20))) << "rank " << r << ":\n" << ranks[r]->log();
+    EXPECT_EQ(ranks[r]->exit_code(), 0) << "rank " << r << ":\n" << ranks[r]->log();
+  }
+}
+
+// Rank 0's own detection (no launcher): a request in flight when rank 1 dies is answered with an
+// error, /health fails naming rank 1, and rank 0 exits non-zero naming it within the timeout.
+TEST(Serve, LostRankFailsHealthAndExitsNamingIt) {
+  const std::string dir = make_temp_dir("serve_lost");
+  auto ranks = start_ranks(dir);
+  const int port = ranks[0]->wait_listening();
+  ASSERT_GT(port, 0);
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  ASSERT_EQ(health->status, 200) << health->body;
+  const json listed = json::parse(health->body)["ranks"];
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_EQ(listed[1]["pid"].get<int64_t>(), ranks[1]->pid());
+
+  // A long request (many steps), running when rank 1 is killed.
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = 100;
+  auto in_flight = std::async(std::launch::async, [&] { return post(port, slow.dump()); });
+  const auto started = Clock::now();
+  bool running = false;
+  while (!running && Clock::now() - started < std::chrono::seconds(30)) {
+    auto h = client(port)->Get("/health");
+    running = h && json::parse(h->body)["queue"]["running"].get<bool>();
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(running) << "the request never started";
+
+  const auto killed_at = Clock::now();
+  ::kill(static_cast<pid_t>(listed[1]["pid"].get<int64_t>()), SIGKILL);
+  // /health fails (503 naming the lost rank, then no answer once the server is gone).
+  bool saw_failure = false;
+  std::string failure_body;
+  while (Clock::now() - killed_at < std::chrono::seconds(20)) {
+    auto answer = client(port)->Get("/health");
+    if (!answer || answer->status != 200) {
+      saw_failure = true;
+      if (answer) failure_body = answer->body;
+      if (!answer || answer->status == 503) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(saw_failure);
+  // The server reports the loss for a second before it exits: polled every 50 ms, it is seen.
+  EXPECT_THAT(failure_body, HasSubstr("lost rank 1"));
+  EXPECT_THAT(failure_body, HasSubstr("\"status\":\"failed\""));
+  auto answer = in_flight.get();
+  ASSERT_TRUE(answer) << "the request in flight got no answer: " << httplib::to_string(answer.error());
+  EXPECT_TRUE(answer->status == 500 || answer->status == 503) << answer->status;
+  EXPECT_THAT(answer->body, HasSubstr("lost rank 1"));
+  ASSERT_TRUE(ranks[0]->exited(std::chrono::seconds(20))) << ranks[0]->log();
+  EXPECT_LT(Clock::now() - killed_at, std::chrono::seconds(12)) << "timeout 10 s";
+  EXPECT_NE(ranks[0]->exit_code(), 0);
+  EXPECT_THAT(ranks[0]->log(), HasSubstr("lost rank 1"));
+}
+
+}  // namespace

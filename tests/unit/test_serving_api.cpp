@@ -1,0 +1,108 @@
+// The images API's request checks and encodings, without a server: base64 both ways, every field's
+// type and range check, the request as the other ranks receive it.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "shardit/serving/api.h"
+#include "shardit/serving/base64.h"
+
+namespace {
+
+using shardit::serving::ApiError;
+using shardit::serving::ImageRequest;
+using shardit::serving::RequestLimits;
+using shardit::serving::base64_decode;
+using shardit::serving::base64_encode;
+using shardit::serving::parse_image_request;
+
+// The ApiError `body` raises (status 0 and "" when it raises none).
+std::pair<int, std::string> refusal(const std::string& body, const RequestLimits& limits = {}) {
+  try {
+    parse_image_request(body, limits, "tiny");
+  } catch (const ApiError& e) {
+    return {e.status(), e.message()};
+  }
+  return {0, ""};
+}
+
+TEST(ServingApi, Base64MatchesRfc4648Vectors) {
+  // RFC 4648 section 10.
+  const std::pair<std::string, std::string> vectors[] = {{"", ""},         {"f", "Zg=="},         {"fo", "Zm8="},
+                                                         {"foo", "Zm9v"},  {"foob", "Zm9vYg=="},  {"fooba", "Zm9vYmE="},
+                                                         {"foobar", "Zm9vYmFy"}};
+  for (const auto& [plain, encoded] : vectors) {
+    EXPECT_EQ(base64_encode(plain), encoded);
+    EXPECT_EQ(base64_decode(encoded), plain);
+  }
+  std::string bytes;
+  for (int i = 0; i < 256; ++i) bytes += static_cast<char>(i);
+  EXPECT_EQ(base64_decode(base64_encode(bytes)), bytes);
+  EXPECT_FALSE(base64_decode("Zm9").has_value());
+  EXPECT_FALSE(base64_decode("Zm9v!A==").has_value());
+  EXPECT_FALSE(base64_decode("Z===").has_value());
+}
+
+TEST(ServingApi, ParsesEveryFieldAndRoundTripsToTheRanks) {
+  RequestLimits limits;
+  limits.url_output = true;
+  const ImageRequest request = parse_image_request(
+      R"({"prompt": "a cat", "model": "tiny", "n": 2, "size": "64x32", "response_format": "url", "seed": 9,
+          "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 3.5, "true_cfg_scale": 1.5,
+          "user": "me"})",
+      limits, "tiny");
+  const ImageRequest copy = ImageRequest::from_json(request.to_json());
+  for (const ImageRequest* r : {&request, &copy}) {
+    EXPECT_EQ(r->prompt, "a cat");
+    EXPECT_EQ(r->n, 2);
+    EXPECT_EQ(r->width, 64);
+    EXPECT_EQ(r->height, 32);
+    EXPECT_EQ(r->response_format, "url");
+    EXPECT_EQ(r->seed, 9u);
+    EXPECT_EQ(r->negative_prompt, "blur");
+    EXPECT_EQ(r->num_inference_steps, 3);
+    EXPECT_EQ(r->guidance_scale, 3.5);
+    EXPECT_EQ(r->true_cfg_scale, 1.5);
+  }
+  const auto generate = copy.to_generate();
+  EXPECT_EQ(generate.prompt, std::vector<std::string>{"a cat"});
+  EXPECT_EQ(generate.num_images_per_prompt, 2);
+  EXPECT_EQ(generate.seed, 9u);
+  EXPECT_FALSE(generate.progress);
+}
+
+TEST(ServingApi, DrawsASeedWhenNoneIsGiven) {
+  const ImageRequest a = parse_image_request(R"({"prompt": "a"})", {}, "tiny");
+  const ImageRequest b = parse_image_request(R"({"prompt": "a"})", {}, "tiny");
+  EXPECT_NE(a.seed, b.seed);
+  EXPECT_LT(a.seed, 1ull << 63);
+  EXPECT_FALSE(a.width.has_value());  // the pipeline's default size
+}
+
+TEST(ServingApi, RangesHoldForUnsignedAndNegativeValues) {
+  EXPECT_EQ(refusal(R"({"prompt": "a", "n": 0})"), std::make_pair(400, std::string("'n' must be between 1 and 4, got 0")));
+  EXPECT_EQ(refusal(R"({"prompt": "a", "n": -3})").second, "'n' must be between 1 and 4, got -3");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "n": 18446744073709551615})").second,
+            "'n' must be between 1 and 4, got 18446744073709551615");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "seed": 9223372036854775808})").second,
+            "'seed' must be between 0 and 9223372036854775807, got 9223372036854775808");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "guidance_scale": 101})").second,
+            "'guidance_scale' must be between 0 and 100, got 101");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "size": "0x64"})").second,
+            "'size' 0x64 is not supported: width and height must be between 16 and 2048");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "size": "64x64x3"})").first, 400);
+  EXPECT_EQ(refusal(R"({"prompt": "a", "size": "auto"})").first, 0);
+  EXPECT_EQ(refusal(R"({"prompt": "a", "model": "other"})").first, 404);
+  EXPECT_EQ(refusal(R"({"prompt": "a", "user": 1})").second, "'user' must be a string, got integer");
+}
+
+TEST(ServingApi, ErrorBodyHasOpenAiShape) {
+  const ApiError error(429, "full");
+  EXPECT_EQ(error.body().dump(),
+            R"({"error":{"code":null,"message":"full","param":null,"type":"rate_limit_error"}})");
+  EXPECT_EQ(ApiError(404, "m", "model", "model_not_found").body()["error"]["code"], "model_not_found");
+  EXPECT_EQ(ApiError(503, "m").type(), "service_unavailable_error");
+  EXPECT_EQ(ApiError(500, "m").type(), "server_error");
+}
+
+}  // namespace
