@@ -29,6 +29,7 @@
 #include <fstream>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +51,8 @@
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/parallel/tensor_parallel.h"
+
+#include "op_profile.h"
 
 namespace {
 
@@ -76,6 +79,7 @@ struct BenchOptions {
   std::string json_out;
   std::string label;
   bool profile = false;
+  bool op_profile = false;
   std::string encoder = "t5";
   int encoder_layers = 2;
   std::string attention_backend = "auto";
@@ -309,16 +313,9 @@ int run_forward(const BenchOptions& options) {
 
   // One all-reduce per rowwise layer: what the plan the model was loaded with implies, to compare
   // with what was counted.
-  int64_t expected_all_reduces = 0;
-  if (tp > 1) {
-    for (const auto& spec : model->resolved_plan()->parameters) {
-      if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
-                         *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
-          spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
-        ++expected_all_reduces;
-      }
-    }
-  }
+  using shardit::parallel::ShardStyle;
+  const int64_t expected_all_reduces =
+      model->resolved_plan()->layers_with_style({ShardStyle::Rowwise, ShardStyle::PackedRowwise});
 
   // Inputs as the pipeline makes them (values random, shapes real).
   auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -343,7 +340,9 @@ int run_forward(const BenchOptions& options) {
   const int64_t load_peak = peak_rss_bytes();
   const int64_t rss_before_steps = current_rss_bytes();
   const bool high_water_reset = reset_resident_high_water();
-  auto& stats = world.group()->stats();
+  // The model's collectives run on its tensor-parallel group (one dimension of a mesh, a group of
+  // its own even when it spans the world), not on the world's group.
+  auto& stats = tp > 1 ? model->parallel_config()->group->stats() : world.group()->stats();
   for (int i = 0; i < options.warmup; ++i) model->forward(inputs);
   world.group()->barrier();
   stats.reset();
@@ -351,6 +350,8 @@ int run_forward(const BenchOptions& options) {
     shardit::profile::enable(true);
     shardit::profile::reset();
   }
+  std::optional<shardit_bench::OpProfile> op_profile;
+  if (options.op_profile) op_profile.emplace();
   std::vector<double> step_seconds;
   for (int i = 0; i < options.repeats; ++i) {
     world.group()->barrier();
@@ -359,6 +360,7 @@ int run_forward(const BenchOptions& options) {
     step_seconds.push_back(seconds_since(start));
   }
   shardit::profile::enable(false);
+  if (op_profile) op_profile->stop();
   // The barriers between steps are collectives too; count only the forward's.
   const double steps = options.repeats;
   const double barrier_calls = static_cast<double>(stats.calls_by_op["barrier"]);
@@ -425,6 +427,7 @@ int run_forward(const BenchOptions& options) {
                 human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
+  if (op_profile) std::printf("\noperators of rank 0, per forward:\n%s", op_profile->report(options.repeats).c_str());
   return 0;
 }
 
@@ -657,6 +660,8 @@ int main(int argc, char** argv) {
   forward->add_option("--warmup", options.warmup, "untimed steps first");
   forward->add_option("--repeats", options.repeats, "timed steps");
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
+  forward->add_flag("--op-profile", options.op_profile,
+                    "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
   auto* encoder = app.add_subcommand("encoder", "text-encoder forward latency and parameter bytes per rank");
