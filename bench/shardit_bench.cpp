@@ -116,6 +116,14 @@ int64_t vm_hwm_bytes() {
 /// Resets VmHWM to the current resident set (Linux 4.0+: "5" to clear_refs).
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
+/// Minor page faults of this process so far: every fresh page a new allocation touches (large
+/// blocks come from mmap and go back to the kernel when freed, so each is faulted in again).
+int64_t minor_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_minflt);
+}
+
 /// Current resident set, in bytes.
 int64_t current_rss_bytes() {
   std::ifstream statm("/proc/self/statm");
@@ -352,6 +360,7 @@ int run_forward(const BenchOptions& options) {
   }
   std::optional<shardit_bench::OpProfile> op_profile;
   if (options.op_profile) op_profile.emplace();
+  const int64_t faults_before = minor_page_faults();
   std::vector<double> step_seconds;
   for (int i = 0; i < options.repeats; ++i) {
     world.group()->barrier();
@@ -359,6 +368,7 @@ int run_forward(const BenchOptions& options) {
     at::Tensor sample = model->forward(inputs);
     step_seconds.push_back(seconds_since(start));
   }
+  const double faults_per_step = static_cast<double>(minor_page_faults() - faults_before) / options.repeats;
   shardit::profile::enable(false);
   if (op_profile) op_profile->stop();
   // The barriers between steps are collectives too; count only the forward's.
@@ -413,6 +423,7 @@ int run_forward(const BenchOptions& options) {
       {"bytes_sent_per_rank_per_step", bytes_sent},
       {"rss_before_load_bytes", rss_before_load},
       {"step_peak_rss_growth_bytes", step_peak_growth},  // rank 0; -1: VmHWM could not be reset
+      {"minor_page_faults_per_step", faults_per_step},    // rank 0: fresh pages the allocations touched
       {"per_rank", per_rank},
       {"attention_backend", shardit::nn::attention_backend_selection()},
       {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
@@ -440,6 +451,19 @@ int run_attention(const BenchOptions& options) {
   // [B, H, S, D] views of [B, S, H, D] tensors, as the transformers pass them.
   const auto heads_view = [&] { return at::randn({1, s, h, d}).to(dtype).transpose(1, 2); };
   const at::Tensor q = heads_view(), k = heads_view(), v = heads_view();
+  // An extra untimed call under the operator profile: the allocator's exact high-water mark of
+  // live bytes during the call (the returned output included), and the operators it ran.
+  int64_t allocator_peak = 0;
+  int64_t output_bytes = 0;
+  std::string operators;
+  {
+    shardit_bench::OpProfile profile;
+    const at::Tensor out = shardit::nn::scaled_dot_product_attention(q, k, v);
+    profile.stop();
+    allocator_peak = profile.peak_bytes();
+    output_bytes = static_cast<int64_t>(out.numel() * out.element_size());
+    operators = profile.report(1);
+  }
   std::vector<double> step_seconds;
   int64_t peak_growth = 0;
   for (int i = 0; i < options.warmup + options.repeats; ++i) {
@@ -466,12 +490,18 @@ int run_attention(const BenchOptions& options) {
                            {"head_dim", d},
                            {"threads", at::get_num_threads()},
                            {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}}},
-                           {"peak_rss_growth_bytes", peak_growth}};
+                           {"peak_rss_growth_bytes", peak_growth},
+                           {"allocator_peak_bytes", allocator_peak},
+                           {"output_bytes", output_bytes}};
   char row[512];
-  std::snprintf(row, sizeof(row), "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak growth |",
+  std::snprintf(row, sizeof(row),
+                "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak RSS growth | "
+                "%.1f MiB allocator peak (output %.1f MiB) |",
                 ran.c_str(), options.dtype.c_str(), static_cast<long long>(s), static_cast<long long>(h),
-                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str());
+                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str(),
+                static_cast<double>(allocator_peak) / (1 << 20), static_cast<double>(output_bytes) / (1 << 20));
   emit(options, result, row);
+  if (options.op_profile) std::printf("\noperators of one call:\n%s", operators.c_str());
   return 0;
 }
 
@@ -677,6 +707,7 @@ int main(int argc, char** argv) {
   attention->add_option("--head-dim", options.attention_head_dim, "head dimension");
   attention->add_option("--warmup", options.warmup, "untimed calls first");
   attention->add_option("--repeats", options.repeats, "timed calls");
+  attention->add_flag("--op-profile", options.op_profile, "print the operators of one call");
   app.require_subcommand(1);
   // Common options may also follow the subcommand.
   forward->fallthrough();
