@@ -54,6 +54,8 @@
 #include "shardit/nn/attention/backends.h"
 #include "shardit/parallel/tensor_parallel.h"
 
+#include "op_profile.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -79,6 +81,7 @@ struct BenchOptions {
   std::string json_out;
   std::string label;
   bool profile = false;
+  bool op_profile = false;
   std::string encoder = "t5";
   int encoder_layers = 2;
   std::string attention_backend = "auto";
@@ -116,6 +119,14 @@ int64_t vm_hwm_bytes() {
 
 /// Resets VmHWM to the current resident set (Linux 4.0+: "5" to clear_refs).
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+/// Minor page faults of this process so far: every fresh page a new allocation touches (large
+/// blocks come from mmap and go back to the kernel when freed, so each is faulted in again).
+int64_t minor_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_minflt);
+}
 
 /// Current resident set, in bytes.
 int64_t current_rss_bytes() {
@@ -332,16 +343,9 @@ int run_forward(const BenchOptions& options) {
 
   // One all-reduce per rowwise layer: what the plan the model was loaded with implies, to compare
   // with what was counted.
-  int64_t expected_all_reduces = 0;
-  if (tp > 1) {
-    for (const auto& spec : model->resolved_plan()->parameters) {
-      if (spec.style && (*spec.style == shardit::parallel::ShardStyle::Rowwise ||
-                         *spec.style == shardit::parallel::ShardStyle::PackedRowwise) &&
-          spec.parameter.size() > 7 && spec.parameter.compare(spec.parameter.size() - 7, 7, ".weight") == 0) {
-        ++expected_all_reduces;
-      }
-    }
-  }
+  using shardit::parallel::ShardStyle;
+  const int64_t expected_all_reduces =
+      model->resolved_plan()->layers_with_style({ShardStyle::Rowwise, ShardStyle::PackedRowwise});
 
   // Inputs as the pipeline makes them (values random, shapes real).
   auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -376,6 +380,9 @@ int run_forward(const BenchOptions& options) {
     shardit::profile::enable(true);
     shardit::profile::reset();
   }
+  std::optional<shardit_bench::OpProfile> op_profile;
+  if (options.op_profile) op_profile.emplace();
+  const int64_t faults_before = minor_page_faults();
   std::vector<double> step_seconds;
   for (int i = 0; i < options.repeats; ++i) {
     world.group()->barrier();
@@ -383,7 +390,9 @@ int run_forward(const BenchOptions& options) {
     at::Tensor sample = model->forward(inputs);
     step_seconds.push_back(seconds_since(start));
   }
+  const double faults_per_step = static_cast<double>(minor_page_faults() - faults_before) / options.repeats;
   shardit::profile::enable(false);
+  if (op_profile) op_profile->stop();
   // The barriers between steps are collectives too; count only the forward's.
   const double steps = options.repeats;
   shardit::dist::CommStats stats;
@@ -449,6 +458,7 @@ int run_forward(const BenchOptions& options) {
       {"bytes_sent_per_rank_per_step", bytes_sent},
       {"rss_before_load_bytes", rss_before_load},
       {"step_peak_rss_growth_bytes", step_peak_growth},  // rank 0; -1: VmHWM could not be reset
+      {"minor_page_faults_per_step", faults_per_step},    // rank 0: fresh pages the allocations touched
       {"per_rank", per_rank},
       {"attention_backend", shardit::nn::attention_backend_selection()},
       {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
@@ -463,6 +473,7 @@ int run_forward(const BenchOptions& options) {
                 human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
+  if (op_profile) std::printf("\noperators of rank 0, per forward:\n%s", op_profile->report(options.repeats).c_str());
   return 0;
 }
 
@@ -475,6 +486,19 @@ int run_attention(const BenchOptions& options) {
   // [B, H, S, D] views of [B, S, H, D] tensors, as the transformers pass them.
   const auto heads_view = [&] { return at::randn({1, s, h, d}).to(dtype).transpose(1, 2); };
   const at::Tensor q = heads_view(), k = heads_view(), v = heads_view();
+  // An extra untimed call under the operator profile: the allocator's exact high-water mark of
+  // live bytes during the call (the returned output included), and the operators it ran.
+  int64_t allocator_peak = 0;
+  int64_t output_bytes = 0;
+  std::string operators;
+  {
+    shardit_bench::OpProfile profile;
+    const at::Tensor out = shardit::nn::scaled_dot_product_attention(q, k, v);
+    profile.stop();
+    allocator_peak = profile.peak_bytes();
+    output_bytes = static_cast<int64_t>(out.numel() * out.element_size());
+    operators = profile.report(1);
+  }
   std::vector<double> step_seconds;
   int64_t peak_growth = 0;
   for (int i = 0; i < options.warmup + options.repeats; ++i) {
@@ -501,12 +525,18 @@ int run_attention(const BenchOptions& options) {
                            {"head_dim", d},
                            {"threads", at::get_num_threads()},
                            {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}}},
-                           {"peak_rss_growth_bytes", peak_growth}};
+                           {"peak_rss_growth_bytes", peak_growth},
+                           {"allocator_peak_bytes", allocator_peak},
+                           {"output_bytes", output_bytes}};
   char row[512];
-  std::snprintf(row, sizeof(row), "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak growth |",
+  std::snprintf(row, sizeof(row),
+                "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak RSS growth | "
+                "%.1f MiB allocator peak (output %.1f MiB) |",
                 ran.c_str(), options.dtype.c_str(), static_cast<long long>(s), static_cast<long long>(h),
-                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str());
+                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str(),
+                static_cast<double>(allocator_peak) / (1 << 20), static_cast<double>(output_bytes) / (1 << 20));
   emit(options, result, row);
+  if (options.op_profile) std::printf("\noperators of one call:\n%s", operators.c_str());
   return 0;
 }
 
@@ -698,6 +728,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   forward->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
+  forward->add_flag("--op-profile", options.op_profile,
+                    "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
   auto* encoder = app.add_subcommand("encoder", "text-encoder forward latency and parameter bytes per rank");
@@ -713,6 +745,7 @@ int main(int argc, char** argv) {
   attention->add_option("--head-dim", options.attention_head_dim, "head dimension");
   attention->add_option("--warmup", options.warmup, "untimed calls first");
   attention->add_option("--repeats", options.repeats, "timed calls");
+  attention->add_flag("--op-profile", options.op_profile, "print the operators of one call");
   app.require_subcommand(1);
   // Common options may also follow the subcommand.
   forward->fallthrough();

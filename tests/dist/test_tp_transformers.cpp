@@ -15,6 +15,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
 #include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -127,6 +128,37 @@ TEST(TpFlux, BuiltinTp3MatchesTp1) {
   if (is_worker()) return tp_worker();
   const auto paths = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
   expect_tp_matches(3, paths.pipeline, paths.inputs);
+}
+
+/// Worker: the collectives of one TP forward, counted on the model's tensor-parallel group (the
+/// one its layers use; a group of its own even when it spans the world) against what the plan
+/// implies and against FLUX.1's structure: 4 rowwise layers per double block (to_out.0,
+/// to_add_out, ff.net.2, ff_context.net.2), 1 per single block (proj_out); 2 ColwiseGather
+/// modulations per double block, 1 per single block.
+void count_collectives_worker() {
+  auto& world = shardit::dist::World::init();
+  auto model = load_transformer(env_or("SHARDIT_TP_MODEL"), "shard-on-load");
+  const auto* flux = dynamic_cast<const shardit::models::FluxTransformer2DModel*>(model.get());
+  ASSERT_NE(flux, nullptr);
+  ASSERT_NE(model->parallel_config(), nullptr);
+  auto& stats = model->parallel_config()->group->stats();
+  stats.reset();
+  run_case(*model, env_or("SHARDIT_TP_INPUTS"));
+  const int64_t doubles = flux->config.num_layers, singles = flux->config.num_single_layers;
+  const auto& plan = *model->resolved_plan();
+  EXPECT_EQ(plan.layers_with_style({ShardStyle::Rowwise, ShardStyle::PackedRowwise}), 4 * doubles + singles);
+  EXPECT_EQ(plan.layers_with_style({ShardStyle::ColwiseGather}), 2 * doubles + singles);
+  EXPECT_EQ(stats.calls_by_op["all_reduce"], static_cast<uint64_t>(4 * doubles + singles));
+  EXPECT_EQ(stats.calls_by_op["all_gather"], static_cast<uint64_t>(2 * doubles + singles));
+  EXPECT_GT(stats.bytes_sent, 0u);
+  EXPECT_EQ(world.size(), model->tp_degree());
+}
+
+TEST(TpFlux, GoldenTp2CountsOneAllReducePerRowwiseLayer) {
+  if (is_worker()) return count_collectives_worker();
+  EXPECT_EQ(run_ranks(2, {{"SHARDIT_TP_MODEL", golden_path("flux_b2_nonsquare")},
+                          {"SHARDIT_TP_INPUTS", golden_path("flux_b2_nonsquare")}}),
+            0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -121,14 +121,31 @@ std::pair<at::Tensor, at::Tensor> joint_attention(const HeadsQKV& text, const He
                                                   const RotaryEmbedding* text_rope,
                                                   const RotaryEmbedding* image_rope,
                                                   const std::optional<at::Tensor>& key_mask) {
-  // RoPE is per position, so rotating each stream before joining equals rotating the joint
-  // sequence with the joined tables.
-  const HeadsQKV txt = with_rope(text, text_rope);
-  const HeadsQKV img = with_rope(image, image_rope);
-  const int64_t text_len = txt.query.size(1);
-  // [B, L + N, H_local, hd]: text first
-  const HeadsQKV joint{at::cat({txt.query, img.query}, 1), at::cat({txt.key, img.key}, 1),
-                       at::cat({txt.value, img.value}, 1)};
+  // RoPE is per position, so rotating each stream into its rows of the joint sequence equals
+  // rotating the joint sequence with the joined tables.
+  const int64_t text_len = text.query.size(1);
+  const auto join = [&](const at::Tensor& t, const at::Tensor& i, bool rotate) {
+    TORCH_CHECK(t.dim() == 4 && i.dim() == 4 && t.size(0) == i.size(0) && t.size(2) == i.size(2) &&
+                    t.size(3) == i.size(3),
+                "joint_attention: text ", t.sizes(), " and image ", i.sizes(), " must be [B, S, H, hd] alike");
+    // [B, L + N, H_local, hd]: text first
+    at::Tensor joint = at::empty({t.size(0), t.size(1) + i.size(1), t.size(2), t.size(3)}, t.options());
+    at::Tensor joint_text = joint.narrow(1, 0, text_len);
+    at::Tensor joint_image = joint.narrow(1, text_len, i.size(1));
+    if (rotate && text_rope != nullptr) {
+      apply_rotary_emb_into(t, *text_rope, joint_text);
+    } else {
+      joint_text.copy_(t);
+    }
+    if (rotate && image_rope != nullptr) {
+      apply_rotary_emb_into(i, *image_rope, joint_image);
+    } else {
+      joint_image.copy_(i);
+    }
+    return joint;
+  };
+  const HeadsQKV joint{join(text.query, image.query, true), join(text.key, image.key, true),
+                       join(text.value, image.value, false)};
   std::optional<at::Tensor> mask;
   // [B, L + N] -> [B, 1, 1, L + N]: the same keys for every head and query
   if (key_mask.has_value() && key_mask->defined()) mask = key_mask->unsqueeze(1).unsqueeze(1);

@@ -63,8 +63,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
       at::Tensor y = at::linear(x, weight);  // [..., out], partial
       // Σ_r (x_r A_rᵀ) Bᵀ = (x Aᵀ) Bᵀ: each rank's LoRA partial joins the same all-reduce.
       if (!loras_.empty()) add_lora_deltas(y, x);
-      group_->all_reduce(y);                 // [..., out], full sum
-      if (bias.defined()) y.add_(bias);
+      finish_rowwise(y);
       return y;
     }
 
@@ -91,6 +90,42 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     }
   }
   TORCH_INTERNAL_ASSERT(false, "Linear: unknown parallel mode");
+}
+
+at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK(!parts.empty(), "Linear '", path(), "': forward_blocks needs at least one input");
+  // Adapters and gathered outputs read the whole input: the concatenated path serves them.
+  if (parts.size() == 1 || !loras_.empty() || mode_ == LinearParallel::ColwiseGather) {
+    return forward(parts.size() == 1 ? parts.front() : at::cat(parts, -1));
+  }
+  SHARDIT_PROFILE_SCOPE("Linear");
+  int64_t width = 0;
+  for (const at::Tensor& part : parts) width += part.size(-1);
+  TORCH_CHECK(width == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): inputs have ", width,
+              " features together, the weight ", weight.sizes(), " expects ", weight.size(1));
+  const bool rowwise = mode_ == LinearParallel::Rowwise;
+  const int64_t first = parts.front().size(-1);
+  // [..., out] (or its partial sum when rowwise)
+  at::Tensor y = at::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);
+  // [rows, out]: a view of y
+  at::Tensor y_rows = y.view({-1, y.size(-1)});
+  int64_t offset = first;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const int64_t part_width = parts[i].size(-1);
+    TORCH_CHECK(parts[i].numel() / std::max<int64_t>(1, part_width) == y_rows.size(0), "Linear '", path(),
+                "': forward_blocks inputs have different leading shapes: ", parts.front().sizes(), " and ",
+                parts[i].sizes());
+    // The weight's column block, read in place (a transposed view BLAS takes with its stride).
+    y_rows.addmm_(parts[i].reshape({-1, part_width}), weight.narrow(1, offset, part_width).t());
+    offset += part_width;
+  }
+  if (rowwise) finish_rowwise(y);
+  return y;
+}
+
+void Linear::finish_rowwise(at::Tensor& y) {
+  group_->all_reduce(y);  // [..., out], full sum
+  if (bias.defined()) y.add_(bias);
 }
 
 void Linear::add_lora_deltas(at::Tensor& y, const at::Tensor& x) const {

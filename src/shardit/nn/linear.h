@@ -67,6 +67,10 @@ class Linear : public Module {
 
   /// [..., in_local] -> [..., out_local] (Colwise), [..., out] (None, Rowwise, ColwiseGather).
   at::Tensor forward(const at::Tensor& x);
+  /// forward(at::cat(parts, -1)) without the concatenation: part i multiplies its own column
+  /// block of the weight, y = Σ_i x_i A_i^T + b, accumulated in one output (for a fused input
+  /// such as cat[attn, mlp], whose copy costs as much memory traffic as the GEMM's output).
+  at::Tensor forward_blocks(const std::vector<at::Tensor>& parts);
 
   /// Switches the layer to a parallel mode after its weight (and bias) were replaced by this
   /// rank's shard. `gather_blocks` (ColwiseGather of a packed output): the full sizes of the
@@ -96,6 +100,8 @@ class Linear : public Module {
   std::vector<LoraLayer> loras_;
   std::shared_ptr<const LoraSelection> lora_selection_;
 
+  /// Rowwise: sums the partial products over the group, then adds the bias once.
+  void finish_rowwise(at::Tensor& y);
   /// Adds the active adapters' deltas to `y` (local output, or partial sums before the
   /// all-reduce when rowwise).
   void add_lora_deltas(at::Tensor& y, const at::Tensor& x) const;

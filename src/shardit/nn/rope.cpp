@@ -81,27 +81,45 @@ at::Tensor apply_rotary_emb_rotate_half(const at::Tensor& x, const RotaryEmbeddi
 
 }  // namespace
 
-at::Tensor apply_rotary_emb(const at::Tensor& x, const RotaryEmbedding& rope) {
+void apply_rotary_emb_into(const at::Tensor& x, const RotaryEmbedding& rope, at::Tensor out) {
   TORCH_CHECK(x.dim() == 4, "apply_rotary_emb: x must be [B, S, H, D], got shape ", x.sizes());
-  if (rope.rotate_half) return apply_rotary_emb_rotate_half(x, rope);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "apply_rotary_emb: out is ",
+              out.scalar_type(), " ", out.sizes(), ", expected x's ", x.scalar_type(), " ", x.sizes());
+  if (rope.rotate_half) {
+    out.copy_(apply_rotary_emb_rotate_half(x, rope));
+    return;
+  }
   const int64_t seq = x.size(1);
   const int64_t head_dim = x.size(3);
   TORCH_CHECK(rope.cos.dim() == 2 && rope.cos.size(0) == seq && rope.cos.size(1) == head_dim &&
                   rope.sin.sizes() == rope.cos.sizes(),
               "apply_rotary_emb: cos/sin have shape ", rope.cos.sizes(), " and ", rope.sin.sizes(),
               ", expected [", seq, ", ", head_dim, "] to match x of shape ", x.sizes());
-  const at::Tensor x32 = x.to(at::kFloat);
-  // [B, S, H, D/2, 2]
-  const at::Tensor pairs = x32.unflatten(-1, {head_dim / 2, 2});
-  const at::Tensor x_even = pairs.select(-1, 0);
-  const at::Tensor x_odd = pairs.select(-1, 1);
   // [1, S, 1, D/2]: the repeated tables hold one value per pair
   const at::Tensor cos = rope.cos.slice(1, 0, head_dim, 2).unsqueeze(1).unsqueeze(0);
   const at::Tensor sin = rope.sin.slice(1, 0, head_dim, 2).unsqueeze(1).unsqueeze(0);
-  const at::Tensor out_even = x_even * cos - x_odd * sin;
-  const at::Tensor out_odd = x_odd * cos + x_even * sin;
-  // [B, S, H, D]
-  return at::stack({out_even, out_odd}, -1).flatten(-2).to(x.scalar_type());
+  // [B, S, H, D/2, 2]
+  const at::Tensor pairs = x.unflatten(-1, {head_dim / 2, 2});
+  const at::Tensor x_even = pairs.select(-1, 0);
+  const at::Tensor x_odd = pairs.select(-1, 1);
+  if (x.scalar_type() != at::kFloat) {
+    // fp32 arithmetic, one rounding to x's dtype at the end.
+    const at::Tensor even32 = x_even.to(at::kFloat), odd32 = x_odd.to(at::kFloat);
+    out.copy_(at::stack({even32 * cos - odd32 * sin, odd32 * cos + even32 * sin}, -1).flatten(-2));
+    return;
+  }
+  // fp32: written in place, no temporaries. [B, S, H, D/2] views of out
+  const at::Tensor out_pairs = out.unflatten(-1, {head_dim / 2, 2});
+  at::Tensor out_even = out_pairs.select(-1, 0);
+  at::Tensor out_odd = out_pairs.select(-1, 1);
+  at::mul_out(out_even, x_even, cos).addcmul_(x_odd, sin, -1);
+  at::mul_out(out_odd, x_odd, cos).addcmul_(x_even, sin);
+}
+
+at::Tensor apply_rotary_emb(const at::Tensor& x, const RotaryEmbedding& rope) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  apply_rotary_emb_into(x, rope, out);
+  return out;
 }
 
 }  // namespace shardit::nn

@@ -51,5 +51,8 @@ class FluxPosEmbed {
 /// With `rope.rotate_half` (transformers' apply_rotary_pos_emb): x * cos + rotate_half(x) * sin,
 /// rotate_half(x) = [-x2, x1] for the halves x1, x2 of D; cos/sin [S, D] or [B, S, D].
 at::Tensor apply_rotary_emb(const at::Tensor& x, const RotaryEmbedding& rope);
+/// apply_rotary_emb written into `out` (x's shape and dtype, e.g. a slice of a joint sequence's
+/// buffer), so joining streams after RoPE needs no concatenation.
+void apply_rotary_emb_into(const at::Tensor& x, const RotaryEmbedding& rope, at::Tensor out);
 
 }  // namespace shardit::nn

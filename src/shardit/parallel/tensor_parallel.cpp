@@ -581,6 +581,18 @@ int64_t ResolvedPlan::total_elements() const {
   return total;
 }
 
+int64_t ResolvedPlan::layers_with_style(std::initializer_list<ShardStyle> styles) const {
+  if (tp_degree <= 1) return 0;
+  const std::string suffix = ".weight";
+  int64_t layers = 0;
+  for (const ShardSpec& spec : parameters) {
+    const bool weight = spec.parameter.size() > suffix.size() &&
+                        spec.parameter.compare(spec.parameter.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (weight && spec.style && std::find(styles.begin(), styles.end(), *spec.style) != styles.end()) ++layers;
+  }
+  return layers;
+}
+
 const ShardSpec& ResolvedPlan::spec(const std::string& parameter) const {
   for (const ShardSpec& spec : parameters) {
     if (spec.parameter == parameter) return spec;

@@ -5,6 +5,7 @@
 // (load_weights with a config: each rank reads only its own slices).
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,6 +85,10 @@ struct ResolvedPlan {
   int64_t head_replica_bytes() const;
   int64_t bytes_on_rank(int tp_rank) const;
   int64_t total_elements() const;
+  /// Sharded layers with this style (counted by their weights): at a degree above 1, a forward
+  /// all-reduces once per Rowwise / PackedRowwise layer call and all-gathers once per
+  /// ColwiseGather layer call, on the tensor-parallel group.
+  int64_t layers_with_style(std::initializer_list<ShardStyle> styles) const;
   const ShardSpec& spec(const std::string& parameter) const;
   /// A human-readable table: parameter, style, full shape, per-rank shape, bytes.
   std::string to_table() const;

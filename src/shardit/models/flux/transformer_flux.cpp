@@ -239,8 +239,8 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
   // [B, S, D_local]
   const at::Tensor attention = attn->forward(normed.hidden_states, at::Tensor(), rope).hidden_states;
   emit("attn", attention);
-  // [B, S, D_local + 4D_local] -> [B, S, D]
-  const at::Tensor projected = proj_out->forward(at::cat({attention, mlp}, 2));
+  // [B, S, D_local + 4D_local] -> [B, S, D], without materialising cat[attention, mlp]
+  const at::Tensor projected = proj_out->forward_blocks({attention, mlp});
   return nn::gated_residual(hidden_states, normed.gate, projected);
 }
 

@@ -202,8 +202,8 @@ at::Tensor Flux2ParallelSelfAttention::forward(const at::Tensor& hidden_states, 
       nn::attention(nn::split_qkv_heads(parts[0], parts[1], parts[2], norm_q.get(), norm_k.get(), head_dim_), &rope);
   // [B, S, M_local]
   const at::Tensor mlp = swiglu(parts[3]);
-  // [B, S, D_local + M_local] -> [B, S, D]
-  return to_out->forward(at::cat({attended, mlp}, -1));
+  // [B, S, D_local + M_local] -> [B, S, D], without materialising cat[attended, mlp]
+  return to_out->forward_blocks({attended, mlp});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ const AttentionBackend& attention_backend(const std::string& name);
 std::string attention_backend_refusal(const AttentionBackend& backend, const AttentionCall& call);
 
 /// The preference list that "auto" walks on `device`: on CPU memory_efficient then math; on
-/// accelerators sdpa (where built), memory_efficient, math.
+/// accelerators sdpa (where built), memory_efficient, math. On CPU a call whose scores for all
+/// heads fit math's budget goes to math first (one batched GEMM per product is faster there).
 std::vector<std::string> default_attention_backends(c10::DeviceType device);
 
 /// Selects the backend for every following call: "auto" or a registered name (checked here, so a

@@ -45,10 +45,10 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
               "memory_efficient_attention: q, k, v must be [B, H, S, D], got shapes ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
   const int64_t batch = q.size(0), heads = q.size(1), s_q = q.size(2), s_kv = k.size(2), head_dim = v.size(3);
-  const int64_t key_block = std::min(s_kv, options.key_block > 0 ? options.key_block : kDefaultKeyBlock);
+  const int64_t key_block = std::max<int64_t>(1, std::min(s_kv, options.key_block > 0 ? options.key_block : kDefaultKeyBlock));
   int64_t query_block = options.query_block;
   if (query_block <= 0) {
-    const int64_t per_query = std::max<int64_t>(1, batch * heads * key_block * static_cast<int64_t>(sizeof(float)));
+    const int64_t per_query = std::max<int64_t>(1, heads * key_block * static_cast<int64_t>(sizeof(float)));
     query_block = std::max(kQueryGranule, options.scores_budget_bytes / per_query / kQueryGranule * kQueryGranule);
   }
   query_block = std::min(query_block, std::max<int64_t>(1, s_q));
@@ -57,59 +57,79 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
   if (mask.has_value() && mask->defined()) mask4 = as_4d_mask(*mask, q, k);
   const bool bool_mask = mask4.has_value() && mask4->scalar_type() == at::kBool;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const bool fp32 = q.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat;
 
   const auto float_options = q.options().dtype(at::kFloat);
-  at::Tensor output = at::empty({batch, heads, s_q, head_dim}, q.options());
+  // [B, S_q, H, D] storage seen as [B, H, S_q, D]: the callers' transpose back to [B, S_q, H * D]
+  // is then a view, not a copy.
+  at::Tensor output = at::empty({batch, s_q, heads, head_dim}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({batch, heads, s_q}, float_options);
-  // k and v stay as given (the transformers pass transposed views of [B, S, H, D]): copying them
-  // into [B, H, S, D] order once would add 2 x S x H x D to the peak, while the GEMM's per-block
-  // copies cost ~1% of the attention's time at 4608 tokens (measured: no difference at 1536).
-  const at::Tensor k_t = k.transpose(-2, -1);
+  if (s_kv == 0) {
+    // No keys: every query is fully masked.
+    output.zero_();
+    lse.fill_(kNegInf);
+    return {output, lse};
+  }
 
-  for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
-    const int64_t nq = std::min(query_block, s_q - q0);
-    // Scaling q costs nq * D products instead of nq * S_kv; per block, so no scaled copy of all of q.
-    const at::Tensor qb = q.narrow(2, q0, nq) * scale;
-    // Running maximum, running sum and unnormalised output of this query block.
-    // [B, H, nq, 1], [B, H, nq, 1], [B, H, nq, D]
-    at::Tensor running_max = at::full({batch, heads, nq, 1}, kNegInf, float_options);
-    at::Tensor running_sum = at::zeros({batch, heads, nq, 1}, float_options);
-    at::Tensor acc = at::zeros({batch, heads, nq, head_dim}, float_options);
-    std::optional<at::Tensor> mask_rows;
-    if (mask4) mask_rows = mask_block(*mask4, 2, q0, nq);
-
-    for (int64_t k0 = 0; k0 < s_kv; k0 += key_block) {
-      const int64_t nk = std::min(key_block, s_kv - k0);
-      // [B, H, nq, nk]
-      at::Tensor scores = at::matmul(qb, k_t.narrow(-1, k0, nk));
-      if (scores.scalar_type() != at::kFloat) scores = scores.to(at::kFloat);
-      if (mask_rows) {
-        const at::Tensor m = mask_block(*mask_rows, 3, k0, nk);
-        if (bool_mask) {
-          scores.masked_fill_(m.logical_not(), kNegInf);
-        } else {
-          scores.add_(m.to(at::kFloat));
+  // One batch entry at a time: q[b], k[b], v[b] are [H, S, D] views (the transformers pass
+  // transposed views of [B, S, H, D]) whose rows have unit stride, which bmm reads in place; a
+  // 4-D matmul would copy every key/value block again for every query block.
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor q_b = q.select(0, b), k_b = k.select(0, b), v_b = v.select(0, b);
+    // [H or 1, S_q or 1, S_kv or 1]
+    std::optional<at::Tensor> mask_b;
+    if (mask4) mask_b = mask4->select(0, mask4->size(0) == 1 ? 0 : b);
+    for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
+      const int64_t nq = std::min(query_block, s_q - q0);
+      // Scaling q costs nq * D products instead of nq * S_kv. [H, nq, D]
+      const at::Tensor qb = q_b.narrow(1, q0, nq) * scale;
+      std::optional<at::Tensor> mask_rows;
+      if (mask_b) mask_rows = mask_block(*mask_b, 1, q0, nq);
+      // Running maximum, running sum and unnormalised output of this query block:
+      // [H, nq, 1], [H, nq, 1], [H, nq, D] fp32. Set by the first key block.
+      at::Tensor running_max, running_sum, acc;
+      for (int64_t k0 = 0; k0 < s_kv; k0 += key_block) {
+        const int64_t nk = std::min(key_block, s_kv - k0);
+        // [H, nq, nk]
+        at::Tensor scores = at::bmm(qb, k_b.narrow(1, k0, nk).transpose(1, 2));
+        if (!fp32) scores = scores.to(at::kFloat);
+        if (mask_rows) {
+          const at::Tensor m = mask_block(*mask_rows, 2, k0, nk);
+          if (bool_mask) {
+            scores.masked_fill_(m.logical_not(), kNegInf);
+          } else {
+            scores.add_(m.to(at::kFloat));
+          }
         }
+        // [H, nq, 1]
+        const at::Tensor block_max = scores.amax(-1, /*keepdim=*/true);
+        const at::Tensor new_max = running_max.defined() ? at::maximum(running_max, block_max) : block_max;
+        // Without a mask every score is finite. With one, a row whose keys so far are all masked
+        // keeps max -inf; shift it by 0 so exp gives 0, not NaN.
+        const at::Tensor shift = mask_rows ? new_max.masked_fill(at::isinf(new_max), 0.0) : new_max;
+        scores.sub_(shift).exp_();
+        const at::Tensor vb = v_b.narrow(1, k0, nk);  // [H, nk, D]
+        if (!acc.defined()) {
+          running_sum = scores.sum(-1, /*keepdim=*/true);
+          acc = fp32 ? at::bmm(scores, vb) : at::bmm(scores.to(vb.scalar_type()), vb).to(at::kFloat);
+        } else {
+          const at::Tensor correction = (running_max - shift).exp_();
+          running_sum.mul_(correction).add_(scores.sum(-1, /*keepdim=*/true));
+          acc.mul_(correction);
+          if (fp32) {
+            acc.baddbmm_(scores, vb);
+          } else {
+            acc.add_(at::bmm(scores.to(vb.scalar_type()), vb).to(at::kFloat));
+          }
+        }
+        running_max = new_max;
       }
-      // [B, H, nq, 1]
-      const at::Tensor new_max = at::maximum(running_max, std::get<0>(scores.max(-1, /*keepdim=*/true)));
-      // A row with every key so far masked keeps max -inf; shift it by 0 so exp gives 0, not NaN.
-      const at::Tensor shift = at::where(at::isinf(new_max), at::zeros_like(new_max), new_max);
-      scores.sub_(shift).exp_();
-      const at::Tensor correction = (running_max - shift).exp_();
-      running_sum.mul_(correction).add_(scores.sum(-1, /*keepdim=*/true));
-      // [B, H, nq, D]
-      const at::Tensor vb = v.narrow(2, k0, nk);
-      const at::Tensor probs = scores.scalar_type() == vb.scalar_type() ? scores : scores.to(vb.scalar_type());
-      at::Tensor pv = at::matmul(probs, vb);
-      acc.mul_(correction).add_(pv.scalar_type() == at::kFloat ? pv : pv.to(at::kFloat));
-      running_max = new_max;
+      // Fully masked rows have sum 0: output 0, lse -inf.
+      const at::Tensor empty_rows = running_sum.eq(0);
+      const at::Tensor safe_sum = running_sum.masked_fill(empty_rows, 1.0);
+      output.select(0, b).narrow(1, q0, nq).copy_(acc.div_(safe_sum));
+      lse.select(0, b).narrow(1, q0, nq).copy_((running_max + safe_sum.log()).masked_fill_(empty_rows, kNegInf).squeeze(-1));
     }
-    // Fully masked rows have sum 0: output 0, lse -inf.
-    const at::Tensor empty_rows = running_sum.eq(0);
-    const at::Tensor safe_sum = running_sum.masked_fill(empty_rows, 1.0);
-    output.narrow(2, q0, nq).copy_(acc.div_(safe_sum));
-    lse.narrow(2, q0, nq).copy_((running_max + safe_sum.log()).masked_fill_(empty_rows, kNegInf).squeeze(-1));
   }
   return {output, lse};
 }
