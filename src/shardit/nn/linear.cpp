@@ -94,8 +94,9 @@ at::Tensor Linear::forward(const at::Tensor& x) {
 
 at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   TORCH_CHECK(!parts.empty(), "Linear '", path(), "': forward_blocks needs at least one input");
-  // Adapters and gathered outputs read the whole input: the concatenated path serves them.
-  if (parts.size() == 1 || !loras_.empty() || mode_ == LinearParallel::ColwiseGather) {
+  // Gathered outputs take the concatenated path. Adapters add their delta from the concatenated
+  // input below, so the base product sums in the same order whether or not one is active.
+  if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather) {
     return forward(parts.size() == 1 ? parts.front() : at::cat(parts, -1));
   }
   SHARDIT_PROFILE_SCOPE("Linear");
@@ -119,6 +120,7 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
     y_rows.addmm_(parts[i].reshape({-1, part_width}), weight.narrow(1, offset, part_width).t());
     offset += part_width;
   }
+  if (!loras_.empty()) add_lora_deltas(y, at::cat(parts, -1));  // a rowwise partial joins the all-reduce
   if (rowwise) finish_rowwise(y);
   return y;
 }
