@@ -196,3 +196,24 @@ TEST(PipelinesBuiltin, PromptEncodingTp2AndTp3MatchTp1) {
 }
 
 }  // namespace
+
+// A text-encoder degree the encoders' heads do not allow is refused by load() before any weight is
+// read: the golden FLUX.1 encoders have 4 heads, so --text-encoder-tp 3 on 3 ranks fails naming
+// the encoder, and the transformer is still unloaded.
+TEST(PipelinesErrors, GoldenTextEncoderDegreeIsRefusedBeforeAnyLoad) {
+  if (is_worker()) {
+    shardit::dist::World::init();
+    shardit::pipelines::PipelineLoadOptions options;
+    options.text_encoder_tp = 3;
+    const auto pipeline =
+        shardit::pipelines::DiffusionPipeline::open(shardit::testing::golden_path("pipeline_flux1"), options);
+    const std::string error = shardit::testing::error_of([&] { pipeline->load(); });
+    EXPECT_EQ(error,
+              "FluxPipeline's text_encoder (CLIPTextModel) cannot run at --text-encoder-tp 3: num_attention_heads = "
+              "4, which does not divide by tp_degree 3; degrees that would work (up to 64): 1, 2, 4");
+    EXPECT_EQ(pipeline->transformer()->resolved_plan(), nullptr) << "the transformer loaded before the check";
+    EXPECT_FALSE(pipeline->loaded());
+    return;
+  }
+  EXPECT_EQ(run_ranks(3), 0);
+}

@@ -262,11 +262,8 @@ void DiffusionPipeline::load() {
   load.dtype = options_.dtype;
   load.device = options_.device;
   load.tensor_parallel = options_.transformer_parallel;
-  transformer_->load(transformer_weights_, load);
-  if (parallel_dims_.ulysses > 1 || parallel_dims_.ring > 1) {
-    // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
-    transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.transformer_parallel->mesh));
-  }
+  // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,
+  // rather than after the (larger) transformer has loaded.
   if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name())) {
     TextEncoderLoadOptions text;
     text.dtype = options_.dtype;
@@ -274,6 +271,11 @@ void DiffusionPipeline::load() {
     text.tp_degree = options_.text_encoder_tp;
     text.transformer_tp_degree = options_.transformer_parallel ? options_.transformer_parallel->tp_degree() : 1;
     prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
+  }
+  transformer_->load(transformer_weights_, load);
+  if (parallel_dims_.ulysses > 1 || parallel_dims_.ring > 1) {
+    // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
+    transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.transformer_parallel->mesh));
   }
   if (options_.vae_parallel || options_.load_vae.value_or(dist::World::get().rank() == 0)) {
     parallel::LoadOptions vae_load;  // replicated: no parallel config

@@ -172,6 +172,15 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
     degree = *options.tp_degree;
     TORCH_CHECK(degree >= 1 && world.size() % degree == 0, "--text-encoder-tp ", degree,
                 " must divide the number of ranks (", world.size(), ")");
+    // Every encoder's plan at that degree, before any of them loads: the error names the encoder.
+    for (size_t i = 0; i < encoders.size(); ++i) {
+      try {
+        encoders[i]->resolve(degree, options.dtype);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, pipeline_class, "'s ", names[i].second, " (", encoders[i]->type_name(),
+                    ") cannot run at --text-encoder-tp ", degree, ": ", e.what_without_backtrace());
+      }
+    }
   } else {
     for (int d = world.size(); d >= 1; --d) {
       if (world.size() % d == 0 && degree_fits(encoders, d, options.dtype)) {
