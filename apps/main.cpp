@@ -18,6 +18,7 @@
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/world.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/nn/gemm.h"
 
 namespace {
 
@@ -72,7 +73,10 @@ std::string unknown_command(const CLI::App& app, int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--") break;
     if (arg.rfind("-", 0) == 0) {
-      if (arg.find('=') == std::string::npos && (arg == "--nproc-per-node" || arg == "--timeout" || arg == "--attention-backend")) ++i;
+      if (arg.find('=') == std::string::npos && (arg == "--nproc-per-node" || arg == "--timeout" || arg == "--attention-backend" ||
+                                                   arg == "--gemm-backend")) {
+        ++i;
+      }
       continue;
     }
     for (const CLI::App* sub : app.get_subcommands({})) {
@@ -108,6 +112,10 @@ int main(int argc, char** argv) {
   app.add_option("--attention-backend", attention_backend,
                  "attention backend: auto (the device's default), math, memory_efficient, or sdpa where "
                  "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
+  std::string gemm_backend;
+  app.add_option("--gemm-backend", gemm_backend,
+                 "kernel of the fp32 matrix products on CPU: auto (measures BLAS and oneDNN once, keeps the faster), "
+                 "blas or onednn; default auto, or SHARDIT_GEMM_BACKEND");
 
   shardit::apps::CommandBody body;
   shardit::apps::register_generate(app, body);
@@ -142,6 +150,7 @@ int main(int argc, char** argv) {
       ::setenv("SHARDIT_DIST_TIMEOUT_MS", std::to_string(ms).c_str(), 1);
     }
     if (!attention_backend.empty()) shardit::nn::set_attention_backend(attention_backend);
+    if (!gemm_backend.empty()) shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(gemm_backend));
     if (nproc_per_node > 1) {
       const auto env = shardit::dist::LaunchEnv::from_environment();
       TORCH_CHECK(env.world_size == 1, "--nproc-per-node ", nproc_per_node, " inside a job that ",

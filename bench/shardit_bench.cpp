@@ -52,6 +52,7 @@
 #include "shardit/nn/module.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/nn/gemm.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 #include "op_profile.h"
@@ -85,6 +86,7 @@ struct BenchOptions {
   std::string encoder = "t5";
   int encoder_layers = 2;
   std::string attention_backend = "auto";
+  std::string gemm_backend = "auto";
   int attention_tokens = 4608;
   int attention_heads = 24;
   int attention_head_dim = 128;
@@ -264,20 +266,32 @@ double flux_forward_flops(const FluxTransformer2DModelConfig& config, int64_t ba
                   conditioning);
 }
 
-/// GFLOP/s of an fp32 matmul shaped like the model's projections ([B·S, D] x [D, D]), measured with
-/// this rank's threads.
+/// GFLOP/s of an fp32 product shaped like the model's projections ([B·S, D] x [D, D]) on the
+/// kernel the model's Linears use (nn::linear: --gemm-backend), measured with this rank's threads.
 double measure_gemm_gflops(int64_t rows, int64_t dim, at::ScalarType dtype) {
   const at::Tensor a = at::randn({rows, dim}).to(dtype);
   const at::Tensor b = at::randn({dim, dim}).to(dtype);
-  at::Tensor c = at::mm(a, b);  // warm-up
+  at::Tensor c = shardit::nn::linear(a, b);  // warm-up
   std::vector<double> rates;
   for (int i = 0; i < 5; ++i) {
     const auto start = Clock::now();
-    c = at::mm(a, b);
+    c = shardit::nn::linear(a, b);
     rates.push_back(2.0 * rows * dim * dim / seconds_since(start) / 1e9);
   }
   std::sort(rates.begin(), rates.end());
   return rates[rates.size() / 2];
+}
+
+/// The GEMM kernel selection, what auto measured, and the BLAS library's own kernel choice.
+nlohmann::json gemm_report() {
+  const shardit::nn::GemmProbe probe = shardit::nn::gemm_probe();
+  return {{"selection", shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_selection())},
+          {"large_fp32_products_on",
+           shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 1 << 24))},
+          {"probe_blas_gflops", probe.blas_gflops},
+          {"probe_onednn_gflops", probe.onednn_gflops},
+          {"probe_threads", probe.threads},
+          {"blas_core", shardit::nn::blas_core_name()}};
 }
 
 std::string human_bytes(int64_t bytes) {
@@ -462,14 +476,17 @@ int run_forward(const BenchOptions& options) {
       {"per_rank", per_rank},
       {"attention_backend", shardit::nn::attention_backend_selection()},
       {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
+      {"gemm", gemm_report()},
   };
+  const std::string gemm_kernel = shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(
+      at::kCPU, at::kFloat, options.batch * (image_tokens + options.text_tokens), config.inner_dim() * config.inner_dim()));
   char row[512];
   std::snprintf(row, sizeof(row),
-                "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f "
+                "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f (%s) "
                 "| %.0f all-reduce (plan: %lld), %.1f MiB/rank | %s params, %s peak RSS (rank 0) |",
                 options.dtype.c_str(), tp, options.ulysses, options.ring, at::get_num_threads(),
                 static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
-                gemm_machine, all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
+                gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
@@ -717,6 +734,7 @@ int main(int argc, char** argv) {
   app.add_option("--label", options.label, "free text stored with the result");
   app.add_option("--attention-backend", options.attention_backend,
                  "auto, math, memory_efficient (sdpa where LibTorch has it)");
+  app.add_option("--gemm-backend", options.gemm_backend, "auto, blas or onednn (fp32 products on CPU)");
   auto* forward = app.add_subcommand("forward", "forward-step latency, memory, communication, roofline ratio");
   forward->add_option("--height", options.height, "image height in pixels (16 px per latent token)");
   forward->add_option("--width", options.width, "image width in pixels");
@@ -763,6 +781,7 @@ int main(int argc, char** argv) {
   }
   try {
     shardit::nn::set_attention_backend(options.attention_backend);
+    shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(options.gemm_backend));
     if (options.mode == "encoder") return run_encoder(options);
     if (options.mode == "attention") return run_attention(options);
     return options.mode == "forward" ? run_forward(options) : run_load(options);

@@ -1,5 +1,6 @@
 #include "shardit/nn/linear.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/gemm.h"
 
 #include <c10/util/Exception.h>
 
@@ -52,15 +53,15 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     case LinearParallel::None:
     case LinearParallel::Colwise: {
       // [..., out] or [..., out_local]
-      if (loras_.empty()) return at::linear(x, weight, bias);
-      at::Tensor y = at::linear(x, weight, bias);
+      if (loras_.empty()) return nn::linear(x, weight, bias);
+      at::Tensor y = nn::linear(x, weight, bias);
       add_lora_deltas(y, x);
       return y;
     }
 
     case LinearParallel::Rowwise: {
       // Partial sums X_r A_r^T; the bias must be added once, after the sum.
-      at::Tensor y = at::linear(x, weight);  // [..., out], partial
+      at::Tensor y = nn::linear(x, weight);  // [..., out], partial
       // Σ_r (x_r A_rᵀ) Bᵀ = (x Aᵀ) Bᵀ: each rank's LoRA partial joins the same all-reduce.
       if (!loras_.empty()) add_lora_deltas(y, x);
       finish_rowwise(y);
@@ -68,7 +69,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     }
 
     case LinearParallel::ColwiseGather: {
-      at::Tensor local = at::linear(x, weight, bias);                    // [..., out_local]
+      at::Tensor local = nn::linear(x, weight, bias);                        // [..., out_local]
       if (!loras_.empty()) add_lora_deltas(local, x);
       at::Tensor gathered = group_->all_gather(local, local.dim() - 1);  // [..., out], rank-major
       if (gather_blocks_.empty()) return gathered;
@@ -96,7 +97,12 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   TORCH_CHECK(!parts.empty(), "Linear '", path(), "': forward_blocks needs at least one input");
   // Gathered outputs take the concatenated path. Adapters add their delta from the concatenated
   // input below, so the base product sums in the same order whether or not one is active.
-  if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather) {
+  // oneDNN reads a weight in place only whole (a column block would be copied, which costs more
+  // than the input's concatenation), so a product it computes takes the concatenated path too.
+  const int64_t leading_rows = parts.front().size(-1) == 0 ? 0 : parts.front().numel() / parts.front().size(-1);
+  if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather ||
+      gemm_backend_for(parts.front().device(), parts.front().scalar_type(), leading_rows, weight.numel()) ==
+          GemmBackend::OneDnn) {
     return forward(parts.size() == 1 ? parts.front() : at::cat(parts, -1));
   }
   SHARDIT_PROFILE_SCOPE("Linear");
@@ -107,7 +113,7 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   const bool rowwise = mode_ == LinearParallel::Rowwise;
   const int64_t first = parts.front().size(-1);
   // [..., out] (or its partial sum when rowwise)
-  at::Tensor y = at::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);
+  at::Tensor y = at::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);  // BLAS
   // [rows, out]: a view of y
   at::Tensor y_rows = y.view({-1, y.size(-1)});
   int64_t offset = first;
@@ -137,8 +143,8 @@ void Linear::add_lora_deltas(at::Tensor& y, const at::Tensor& x) const {
       if (layer.adapter != adapter) continue;
       const double factor = layer.scaling * adapter_weight * lora_selection_->scale;
       if (factor == 0.0) continue;
-      const at::Tensor down = at::linear(x, layer.lora_A);  // [..., r]
-      y.add_(at::linear(down, layer.lora_B), factor);       // [..., out_local]
+      const at::Tensor down = nn::linear(x, layer.lora_A);  // [..., r]
+      y.add_(nn::linear(down, layer.lora_B), factor);       // [..., out_local]
     }
   }
 }

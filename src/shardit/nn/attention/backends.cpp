@@ -13,6 +13,7 @@
 #include "shardit/core/compat.h"
 #include "shardit/core/profile.h"
 #include "shardit/nn/attention/memory_efficient.h"
+#include "shardit/nn/gemm.h"
 
 namespace shardit::nn {
 
@@ -25,8 +26,17 @@ constexpr int64_t kScoresBudgetBytes = int64_t{256} << 20;
 
 at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const std::optional<at::Tensor>& mask, double scale) {
+  // The two products on the selected GEMM kernel (nn/gemm.h): 4-D matmuls on BLAS, one product
+  // per (batch, head) slice on oneDNN.
+  const bool sliced = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == k.size(0) &&
+                      q.size(1) == k.size(1) && k.sizes() == v.sizes() &&
+                      gemm_backend_for(q.device(), q.scalar_type(), q.size(2), k.size(2) * k.size(3)) ==
+                          GemmBackend::OneDnn;
+  // [B, h, S, D] -> [B * h, S, D] (a view for batch 1)
+  const auto slices = [](const at::Tensor& t) { return t.reshape({-1, t.size(-2), t.size(-1)}); };
   // [B, h, S_q, S_kv]
-  at::Tensor scores = at::matmul(q * scale, k.transpose(-2, -1));
+  at::Tensor scores = sliced ? bmm_nt(slices(q * scale), slices(k)).view({q.size(0), q.size(1), q.size(2), k.size(2)})
+                             : at::matmul(q * scale, k.transpose(-2, -1));
   if (mask.has_value() && mask->defined()) {
     if (mask->scalar_type() == at::kBool) {
       scores = scores.to(at::kFloat).masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
@@ -38,6 +48,9 @@ at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor probs = at::softmax(scores, -1, at::kFloat);
   if (probs.scalar_type() != v.scalar_type()) probs = probs.to(v.scalar_type());
   // [B, h, S_q, D]
+  if (sliced && probs.scalar_type() == at::kFloat) {
+    return bmm_nn(slices(probs), slices(v)).view({q.size(0), q.size(1), q.size(2), v.size(3)});
+  }
   return at::matmul(probs, v);
 }
 

@@ -1,0 +1,187 @@
+#include "shardit/nn/gemm.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <mutex>
+
+namespace shardit::nn {
+
+namespace {
+
+// auto routes a product to oneDNN only from this size on: below it the conversions to and from
+// oneDNN's tensors cost more than the kernel gains (measured at 3072 x 3072 weights: BLAS ahead
+// at 1-2 rows, even at 64, oneDNN 2.3x ahead at 256). The weight bound keeps tiny layers (and LoRA
+// factors) on BLAS while an attention head's keys (S x 128) qualify.
+constexpr int64_t kMinRows = 64;
+constexpr int64_t kMinWeightNumel = int64_t{1} << 16;
+// oneDNN must beat BLAS by this factor on the probe to be chosen: a close call keeps LibTorch's
+// default path.
+constexpr double kOneDnnMargin = 0.9;
+
+bool onednn_available() { return at::hasMKLDNN(); }
+
+GemmBackend initial_selection() {
+  const char* env = std::getenv("SHARDIT_GEMM_BACKEND");
+  if (env == nullptr || *env == '\0') return GemmBackend::Auto;
+  return parse_gemm_backend(env);
+}
+
+std::atomic<GemmBackend>& selection() {
+  static std::atomic<GemmBackend> value{initial_selection()};
+  return value;
+}
+
+double seconds_of(const std::function<void()>& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+at::Tensor onednn_linear_2d(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
+  // The input goes into oneDNN's tensor (a copy), the weight and bias are read in place.
+  c10::optional<at::Tensor> bias_opt;
+  if (bias.defined()) bias_opt = bias.is_contiguous() ? bias : bias.contiguous();
+  return at::mkldnn_linear(rows.contiguous().to_mkldnn(), weight.is_contiguous() ? weight : weight.contiguous(),
+                           bias_opt)
+      .to_dense();
+}
+
+GemmProbe run_probe(int threads) {
+  GemmProbe probe;
+  probe.threads = threads;
+  // Shaped like a projection of a transformer block: 1 GFLOP, enough for both kernels to reach
+  // their rate, a few to a few tens of milliseconds.
+  constexpr int64_t rows = 512, in = 1024, out = 1024;
+  const at::Tensor x = at::randn({rows, in});
+  const at::Tensor w = at::randn({out, in});
+  const at::Tensor b = at::randn({out});
+  const double flop = 2.0 * rows * in * out;
+  double blas = 1e30, onednn = 1e30;
+  at::linear(x, w, b);  // warm-up: thread pool, kernel selection
+  if (onednn_available()) onednn_linear_2d(x, w, b);
+  // Alternated, best of three each: the machine's speed may change while the probe runs.
+  for (int i = 0; i < 3; ++i) {
+    blas = std::min(blas, seconds_of([&] { at::linear(x, w, b); }));
+    if (onednn_available()) onednn = std::min(onednn, seconds_of([&] { onednn_linear_2d(x, w, b); }));
+  }
+  probe.blas_gflops = flop / blas / 1e9;
+  probe.onednn_gflops = onednn_available() ? flop / onednn / 1e9 : 0.0;
+  probe.chosen = onednn_available() && onednn < kOneDnnMargin * blas ? GemmBackend::OneDnn : GemmBackend::Blas;
+  return probe;
+}
+
+/// Whether this product of `dtype` on `device` could run on oneDNN at all.
+bool routable(const at::Device& device, at::ScalarType dtype) {
+  return device.is_cpu() && dtype == at::kFloat && onednn_available();
+}
+
+}  // namespace
+
+GemmBackend parse_gemm_backend(const std::string& name) {
+  if (name == "auto") return GemmBackend::Auto;
+  if (name == "blas") return GemmBackend::Blas;
+  if (name == "onednn") {
+    TORCH_CHECK(onednn_available(), "gemm backend 'onednn': the linked LibTorch was built without oneDNN "
+                                    "(MKLDNN); use blas or auto");
+    return GemmBackend::OneDnn;
+  }
+  TORCH_CHECK(false, "unknown gemm backend '", name, "'; choose auto, blas or onednn");
+}
+
+const char* gemm_backend_name(GemmBackend backend) {
+  switch (backend) {
+    case GemmBackend::Auto: return "auto";
+    case GemmBackend::Blas: return "blas";
+    case GemmBackend::OneDnn: return "onednn";
+  }
+  return "?";
+}
+
+void set_gemm_backend(GemmBackend backend) {
+  if (backend == GemmBackend::OneDnn) parse_gemm_backend("onednn");  // refuses where it is not built
+  selection().store(backend);
+}
+
+GemmBackend gemm_backend_selection() { return selection().load(); }
+
+GemmProbe gemm_probe() {
+  static std::mutex mutex;
+  static std::map<int, GemmProbe> probes;
+  const int threads = at::get_num_threads();
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = probes.find(threads);
+  if (it != probes.end()) return it->second;
+  return probes.emplace(threads, run_probe(threads)).first->second;
+}
+
+std::string blas_core_name() {
+  using CoreName = char* (*)();
+  const auto core_name = reinterpret_cast<CoreName>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  if (core_name == nullptr) return "";
+  const char* name = core_name();
+  return name == nullptr ? "" : name;
+}
+
+GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel) {
+  if (!routable(device, dtype)) return GemmBackend::Blas;
+  switch (gemm_backend_selection()) {
+    case GemmBackend::Blas: return GemmBackend::Blas;
+    case GemmBackend::OneDnn: return rows > 0 ? GemmBackend::OneDnn : GemmBackend::Blas;
+    case GemmBackend::Auto:
+      if (rows < kMinRows || weight_numel < kMinWeightNumel) return GemmBackend::Blas;
+      return gemm_probe().chosen;
+  }
+  return GemmBackend::Blas;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t in = x.size(-1);
+  const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  if (gemm_backend_for(x.device(), x.scalar_type(), rows, weight.numel()) != GemmBackend::OneDnn ||
+      weight.scalar_type() != at::kFloat || (bias.defined() && bias.scalar_type() != at::kFloat)) {
+    return at::linear(x, weight, bias);
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  // [rows, in] -> [rows, out] -> [..., out]
+  return onednn_linear_2d(x.reshape({rows, in}), weight, bias).view(sizes);
+}
+
+at::Tensor bmm_nt(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(2),
+              "bmm_nt: expected a [G, M, K] and b [G, N, K], got ", a.sizes(), " and ", b.sizes());
+  if (gemm_backend_for(a.device(), a.scalar_type(), a.size(1), b.size(1) * b.size(2)) != GemmBackend::OneDnn ||
+      b.scalar_type() != at::kFloat) {
+    return at::bmm(a, b.transpose(1, 2));
+  }
+  // [G, M, N]: one product per slice, b's slice as the "weight" [N, K].
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(1)}, a.options());
+  for (int64_t g = 0; g < a.size(0); ++g) out.select(0, g).copy_(onednn_linear_2d(a.select(0, g), b.select(0, g), {}));
+  return out;
+}
+
+at::Tensor bmm_nn(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "bmm_nn: expected a [G, M, K] and b [G, K, N], got ", a.sizes(), " and ", b.sizes());
+  if (gemm_backend_for(a.device(), a.scalar_type(), a.size(1), b.size(1) * b.size(2)) != GemmBackend::OneDnn ||
+      b.scalar_type() != at::kFloat) {
+    return at::bmm(a, b);
+  }
+  // [G, M, N]: b's slice transposed ([N, K], a small copy) as the "weight".
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+  for (int64_t g = 0; g < a.size(0); ++g) {
+    out.select(0, g).copy_(onednn_linear_2d(a.select(0, g), b.select(0, g).t().contiguous(), {}));
+  }
+  return out;
+}
+
+}  // namespace shardit::nn

@@ -1,0 +1,77 @@
+#pragma once
+// The matrix products of nn's layers (Linear, its LoRA deltas, the attention products) and the
+// kernel that computes them on CPU: LibTorch's BLAS path (at::linear / addmm / bmm, i.e. the BLAS
+// LibTorch was linked with) or oneDNN through ATen's mkldnn ops (where LibTorch was built with it).
+//
+// Why a choice: the BLAS library picks its kernels from the CPU it recognises at start-up. Debian
+// 12's OpenBLAS does not recognise some current Xeons (it names them "Prescott" and runs SSE3
+// kernels), which makes an fp32 GEMM 3-4x slower than the CPU allows, while oneDNN finds the
+// AVX-512 kernels itself. Where BLAS recognises the CPU it can be the faster of the two. "auto"
+// measures both once per process and thread count on a probe shaped like a transformer
+// projection, and keeps BLAS unless oneDNN is clearly faster. Only fp32 is routed: for bf16
+// LibTorch already sends at::linear to oneDNN.
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace shardit::nn {
+
+enum class GemmBackend { Auto, Blas, OneDnn };
+
+/// "auto", "blas" or "onednn"; an error listing them otherwise, or when oneDNN is asked for and the
+/// linked LibTorch was built without it.
+GemmBackend parse_gemm_backend(const std::string& name);
+const char* gemm_backend_name(GemmBackend backend);
+
+/// Selects the kernel for every following product (process-wide). The start value is "auto", or
+/// SHARDIT_GEMM_BACKEND from the environment.
+void set_gemm_backend(GemmBackend backend);
+GemmBackend gemm_backend_selection();
+
+/// Sets a selection for the lifetime of the guard and restores the previous one after.
+class GemmBackendGuard {
+ public:
+  explicit GemmBackendGuard(GemmBackend backend) : previous_(gemm_backend_selection()) { set_gemm_backend(backend); }
+  ~GemmBackendGuard() { set_gemm_backend(previous_); }
+  GemmBackendGuard(const GemmBackendGuard&) = delete;
+  GemmBackendGuard& operator=(const GemmBackendGuard&) = delete;
+
+ private:
+  GemmBackend previous_;
+};
+
+/// What auto measured on this process for one thread count.
+struct GemmProbe {
+  int threads = 0;
+  double blas_gflops = 0;    ///< fp32 [512, 1024] x [1024, 1024] + bias through at::linear
+  double onednn_gflops = 0;  ///< the same through at::mkldnn_linear (0: oneDNN not available)
+  GemmBackend chosen = GemmBackend::Blas;
+};
+
+/// Runs (once per thread count, then cached) and returns auto's probe for the current thread
+/// count.
+GemmProbe gemm_probe();
+
+/// The name of the kernel set the BLAS library chose for this CPU ("Prescott", "SkylakeX", ...)
+/// where it says (OpenBLAS's openblas_get_corename), "" otherwise. OPENBLAS_CORETYPE overrides
+/// OpenBLAS's choice at process start.
+std::string blas_core_name();
+
+/// The kernel that a product of `rows` rows of `dtype` on `device` goes to under the current
+/// selection: Blas or OneDnn. Off CPU, for dtypes other than fp32, and for products too small to
+/// gain (auto: fewer than 64 rows or a weight of under 2^16 values) this is Blas.
+GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel);
+
+/// at::linear's contract: x [..., in], weight [out, in], bias [out] (undefined: none) ->
+/// [..., out], on the selected kernel.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+
+/// Batched a b^T on the selected kernel: a [G, M, K], b [G, N, K] -> [G, M, N] (at::bmm(a,
+/// b.transpose(1, 2)) on BLAS). Both may be strided views (e.g. heads of [B, S, H, D]).
+at::Tensor bmm_nt(const at::Tensor& a, const at::Tensor& b);
+
+/// Batched a b on the selected kernel: a [G, M, K], b [G, K, N] -> [G, M, N].
+at::Tensor bmm_nn(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace shardit::nn

@@ -1,0 +1,176 @@
+// The GEMM kernels behind nn's products (nn/gemm.h): oneDNN against LibTorch's BLAS path on
+// random shapes (3-D inputs, no bias, odd widths, strided head views, one row), the Linear
+// layer's paths, the math attention, auto's size rule and probe, the CLI option, and the golden
+// transformers with every product on oneDNN.
+//
+// Tolerances: the two kernels differ only in the order of fp32 sums: ~1e-7 relative per sum of
+// K terms, so 1e-5 absolute + relative on O(1) values and 1e-4 on the golden samples (the golden
+// README's fp32 tolerance). A wrong transpose, bias or block offset moves values by O(1).
+#include <gtest/gtest.h>
+
+#include <ATen/Context.h>
+
+#include <string>
+#include <vector>
+
+#include "shardit/io/model_folder.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/registry.h"
+#include "shardit/nn/attention.h"
+#include "shardit/nn/attention/backends.h"
+#include "shardit/nn/gemm.h"
+#include "shardit/nn/linear.h"
+#include "shardit/verify/transformer_case.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::nn::GemmBackend;
+using shardit::nn::GemmBackendGuard;
+using shardit::testing::error_of;
+using shardit::testing::tensors_close;
+
+constexpr double kTolerance = 1e-5;
+constexpr double kGoldenTolerance = 1e-4;
+
+template <typename Fn>
+at::Tensor on(GemmBackend backend, Fn&& fn) {
+  GemmBackendGuard guard(backend);
+  return fn();
+}
+
+class Gemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!at::hasMKLDNN()) GTEST_SKIP() << "the linked LibTorch has no oneDNN";
+  }
+};
+
+TEST_F(Gemm, OneDnnLinearMatchesBlasOnRandomShapes) {
+  at::manual_seed(3);
+  struct Case {
+    std::vector<int64_t> x_sizes;
+    int64_t out;
+    bool bias;
+  };
+  const std::vector<Case> cases = {{{1, 37}, 53, true},   {{5, 64}, 128, false},      {{2, 150, 96}, 70, true},
+                                   {{3, 1, 7, 33}, 9, true}, {{300, 257}, 129, false}};
+  for (const Case& c : cases) {
+    const at::Tensor x = at::randn(c.x_sizes);
+    const at::Tensor w = at::randn({c.out, c.x_sizes.back()}) / 8;
+    const at::Tensor b = c.bias ? at::randn({c.out}) : at::Tensor();
+    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::nn::linear(x, w, b); });
+    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::nn::linear(x, w, b); });
+    EXPECT_EQ(dnn.sizes(), blas.sizes());
+    EXPECT_TRUE(tensors_close("linear " + std::to_string(c.out), dnn, blas, kTolerance, kTolerance));
+    EXPECT_TRUE(tensors_close("blas vs at::linear", blas, at::linear(x, w, b), 0, 0));
+  }
+  // A non-contiguous weight (a transposed view) and input (a column slice).
+  const at::Tensor wt = at::randn({40, 24}).t();
+  const at::Tensor xs = at::randn({90, 50}).narrow(1, 3, 40);
+  EXPECT_TRUE(tensors_close("strided", on(GemmBackend::OneDnn, [&] { return shardit::nn::linear(xs, wt); }),
+                            at::linear(xs, wt), kTolerance, kTolerance));
+  // No rows: an empty result of the right shape.
+  EXPECT_EQ(on(GemmBackend::OneDnn, [&] { return shardit::nn::linear(at::randn({0, 8}), at::randn({4, 8})); }).sizes(),
+            (std::vector<int64_t>{0, 4}));
+}
+
+TEST_F(Gemm, OneDnnBatchedProductsMatchBmmOnHeadViews) {
+  at::manual_seed(4);
+  // [B, S, H, D] storage seen as [B * H, S, D], as the attention passes heads.
+  const at::Tensor q = at::randn({1, 97, 3, 16}).transpose(1, 2).reshape({3, 97, 16});
+  const at::Tensor k = at::randn({1, 130, 3, 16}).transpose(1, 2).reshape({3, 130, 16});
+  const at::Tensor v = at::randn({3, 130, 16});
+  const at::Tensor scores = on(GemmBackend::OneDnn, [&] { return shardit::nn::bmm_nt(q, k); });
+  EXPECT_TRUE(tensors_close("a b^T", scores, at::bmm(q, k.transpose(1, 2)), kTolerance, kTolerance));
+  const at::Tensor probs = at::softmax(scores, -1);
+  EXPECT_TRUE(tensors_close("a b", on(GemmBackend::OneDnn, [&] { return shardit::nn::bmm_nn(probs, v); }),
+                            at::bmm(probs, v), kTolerance, kTolerance));
+  EXPECT_NE(error_of([&] { shardit::nn::bmm_nt(q, v.narrow(2, 0, 8)); }).find("expected a [G, M, K] and b [G, N, K]"),
+            std::string::npos);
+}
+
+TEST_F(Gemm, LinearLayerPathsAgreeOnBothKernels) {
+  at::manual_seed(5);
+  shardit::nn::Linear layer(shardit::nn::LinearOptions(48, 20).with_in_blocks({16, 32}));
+  layer.weight = at::randn({20, 48}) / 7;
+  layer.bias = at::randn({20});
+  const at::Tensor a = at::randn({2, 70, 16}), b = at::randn({2, 70, 32});
+  const at::Tensor whole = at::cat({a, b}, -1);
+  const at::Tensor reference = on(GemmBackend::Blas, [&] { return layer.forward(whole); });
+  EXPECT_TRUE(tensors_close("blocks on blas", on(GemmBackend::Blas, [&] { return layer.forward_blocks({a, b}); }),
+                            reference, kTolerance, kTolerance));
+  EXPECT_TRUE(tensors_close("forward on onednn", on(GemmBackend::OneDnn, [&] { return layer.forward(whole); }),
+                            reference, kTolerance, kTolerance));
+  EXPECT_TRUE(tensors_close("blocks on onednn", on(GemmBackend::OneDnn, [&] { return layer.forward_blocks({a, b}); }),
+                            reference, kTolerance, kTolerance));
+}
+
+TEST_F(Gemm, MathAttentionOnOneDnnMatchesBlasWithMasks) {
+  at::manual_seed(6);
+  shardit::nn::AttentionBackendGuard math("math");
+  const at::Tensor q = at::randn({2, 3, 70, 32}), k = at::randn({2, 3, 90, 32}), v = at::randn({2, 3, 90, 32});
+  at::Tensor keys = at::rand({2, 1, 1, 90}) > 0.3;
+  keys.select(-1, 0).fill_(true);
+  for (const std::optional<at::Tensor>& mask : {std::optional<at::Tensor>(), std::optional<at::Tensor>(keys)}) {
+    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
+    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
+    EXPECT_TRUE(tensors_close(mask ? "attention, key mask" : "attention", dnn, blas, kTolerance, kTolerance));
+  }
+}
+
+TEST_F(Gemm, AutoKeepsSmallProductsAndOtherDtypesOnBlasAndProbesOnce) {
+  GemmBackendGuard guard(GemmBackend::Auto);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 8, 1 << 24), GemmBackend::Blas);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 64 * 64), GemmBackend::Blas);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kBFloat16, 4096, 1 << 24), GemmBackend::Blas);
+  const shardit::nn::GemmProbe probe = shardit::nn::gemm_probe();
+  EXPECT_GT(probe.blas_gflops, 0);
+  EXPECT_GT(probe.onednn_gflops, 0);
+  EXPECT_EQ(probe.chosen == GemmBackend::OneDnn, probe.onednn_gflops * 0.9 > probe.blas_gflops);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 1 << 24), probe.chosen);
+  // Cached: the same answer without measuring again.
+  EXPECT_EQ(shardit::nn::gemm_probe().blas_gflops, probe.blas_gflops);
+  // A forced kernel applies at every size.
+  GemmBackendGuard forced(GemmBackend::OneDnn);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 1, 4), GemmBackend::OneDnn);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kBFloat16, 4096, 1 << 24), GemmBackend::Blas);
+}
+
+TEST(GemmSelection, UnknownKernelIsRejectedListingTheChoices) {
+  const std::string message = error_of([] { shardit::nn::parse_gemm_backend("mkl"); });
+  EXPECT_NE(message.find("unknown gemm backend 'mkl'; choose auto, blas or onednn"), std::string::npos) << message;
+  std::string output;
+  const int status = shardit::testing::run_command(
+      shardit::testing::cli_path() + " --gemm-backend mkl run-transformer --out /nonexistent/x.safetensors", &output);
+  EXPECT_EQ(status, 1) << output;
+  EXPECT_NE(output.find("unknown gemm backend 'mkl'"), std::string::npos) << output;
+}
+
+// The golden transformer cases with every product on oneDNN: the sample must match diffusers'.
+class GemmGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GemmGolden, OneDnnProductsMatchTheGoldenSample) {
+  if (!at::hasMKLDNN()) GTEST_SKIP() << "the linked LibTorch has no oneDNN";
+  const std::string dir = shardit::testing::golden_path(GetParam());
+  const auto folder = shardit::io::open_component(dir, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  model->load(folder.weights(), {});
+  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
+  const at::Tensor golden = shardit::io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
+  for (const std::string attention : {"math", "memory_efficient"}) {
+    shardit::nn::AttentionBackendGuard attention_guard(attention);
+    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::verify::forward_from_file(*model, *inputs); });
+    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::verify::forward_from_file(*model, *inputs); });
+    EXPECT_TRUE(tensors_close(GetParam() + " (" + attention + "): onednn vs golden", dnn, golden, kGoldenTolerance,
+                              kGoldenTolerance));
+    EXPECT_TRUE(tensors_close(GetParam() + " (" + attention + "): onednn vs blas", dnn, blas, kGoldenTolerance,
+                              kGoldenTolerance));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GemmGolden,
+                         ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
+                                           "qwenimage_b2_nonsquare"));
+
+}  // namespace
