@@ -18,6 +18,7 @@
 #include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
 #include "shardit/verify/transformer_case.h"
@@ -106,17 +107,39 @@ TEST_F(Gemm, LinearLayerPathsAgreeOnBothKernels) {
                             reference, kTolerance, kTolerance));
 }
 
-TEST_F(Gemm, MathAttentionOnOneDnnMatchesBlasWithMasks) {
+TEST_F(Gemm, AttentionBackendsOnOneDnnMatchBlasWithMasks) {
   at::manual_seed(6);
-  shardit::nn::AttentionBackendGuard math("math");
-  const at::Tensor q = at::randn({2, 3, 70, 32}), k = at::randn({2, 3, 90, 32}), v = at::randn({2, 3, 90, 32});
+  // Heads as the transformers pass them: [B, H, S, D] views of [B, S, H, D].
+  const at::Tensor q = at::randn({2, 70, 3, 32}).transpose(1, 2), k = at::randn({2, 90, 3, 32}).transpose(1, 2),
+                   v = at::randn({2, 90, 3, 32}).transpose(1, 2);
   at::Tensor keys = at::rand({2, 1, 1, 90}) > 0.3;
   keys.select(-1, 0).fill_(true);
-  for (const std::optional<at::Tensor>& mask : {std::optional<at::Tensor>(), std::optional<at::Tensor>(keys)}) {
-    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
-    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
-    EXPECT_TRUE(tensors_close(mask ? "attention, key mask" : "attention", dnn, blas, kTolerance, kTolerance));
+  at::Tensor per_query = at::rand({2, 3, 70, 90}) > 0.5;
+  per_query.select(-1, 89).fill_(true);
+  const std::vector<std::optional<at::Tensor>> masks = {std::nullopt, keys, per_query, at::randn({3, 1, 90})};
+  for (const std::string backend : {"math", "memory_efficient"}) {
+    shardit::nn::AttentionBackendGuard guard(backend);
+    for (size_t i = 0; i < masks.size(); ++i) {
+      const auto& mask = masks[i];
+      const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
+      const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::nn::scaled_dot_product_attention(q, k, v, mask); });
+      EXPECT_TRUE(tensors_close(backend + ", mask " + std::to_string(i), dnn, blas, kTolerance, kTolerance));
+    }
   }
+  // Uneven streamed blocks (the last key and query blocks short), with the log-sum-exp.
+  shardit::nn::MemoryEfficientOptions blocks;
+  blocks.key_block = 32;
+  blocks.query_block = 48;
+  const auto blas = [&] {
+    GemmBackendGuard g(GemmBackend::Blas);
+    return shardit::nn::memory_efficient_attention(q, k, v, keys, 0.2, blocks);
+  }();
+  const auto dnn = [&] {
+    GemmBackendGuard g(GemmBackend::OneDnn);
+    return shardit::nn::memory_efficient_attention(q, k, v, keys, 0.2, blocks);
+  }();
+  EXPECT_TRUE(tensors_close("blocked output", dnn.output, blas.output, kTolerance, kTolerance));
+  EXPECT_TRUE(tensors_close("blocked lse", dnn.lse, blas.lse, kTolerance, kTolerance));
 }
 
 TEST_F(Gemm, AutoKeepsSmallProductsAndOtherDtypesOnBlasAndProbesOnce) {

@@ -19,10 +19,10 @@ namespace {
 
 // auto routes a product to oneDNN only from this size on: below it the conversions to and from
 // oneDNN's tensors cost more than the kernel gains (measured at 3072 x 3072 weights: BLAS ahead
-// at 1-2 rows, even at 64, oneDNN 2.3x ahead at 256). The weight bound keeps tiny layers (and LoRA
-// factors) on BLAS while an attention head's keys (S x 128) qualify.
+// at 1-2 rows, even at 64, oneDNN 2.3x ahead at 256). The bound on multiply-adds keeps tiny
+// layers on BLAS while a streamed attention block (~100 queries x 256 keys x 128) qualifies.
 constexpr int64_t kMinRows = 64;
-constexpr int64_t kMinWeightNumel = int64_t{1} << 16;
+constexpr int64_t kMinMultiplyAdds = int64_t{1} << 22;
 // oneDNN must beat BLAS by this factor on the probe to be chosen: a close call keeps LibTorch's
 // default path.
 constexpr double kOneDnnMargin = 0.9;
@@ -137,7 +137,7 @@ GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int
     case GemmBackend::Blas: return GemmBackend::Blas;
     case GemmBackend::OneDnn: return rows > 0 ? GemmBackend::OneDnn : GemmBackend::Blas;
     case GemmBackend::Auto:
-      if (rows < kMinRows || weight_numel < kMinWeightNumel) return GemmBackend::Blas;
+      if (rows < kMinRows || rows * weight_numel < kMinMultiplyAdds) return GemmBackend::Blas;
       return gemm_probe().chosen;
   }
   return GemmBackend::Blas;

@@ -60,7 +60,7 @@ std::string blas_core_name();
 
 /// The kernel that a product of `rows` rows of `dtype` on `device` goes to under the current
 /// selection: Blas or OneDnn. Off CPU, for dtypes other than fp32, and for products too small to
-/// gain (auto: fewer than 64 rows or a weight of under 2^16 values) this is Blas.
+/// gain (auto: fewer than 64 rows, or under 2^22 multiply-adds) this is Blas.
 GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel);
 
 /// at::linear's contract: x [..., in], weight [out, in], bias [out] (undefined: none) ->

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "shardit/nn/gemm.h"
+
 namespace shardit::nn {
 
 namespace {
@@ -71,65 +73,83 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
     return {output, lse};
   }
 
-  // One batch entry at a time: q[b], k[b], v[b] are [H, S, D] views (the transformers pass
-  // transposed views of [B, S, H, D]) whose rows have unit stride, which bmm reads in place; a
-  // 4-D matmul would copy every key/value block again for every query block.
+  // One batch entry at a time, key blocks outside and query blocks inside, so that every query
+  // block folds the same key/value block into its running state. q[b], k[b], v[b] are [H, S, D]
+  // views (the transformers pass transposed views of [B, S, H, D]) whose rows have unit stride:
+  // BLAS reads them in place. oneDNN (nn/gemm.h) reads a product's second operand in place only
+  // when it is contiguous per head, so there each key/value block is laid out once ([H, nk, D]
+  // keys, [H, D, nk] values) for all query blocks.
+  const bool onednn = gemm_backend_for(q.device(), q.scalar_type(), query_block, key_block * head_dim) ==
+                      GemmBackend::OneDnn;
   for (int64_t b = 0; b < batch; ++b) {
     const at::Tensor q_b = q.select(0, b), k_b = k.select(0, b), v_b = v.select(0, b);
     // [H or 1, S_q or 1, S_kv or 1]
     std::optional<at::Tensor> mask_b;
     if (mask4) mask_b = mask4->select(0, mask4->size(0) == 1 ? 0 : b);
-    for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
-      const int64_t nq = std::min(query_block, s_q - q0);
-      // Scaling q costs nq * D products instead of nq * S_kv. [H, nq, D]
-      const at::Tensor qb = q_b.narrow(1, q0, nq) * scale;
-      std::optional<at::Tensor> mask_rows;
-      if (mask_b) mask_rows = mask_block(*mask_b, 1, q0, nq);
-      // Running maximum, running sum and unnormalised output of this query block:
-      // [H, nq, 1], [H, nq, 1], [H, nq, D] fp32. Set by the first key block.
-      at::Tensor running_max, running_sum, acc;
-      for (int64_t k0 = 0; k0 < s_kv; k0 += key_block) {
-        const int64_t nk = std::min(key_block, s_kv - k0);
+    // Running maximum and sum per query, [H, S_q, 1] fp32, and the unnormalised output [H, S_q, D]
+    // fp32: for fp32 inputs the output's own storage.
+    const at::Tensor out_b = output.select(0, b);
+    const at::Tensor acc = fp32 ? out_b : at::empty({heads, s_q, head_dim}, float_options);
+    const at::Tensor running_max = at::empty({heads, s_q, 1}, float_options);
+    const at::Tensor running_sum = at::empty({heads, s_q, 1}, float_options);
+    for (int64_t k0 = 0; k0 < s_kv; k0 += key_block) {
+      const int64_t nk = std::min(key_block, s_kv - k0);
+      const bool first = k0 == 0;
+      // [H, nk, D] and [H, D, nk]
+      at::Tensor keys = k_b.narrow(1, k0, nk), values_t = v_b.narrow(1, k0, nk).transpose(1, 2);
+      if (onednn) {
+        keys = keys.contiguous();
+        values_t = values_t.contiguous();
+      }
+      std::optional<at::Tensor> mask_keys;
+      if (mask_b) mask_keys = mask_block(*mask_b, 2, k0, nk);
+      for (int64_t q0 = 0; q0 < s_q; q0 += query_block) {
+        const int64_t nq = std::min(query_block, s_q - q0);
+        // Scaling q costs nq * D products instead of nq * nk. [H, nq, D]
+        const at::Tensor qb = q_b.narrow(1, q0, nq) * scale;
         // [H, nq, nk]
-        at::Tensor scores = at::bmm(qb, k_b.narrow(1, k0, nk).transpose(1, 2));
+        at::Tensor scores = bmm_nt(qb, keys);
         if (!fp32) scores = scores.to(at::kFloat);
-        if (mask_rows) {
-          const at::Tensor m = mask_block(*mask_rows, 2, k0, nk);
+        if (mask_keys) {
+          const at::Tensor m = mask_block(*mask_keys, 1, q0, nq);
           if (bool_mask) {
             scores.masked_fill_(m.logical_not(), kNegInf);
           } else {
             scores.add_(m.to(at::kFloat));
           }
         }
-        // [H, nq, 1]
+        // [H, nq, 1] views of the running state, and [H, nq, D] of the output
+        at::Tensor max_rows = running_max.narrow(1, q0, nq), sum_rows = running_sum.narrow(1, q0, nq);
+        at::Tensor acc_rows = acc.narrow(1, q0, nq);
         const at::Tensor block_max = scores.amax(-1, /*keepdim=*/true);
-        const at::Tensor new_max = running_max.defined() ? at::maximum(running_max, block_max) : block_max;
+        const at::Tensor new_max = first ? block_max : at::maximum(max_rows, block_max);
         // Without a mask every score is finite. With one, a row whose keys so far are all masked
         // keeps max -inf; shift it by 0 so exp gives 0, not NaN.
-        const at::Tensor shift = mask_rows ? new_max.masked_fill(at::isinf(new_max), 0.0) : new_max;
+        const at::Tensor shift = mask_keys ? new_max.masked_fill(at::isinf(new_max), 0.0) : new_max;
         scores.sub_(shift).exp_();
-        const at::Tensor vb = v_b.narrow(1, k0, nk);  // [H, nk, D]
-        if (!acc.defined()) {
-          running_sum = scores.sum(-1, /*keepdim=*/true);
-          acc = fp32 ? at::bmm(scores, vb) : at::bmm(scores.to(vb.scalar_type()), vb).to(at::kFloat);
+        // [H, nq, D]
+        at::Tensor weighted = bmm_nt(fp32 ? scores : scores.to(v.scalar_type()), values_t);
+        if (!fp32) weighted = weighted.to(at::kFloat);
+        if (first) {
+          sum_rows.copy_(scores.sum(-1, /*keepdim=*/true));
+          acc_rows.copy_(weighted);
         } else {
-          const at::Tensor correction = (running_max - shift).exp_();
-          running_sum.mul_(correction).add_(scores.sum(-1, /*keepdim=*/true));
-          acc.mul_(correction);
-          if (fp32) {
-            acc.baddbmm_(scores, vb);
-          } else {
-            acc.add_(at::bmm(scores.to(vb.scalar_type()), vb).to(at::kFloat));
-          }
+          const at::Tensor correction = (max_rows - shift).exp_();
+          sum_rows.mul_(correction).add_(scores.sum(-1, /*keepdim=*/true));
+          acc_rows.mul_(correction).add_(weighted);
         }
-        running_max = new_max;
+        max_rows.copy_(new_max);
       }
-      // Fully masked rows have sum 0: output 0, lse -inf.
-      const at::Tensor empty_rows = running_sum.eq(0);
-      const at::Tensor safe_sum = running_sum.masked_fill(empty_rows, 1.0);
-      output.select(0, b).narrow(1, q0, nq).copy_(acc.div_(safe_sum));
-      lse.select(0, b).narrow(1, q0, nq).copy_((running_max + safe_sum.log()).masked_fill_(empty_rows, kNegInf).squeeze(-1));
     }
+    // Fully masked rows have sum 0 (and an output of 0): output 0, lse -inf.
+    const at::Tensor empty_rows = running_sum.eq(0);
+    const at::Tensor safe_sum = running_sum.masked_fill(empty_rows, 1.0);
+    if (fp32) {
+      out_b.div_(safe_sum);
+    } else {
+      out_b.copy_(acc.div_(safe_sum));
+    }
+    lse.select(0, b).copy_((running_max + safe_sum.log()).masked_fill_(empty_rows, kNegInf).squeeze(-1));
   }
   return {output, lse};
 }
