@@ -497,6 +497,8 @@ int run_forward(const BenchOptions& options) {
 /// One attention call at FLUX.1 widths (B = 1, 24 heads x 128, S tokens of joint self-attention):
 /// median time and the growth of the peak resident set during the call over the inputs'.
 int run_attention(const BenchOptions& options) {
+  // One rank: the world sets its threads to the cores (LibTorch's own default may be fewer).
+  shardit::dist::World::init();
   const at::ScalarType dtype = shardit::parse_compute_dtype(options.dtype);
   const int64_t s = options.attention_tokens, h = options.attention_heads, d = options.attention_head_dim;
   at::manual_seed(0);

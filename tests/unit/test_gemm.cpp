@@ -145,7 +145,7 @@ TEST_F(Gemm, AttentionBackendsOnOneDnnMatchBlasWithMasks) {
 TEST_F(Gemm, AutoKeepsSmallProductsAndOtherDtypesOnBlasAndProbesOnce) {
   GemmBackendGuard guard(GemmBackend::Auto);
   EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 8, 1 << 24), GemmBackend::Blas);
-  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 64 * 64), GemmBackend::Blas);
+  EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 16 * 16), GemmBackend::Blas);
   EXPECT_EQ(shardit::nn::gemm_backend_for(at::kCPU, at::kBFloat16, 4096, 1 << 24), GemmBackend::Blas);
   const shardit::nn::GemmProbe probe = shardit::nn::gemm_probe();
   EXPECT_GT(probe.blas_gflops, 0);

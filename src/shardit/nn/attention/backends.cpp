@@ -54,24 +54,6 @@ at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const 
   return at::matmul(probs, v);
 }
 
-/// Bytes of fp32 scores for every head of the call at once.
-int64_t whole_scores_bytes(const AttentionCall& c) {
-  return c.q.size(0) * c.q.size(1) * c.q.size(2) * c.k.size(2) * static_cast<int64_t>(sizeof(float));
-}
-
-/// auto's order for this call. On CPU, when every head's scores fit the math path's budget,
-/// math runs each product as one batched GEMM and its softmax as one kernel, while streaming
-/// key blocks runs many small GEMMs and element-wise passes per block: inside a FLUX.1 forward at
-/// 384 tokens that made the memory-efficient path's attention 2-3x slower than math's and the
-/// step ~6% slower. Past the budget memory decides, and the memory-efficient path leads.
-std::vector<std::string> auto_order(const AttentionCall& c) {
-  std::vector<std::string> order = default_attention_backends(c.q.device().type());
-  if (c.q.device().is_cpu() && whole_scores_bytes(c) <= kScoresBudgetBytes) {
-    const auto math = std::find(order.begin(), order.end(), "math");
-    if (math != order.end()) std::rotate(order.begin(), math, math + 1);
-  }
-  return order;
-}
 
 std::string device_list(const std::vector<c10::DeviceType>& devices) {
   std::string out;
@@ -248,7 +230,7 @@ at::Tensor dispatch_attention(const AttentionCall& call) {
   const AttentionBackend* chosen = nullptr;
   if (selection == "auto") {
     std::string reasons;
-    for (const auto& name : auto_order(call)) {
+    for (const auto& name : default_attention_backends(call.q.device().type())) {
       const AttentionBackend* candidate = nullptr;
       {
         Registry& r = registry();

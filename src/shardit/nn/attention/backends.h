@@ -60,8 +60,9 @@ const AttentionBackend& attention_backend(const std::string& name);
 std::string attention_backend_refusal(const AttentionBackend& backend, const AttentionCall& call);
 
 /// The preference list that "auto" walks on `device`: on CPU memory_efficient then math; on
-/// accelerators sdpa (where built), memory_efficient, math. On CPU a call whose scores for all
-/// heads fit math's budget goes to math first (one batched GEMM per product is faster there).
+/// accelerators sdpa (where built), memory_efficient, math. On CPU memory_efficient is also the
+/// faster: it keeps one head's block of scores in cache, where math's batched scores go through
+/// main memory (docs/benchmarks.md).
 std::vector<std::string> default_attention_backends(c10::DeviceType device);
 
 /// Selects the backend for every following call: "auto" or a registered name (checked here, so a

@@ -10,8 +10,9 @@
 
 namespace shardit::nn {
 
-/// Block sizes of memory_efficient_attention. 0: chosen from the shapes so that one block of
-/// scores ([B, H, query_block, key_block] fp32) stays under `scores_budget_bytes`.
+/// Block sizes of memory_efficient_attention, which runs one head at a time. 0: every key in one
+/// block up to 8192 keys (blocks of 8192 beyond), and as many queries as keep one block of scores
+/// ([query_block, key_block] fp32, one head) under `scores_budget_bytes`.
 struct MemoryEfficientOptions {
   int64_t query_block = 0;
   int64_t key_block = 0;
