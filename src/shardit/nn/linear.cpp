@@ -69,7 +69,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     }
 
     case LinearParallel::ColwiseGather: {
-      at::Tensor local = nn::linear(x, weight, bias);                        // [..., out_local]
+      at::Tensor local = nn::linear(x, weight, bias);                    // [..., out_local]
       if (!loras_.empty()) add_lora_deltas(local, x);
       at::Tensor gathered = group_->all_gather(local, local.dim() - 1);  // [..., out], rank-major
       if (gather_blocks_.empty()) return gathered;

@@ -54,7 +54,6 @@ at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const 
   return at::matmul(probs, v);
 }
 
-
 std::string device_list(const std::vector<c10::DeviceType>& devices) {
   std::string out;
   for (const auto d : devices) out += (out.empty() ? "" : ", ") + c10::DeviceTypeName(d, /*lower_case=*/true);
