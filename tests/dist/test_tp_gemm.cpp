@@ -12,12 +12,8 @@
 #include <string>
 
 #include "shardit/dist/world.h"
-#include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/gemm.h"
-#include "shardit/parallel/tensor_parallel.h"
-#include "shardit/verify/transformer_case.h"
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
@@ -35,13 +31,7 @@ void worker() {
   auto& world = shardit::dist::World::init();
   ASSERT_EQ(shardit::nn::gemm_backend_selection(), shardit::nn::GemmBackend::OneDnn);
   const std::string dir = env_or("SHARDIT_GEMM_MODEL");
-  const auto folder = shardit::io::open_component(dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  shardit::parallel::LoadOptions options;
-  options.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, world.size());
-  model->load(folder.weights(), options);
-  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
-  const at::Tensor sample = shardit::verify::forward_from_file(*model, *inputs);
+  const at::Tensor sample = shardit::testing::run_case(*shardit::testing::load_transformer(dir, "shard-on-load"), dir);
   const at::Tensor reference = shardit::io::SafetensorsFile::open(env_or("SHARDIT_GEMM_REFERENCE"))->read("sample");
   EXPECT_TRUE(tensors_close(dir + " at TP=" + std::to_string(world.size()) + " on onednn vs TP=1 on blas", sample,
                             reference, kTolerance, kTolerance));
@@ -50,14 +40,10 @@ void worker() {
 void expect_tp2_on_onednn(const std::string& golden_case) {
   if (!at::hasMKLDNN()) GTEST_SKIP() << "the linked LibTorch has no oneDNN";
   const std::string dir = golden_path(golden_case);
-  const auto folder = shardit::io::open_component(dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  model->load(folder.weights(), {});
-  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
   at::Tensor reference;
   {
     shardit::nn::GemmBackendGuard blas(shardit::nn::GemmBackend::Blas);
-    reference = shardit::verify::forward_from_file(*model, *inputs);
+    reference = shardit::testing::run_case(*shardit::testing::load_transformer(dir), dir);
   }
   const std::string path = shardit::testing::make_temp_dir("gemm-reference") + "/reference.safetensors";
   shardit::io::save_safetensors(path, {{"sample", reference}});

@@ -13,15 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
-#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
 namespace {
@@ -183,15 +180,12 @@ class GemmGolden : public ::testing::TestWithParam<std::string> {};
 TEST_P(GemmGolden, OneDnnProductsMatchTheGoldenSample) {
   if (!at::hasMKLDNN()) GTEST_SKIP() << "the linked LibTorch has no oneDNN";
   const std::string dir = shardit::testing::golden_path(GetParam());
-  const auto folder = shardit::io::open_component(dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  model->load(folder.weights(), {});
-  const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");
+  const auto model = shardit::testing::load_transformer(dir);
   const at::Tensor golden = shardit::io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
   for (const std::string attention : {"math", "memory_efficient"}) {
     shardit::nn::AttentionBackendGuard attention_guard(attention);
-    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::verify::forward_from_file(*model, *inputs); });
-    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::verify::forward_from_file(*model, *inputs); });
+    const at::Tensor blas = on(GemmBackend::Blas, [&] { return shardit::testing::run_case(*model, dir); });
+    const at::Tensor dnn = on(GemmBackend::OneDnn, [&] { return shardit::testing::run_case(*model, dir); });
     EXPECT_TRUE(tensors_close(GetParam() + " (" + attention + "): onednn vs golden", dnn, golden, kGoldenTolerance,
                               kGoldenTolerance));
     EXPECT_TRUE(tensors_close(GetParam() + " (" + attention + "): onednn vs blas", dnn, blas, kGoldenTolerance,
