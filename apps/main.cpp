@@ -150,7 +150,13 @@ int main(int argc, char** argv) {
       ::setenv("SHARDIT_DIST_TIMEOUT_MS", std::to_string(ms).c_str(), 1);
     }
     if (!attention_backend.empty()) shardit::nn::set_attention_backend(attention_backend);
-    if (!gemm_backend.empty()) shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(gemm_backend));
+    // Without the option the selection comes from SHARDIT_GEMM_BACKEND: read it now, so that a bad
+    // value fails here and not at the first large product, after the weights are loaded.
+    if (gemm_backend.empty()) {
+      shardit::nn::gemm_backend_selection();
+    } else {
+      shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(gemm_backend));
+    }
     if (nproc_per_node > 1) {
       const auto env = shardit::dist::LaunchEnv::from_environment();
       TORCH_CHECK(env.world_size == 1, "--nproc-per-node ", nproc_per_node, " inside a job that ",

@@ -172,6 +172,12 @@ TEST(GemmSelection, UnknownKernelIsRejectedListingTheChoices) {
       shardit::testing::cli_path() + " --gemm-backend mkl run-transformer --out /nonexistent/x.safetensors", &output);
   EXPECT_EQ(status, 1) << output;
   EXPECT_NE(output.find("unknown gemm backend 'mkl'"), std::string::npos) << output;
+  // The same value from the environment fails before any work too.
+  const int env_status = shardit::testing::run_command(
+      "SHARDIT_GEMM_BACKEND=mkl " + shardit::testing::cli_path() + " run-transformer --out /nonexistent/x.safetensors",
+      &output);
+  EXPECT_EQ(env_status, 1) << output;
+  EXPECT_NE(output.find("unknown gemm backend 'mkl'"), std::string::npos) << output;
 }
 
 // The golden transformer cases with every product on oneDNN: the sample must match diffusers'.

@@ -19,8 +19,9 @@ namespace {
 
 // auto routes a product to oneDNN only from this size on: below it the conversions to and from
 // oneDNN's tensors cost more than the kernel gains (measured at 3072 x 3072 weights: BLAS ahead
-// at 1-2 rows, even at 64, oneDNN 2.3x ahead at 256). The bound on multiply-adds keeps tiny
-// layers on BLAS while a streamed attention block (~100 queries x 256 keys x 128) qualifies.
+// at 1-2 rows, level at 64, oneDNN 2.3x ahead at 256). The bound on multiply-adds keeps tiny
+// layers (and the test models) on BLAS while a block of one attention head (a few hundred queries
+// x the keys x 128) qualifies.
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kMinMultiplyAdds = int64_t{1} << 22;
 // oneDNN must beat BLAS by this factor on the probe to be chosen: a close call keeps LibTorch's
