@@ -1,5 +1,5 @@
 // Golden-style case folders (inputs.safetensors + inputs.json), as run-transformer, run-encoder
-// and run-vae take them, and the load options these commands share.
+// and run-vae take them.
 #include <filesystem>
 #include <string>
 
@@ -21,15 +21,6 @@ std::string case_inputs_file(const std::string& inputs, const io::ComponentFolde
     }
   }
   return path;
-}
-
-parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp) {
-  parallel::LoadOptions options;
-  options.dtype = dtype;
-  options.device = world.device();
-  const int degree = tp > 0 ? tp : world.size();
-  if (world.size() > 1 || degree != 1) options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, degree);
-  return options;
 }
 
 }  // namespace shardit::apps

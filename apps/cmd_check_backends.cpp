@@ -64,10 +64,7 @@ int check_backends(const CheckBackendsOptions& given) {
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
   const auto inputs = io::SafetensorsFile::open(case_inputs_file(options.inputs, component));
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
-  parallel::LoadOptions load_options;
-  load_options.dtype = dtype;
-  load_options.device = world.device();
-  if (world.size() > 1) load_options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, world.size());
+  const parallel::LoadOptions load_options = command_load_options(world, dtype, /*tp=*/0);
   model->load(component.weights(), load_options);
 
   at::Tensor reference;

@@ -72,7 +72,6 @@ void compare_with(const std::string& reference_path, const at::Tensor& image) {
 int generate(const GenerateOptions& given) {
   dist::World& world = dist::World::get();
   GenerateOptions options = given;
-  const parallel::ParallelDims dims = options.pipeline.dims().resolved(world.size());
   if (options.model.empty()) {
     const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
     options.model = builtin.pipeline;
@@ -126,15 +125,18 @@ int generate(const GenerateOptions& given) {
   const std::vector<std::string> pngs = pipelines::image_paths(options.out, num_prompts * options.num_images);
   if (world.rank() == 0) {
     std::vector<std::string> inputs = {options.prompt_embeds, options.latents, options.compare_to};
+    for (const models::LoraRequest& lora : lora_requests(options.pipeline.lora)) inputs.push_back(lora.path);
     for (const auto& png : pngs) io::check_output_path(png, inputs);
     if (!options.out_tensors.empty()) io::check_output_path(options.out_tensors, inputs);
   }
   world.agree("generate arguments",
-              fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model, fmt::join(options.prompt, "\x1f"),
+              fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model, fmt::join(options.prompt, "\x1f"),
                           options.prompt_embeds, fmt::join(options.negative_prompt, "\x1f"),
                           options.height.value_or(-1), options.width.value_or(-1), options.steps.value_or(-1),
                           options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
-                          options.seed, options.latents, options.pipeline.dtype));
+                          options.seed, options.latents, options.pipeline.dtype,
+                          fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
+                          options.pipeline.lora.fuse));
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();
@@ -175,6 +177,7 @@ int generate(const GenerateOptions& given) {
       io::save_safetensors(options.out_tensors, tensors);
     }
     const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    const parallel::ParallelDims dims = pipeline->parallel_dims();
     fmt::print(
         "{} ({}, transformer tp {} of {} ranks, mesh {}): {} image(s) {}x{}, {} steps in {:.2f} s (load {:.2f} s) -> "
         "{}{}\n",
@@ -186,49 +189,6 @@ int generate(const GenerateOptions& given) {
 }
 
 }  // namespace
-
-parallel::ParallelDims PipelineCliOptions::dims() const {
-  return parallel::ParallelDims{cfg_parallel ? 2 : 1, ulysses, ring, tp};
-}
-
-pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options) {
-  pipelines::PipelineLoadOptions load;
-  load.dtype = parse_compute_dtype(options.dtype);
-  load.device = world.device();
-  load.vae_tiling = options.tiled_vae;
-  load.vae_parallel = options.vae_parallel;
-  const parallel::ParallelDims dims = options.dims().resolved(world.size());  // wrong degrees fail here
-  if (world.size() > 1) load.mesh = dims.build_mesh(world);
-  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
-  return load;
-}
-
-void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
-  command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
-  command
-      ->add_option("--tp", options.tp,
-                   "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
-                   "leave); cfg x ulysses x ring x tp must divide the number of ranks")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
-  command->add_flag("--cfg-parallel", options.cfg_parallel,
-                    "run the conditional and unconditional CFG branches on the two halves of the ranks");
-  command
-      ->add_option("--text-encoder-tp", options.text_encoder_tp,
-                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
-                   "such degree their heads allow)")
-      ->check(CLI::PositiveNumber);
-  command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
-  command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
-      ->excludes("--tiled-vae");
-}
-
-std::string model_folder_name(const std::string& path) {
-  const fs::path normal = fs::path(path).lexically_normal();
-  return normal.filename().string().empty() ? normal.parent_path().filename().string() : normal.filename().string();
-}
 
 void register_generate(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<GenerateOptions>();

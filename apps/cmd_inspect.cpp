@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "shardit/core/units.h"
 #include "apps/inspect_plan.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
@@ -50,17 +51,6 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + "]";
-}
-
-std::string human_bytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  size_t unit = 0;
-  while (value >= 1024.0 && unit + 1 < std::size(units)) {
-    value /= 1024.0;
-    ++unit;
-  }
-  return unit == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", value, units[unit]);
 }
 
 /// name | dtype | shape | bytes, then the totals.

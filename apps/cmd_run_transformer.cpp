@@ -36,9 +36,7 @@ struct RunTransformerOptions {
   std::string dtype = "f32";
   int tp = 0;  ///< 0: the world size
   bool check_finite = false;
-  std::vector<std::string> lora;  ///< FILE[:WEIGHT], repeatable
-  double lora_scale = 1.0;
-  bool fuse_lora = false;
+  LoraCliOptions lora;
 };
 
 bool is_floating(io::StDtype dtype) {
@@ -107,8 +105,7 @@ int run_transformer(const RunTransformerOptions& given) {
                   " holds a '", component.class_name(), "'");
     }
   }
-  std::vector<models::LoraRequest> loras;
-  for (const std::string& argument : options.lora) loras.push_back(models::parse_lora_request(argument));
+  const std::vector<models::LoraRequest> loras = lora_requests(options.lora);
   if (world.rank() == 0) {
     std::vector<std::string> inputs = {inputs_path, inputs_json.string(), (fs::path(component.dir) / "config.json").string(),
                                        weights.path()};
@@ -118,6 +115,7 @@ int run_transformer(const RunTransformerOptions& given) {
   }
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
   check_weight_dtypes(*model, weights);
+  const std::vector<models::LoraFile> adapter_files = models::open_lora_files(loras, *model);
 
   // Ranks given different work would meet in a collective with different shapes (a transport
   // error at best): agree first, through the store, and name the difference.
@@ -125,8 +123,8 @@ int run_transformer(const RunTransformerOptions& given) {
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
   world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
-  for (const auto& lora : loras) {
-    world.agree("LoRA " + lora.path, tensor_table(*io::SafetensorsFile::open(lora.path)));
+  for (const models::LoraFile& adapter : adapter_files) {
+    world.agree("LoRA " + adapter.spec.path, tensor_table(*adapter.file));
   }
 
   if (options.check_finite) {
@@ -141,7 +139,9 @@ int run_transformer(const RunTransformerOptions& given) {
 
   const auto load_start = std::chrono::steady_clock::now();
   model->load(weights, load_options);
-  const auto adapters = models::load_lora_requests(*model, loras, options.lora_scale, options.fuse_lora);
+  // Removes its unfused adapters from the model when it goes, after the forward.
+  parallel::LoraAdapters adapters(*model);
+  models::load_lora_files(adapters, adapter_files, options.lora.scale, options.lora.fuse);
   const auto forward_start = std::chrono::steady_clock::now();
 
   const at::Tensor sample = verify::forward_from_file(*model, *inputs_file);
@@ -184,10 +184,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
       ->check(CLI::PositiveNumber);
   command->add_flag("--check-finite", options->check_finite,
                     "fail (writing nothing) when an input or the sample holds NaN or Inf; without it, a warning");
-  command->add_option("--lora", options->lora,
-                      "LoRA adapter FILE[:WEIGHT] (repeatable; named after the file; weight 1 by default)");
-  command->add_option("--lora-scale", options->lora_scale, "runtime scale multiplying every LoRA adapter");
-  command->add_flag("--fuse-lora", options->fuse_lora, "merge the LoRA adapters into the weights at load");
+  add_lora_options(command, options->lora);
   command->callback([&body, options] { body = [options] { return run_transformer(*options); }; });
 }
 

@@ -18,7 +18,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::apps {
 

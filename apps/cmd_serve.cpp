@@ -52,9 +52,11 @@ int serve(ServeCommandOptions options) {
   serve.tick = std::min<std::chrono::milliseconds>(std::chrono::seconds(1), world.options().timeout / 4);
   const PipelineCliOptions& pipeline_options = options.pipeline;
   world.agree("serve arguments",
-              fmt::format("{}|{}|{}|{}|{}|{}|{}", options.model, pipeline_options.dtype, pipeline_options.dims().to_string(),
-                          pipeline_options.text_encoder_tp, serve.limits.max_sequence_length, pipeline_options.tiled_vae,
-                          pipeline_options.vae_parallel));
+              fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model, pipeline_options.dtype,
+                          pipeline_options.dims().to_string(), pipeline_options.text_encoder_tp,
+                          serve.limits.max_sequence_length, pipeline_options.tiled_vae, pipeline_options.vae_parallel,
+                          fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
+                          pipeline_options.lora.fuse));
 
   const auto load = pipeline_load_options(world, pipeline_options);
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);

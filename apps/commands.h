@@ -1,15 +1,18 @@
 #pragma once
-// Each CLI subcommand lives in its own apps/cmd_<name>.cpp and registers itself here. The CLI is
-// thin: it parses, calls the library, prints.
+// The CLI's commands: each lives in its own apps/cmd_<name>.cpp behind a register_<name> declared
+// here (main.cpp adds them all), and the options several commands share are made in one place
+// (apps/pipeline_options.cpp). The CLI is thin: it parses, calls the library, prints.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
+#include "shardit/models/lora_formats.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/pipelines/pipeline.h"
@@ -35,9 +38,28 @@ std::string tensor_table(const File& file) {
   return table;
 }
 
+// The parallel degrees and the options the commands share (apps/pipeline_options.cpp): every
+// command turns its flags into ranks through these.
+
 /// How a command loads its model: `dtype`, the world's device, and tensor parallelism over `tp`
-/// ranks (0: the whole world; none on a world of one at tp 1).
+/// ranks (0: the whole world; each block of `tp` ranks holds one replica), laid out by
+/// ParallelDims::build like the pipelines' meshes (none on a world of one rank).
 parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp);
+
+/// `--lora FILE[:WEIGHT]`, `--lora-scale`, `--fuse-lora`.
+struct LoraCliOptions {
+  std::vector<std::string> files;  ///< FILE[:WEIGHT], as given
+  double scale = 1.0;
+  bool fuse = false;
+};
+
+/// Parses "FILE[:WEIGHT]": the part after the last ':' is the weight when it is a finite number
+/// (so a path may hold ':'); without one, the weight is 1.
+models::LoraRequest parse_lora_request(const std::string& argument);
+/// Every `--lora` of `options`, parsed.
+std::vector<models::LoraRequest> lora_requests(const LoraCliOptions& options);
+/// Adds --lora, --lora-scale and --fuse-lora.
+void add_lora_options(CLI::App* command, LoraCliOptions& options);
 
 /// The options generate and serve share: how the pipeline is loaded and laid out on the ranks.
 struct PipelineCliOptions {
@@ -49,17 +71,18 @@ struct PipelineCliOptions {
   int text_encoder_tp = 0;    ///< 0: the largest degree the text encoders' heads allow
   bool tiled_vae = false;
   bool vae_parallel = false;
+  LoraCliOptions lora;
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
   parallel::ParallelDims dims() const;
 };
 
 /// The load options of `options`: the dtype on the world's device, the transformer on the
 /// cfg x ulysses x ring x tp mesh (built over the world: collective), the text encoders' degree,
-/// the VAE tiled or decoding in parallel.
+/// the VAE tiled or decoding in parallel, the LoRA adapters.
 pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
 
-/// Adds --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp, --tiled-vae and
-/// --vae-parallel to a pipeline command.
+/// Adds --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp, --tiled-vae,
+/// --vae-parallel and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
 
 /// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the

@@ -12,6 +12,7 @@
 
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
+#include "shardit/core/units.h"
 #include "shardit/models/registry.h"
 
 namespace shardit::apps {
@@ -20,7 +21,6 @@ namespace {
 
 using parallel::TpPlanKind;
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 /// One component the registry builds, on the meta device.
 struct PlannedComponent {
@@ -93,7 +93,6 @@ Planned plan_folder(const io::ModelFolder& folder) {
 std::string billions(int64_t count) {
   return count < 10'000'000 ? std::to_string(count) : fmt::format("{:.3f}B", static_cast<double>(count) / 1e9);
 }
-std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB); }
 
 nlohmann::json to_json(const models::ComponentMemory& memory) {
   return {{"component", memory.component},
@@ -200,7 +199,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
   }
   std::vector<std::string> verdict_lines;
   if (request.device_memory_gib) {
-    const auto capacity = static_cast<int64_t>(*request.device_memory_gib * kGiB);
+    const auto capacity = static_cast<int64_t>(*request.device_memory_gib * kBytesPerGiB);
     nlohmann::json verdicts = nlohmann::json::array();
     for (int tp : verdict_degrees(request.tp)) {
       for (TpPlanKind kind : kinds) {

@@ -38,6 +38,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
+#include "shardit/core/units.h"
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
@@ -294,12 +295,6 @@ nlohmann::json gemm_report() {
           {"blas_core", shardit::nn::blas_core_name()}};
 }
 
-std::string human_bytes(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  return text;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The benchmarks
 
@@ -487,7 +482,7 @@ int run_forward(const BenchOptions& options) {
                 options.dtype.c_str(), tp, options.ulysses, options.ring, at::get_num_threads(),
                 static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
                 gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
-                human_bytes(parameter_bytes).c_str(), human_bytes(std::max(load_peak, peak_rss_bytes())).c_str());
+                shardit::gib(parameter_bytes).c_str(), shardit::gib(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
   if (op_profile) std::printf("\noperators of rank 0, per forward:\n%s", op_profile->report(options.repeats).c_str());
@@ -552,7 +547,7 @@ int run_attention(const BenchOptions& options) {
                 "| attention | %s | %s | %lld tokens x %lld heads x %lld | %.3f s (%.3f–%.3f) | %s peak RSS growth | "
                 "%.1f MiB allocator peak (output %.1f MiB) |",
                 ran.c_str(), options.dtype.c_str(), static_cast<long long>(s), static_cast<long long>(h),
-                static_cast<long long>(d), median, sorted.front(), sorted.back(), human_bytes(peak_growth).c_str(),
+                static_cast<long long>(d), median, sorted.front(), sorted.back(), shardit::gib(peak_growth).c_str(),
                 static_cast<double>(allocator_peak) / (1 << 20), static_cast<double>(output_bytes) / (1 << 20));
   emit(options, result, row);
   if (options.op_profile) std::printf("\noperators of one call:\n%s", operators.c_str());
@@ -618,7 +613,7 @@ int run_load(const BenchOptions& options) {
   char row[512];
   std::snprintf(row, sizeof(row), "| load | %s | TP=%d | %s | %.1f s | %s peak RSS growth (max rank) | %s expected | %.2fx |",
                 options.dtype.c_str(), tp, options.load_path.c_str(), worst_seconds,
-                human_bytes(static_cast<int64_t>(worst_growth)).c_str(), human_bytes(expected_bytes).c_str(),
+                shardit::gib(static_cast<int64_t>(worst_growth)).c_str(), shardit::gib(expected_bytes).c_str(),
                 worst_growth / expected_bytes);
   emit(options, result, row);
   return 0;
@@ -716,7 +711,7 @@ int run_encoder(const BenchOptions& options) {
   std::snprintf(row, sizeof(row), "| encoder | %s (%d layers) | %s | TP=%d x %d thr | %lld tokens | %.3f s (%.3f–%.3f) | %s of %s |",
                 model->type_name().c_str(), options.encoder_layers, options.dtype.c_str(), tp, at::get_num_threads(),
                 static_cast<long long>(tokens), median, sorted.front(), sorted.back(),
-                human_bytes(parameter_bytes).c_str(), human_bytes(whole_bytes).c_str());
+                shardit::gib(parameter_bytes).c_str(), shardit::gib(whole_bytes).c_str());
   emit(options, result, row);
   return 0;
 }

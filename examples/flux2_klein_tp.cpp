@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
     // replicated and loaded by rank 0 only, which decodes.
     shardit::pipelines::PipelineLoadOptions options;
     options.device = world.device();
-    if (!enable_parallelism) options.transformer_parallel = tp;
+    if (!enable_parallelism) options.parallel = shardit::parallel::ParallelLayout{{1, 1, 1, world.size()}, tp.mesh};
     shardit::pipelines::Flux2KleinPipeline pipe(shardit::io::ModelFolder::open(model), options);
     pipe.load();
     if (enable_parallelism) pipe.transformer()->enable_parallelism(tp);

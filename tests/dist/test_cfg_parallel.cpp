@@ -72,7 +72,7 @@ void golden_worker() {
   shardit::testing::PipelineCase golden = shardit::testing::read_pipeline_case(env_or("SHARDIT_PIPELINE_CASE"));
   const ParallelDims dims = ParallelDims{2, 1, 1, 0}.resolved(world.size());
   PipelineLoadOptions options;
-  options.mesh = dims.build_mesh(world);
+  options.parallel = dims.build(world);
   options.load_text_encoders = false;
   const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
   ASSERT_EQ(pipeline->transformer()->tp_degree(), dims.tp);
@@ -88,7 +88,7 @@ void golden_worker() {
   EXPECT_TRUE(result.cfg) << what;
 
   // One transformer call per step on this rank (one rank alone makes two), on this half's branch.
-  const int cfg_index = options.mesh->coordinate("cfg");
+  const int cfg_index = options.parallel.mesh->coordinate("cfg");
   EXPECT_EQ(static_cast<int64_t>(calls.lengths.size()), golden.steps) << what;
   const int64_t cond_length = golden.request.prompt_embeds->prompt_embeds.size(1);
   const int64_t uncond_length = golden.request.negative_prompt_embeds->prompt_embeds.size(1);
@@ -186,7 +186,7 @@ void flux_true_cfg_worker() {
 
   const ParallelDims dims = ParallelDims{2, 1, 1, 0}.resolved(world.size());
   PipelineLoadOptions options;
-  options.mesh = dims.build_mesh(world);
+  options.parallel = dims.build(world);
   options.load_text_encoders = false;
   std::vector<at::Tensor> steps;
   int64_t calls = 0;
@@ -233,7 +233,7 @@ TEST(CfgParallelErrors, RefusesRequestWithoutCfg) {
   if (is_worker()) {
     auto& world = shardit::dist::World::init();
     PipelineLoadOptions options;
-    options.mesh = ParallelDims{2, 1, 1, 0}.build_mesh(world);
+    options.parallel = ParallelDims{2, 1, 1, 0}.build(world);
     const auto pipeline = DiffusionPipeline::open(env_or("SHARDIT_BUILTIN_PIPELINE"), options);
     GenerateRequest request = builtin_request();
     const std::string expected =
@@ -264,7 +264,7 @@ TEST(CfgParallelErrors, GoldenRefusesDistilledKlein) {
   if (is_worker()) {
     auto& world = shardit::dist::World::init();
     PipelineLoadOptions options;
-    options.mesh = ParallelDims{2, 1, 1, 0}.build_mesh(world);
+    options.parallel = ParallelDims{2, 1, 1, 0}.build(world);
     EXPECT_EQ(error_of([&] { DiffusionPipeline::open(env_or("SHARDIT_DISTILLED_KLEIN"), options); }),
               "Flux2KleinPipeline: CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional "
               "branches of classifier-free guidance on the two halves of the mesh, but this pipeline runs no CFG "
@@ -291,13 +291,13 @@ TEST(CfgParallelErrors, GoldenRefusesImpossibleSplit) {
     auto& world = shardit::dist::World::init();
     const std::string dir = shardit::testing::golden_path("pipeline_qwenimage");
     PipelineLoadOptions tp3;
-    tp3.mesh = ParallelDims{1, 1, 1, 3}.build_mesh(world);
+    tp3.parallel = ParallelDims{1, 1, 1, 3}.build(world);
     EXPECT_EQ(error_of([&] { DiffusionPipeline::open(dir, tp3); }),
               "QwenImagePipeline's transformer cannot run on the mesh cfg=1 x ulysses=1 x ring=1 x tp=3: "
               "num_attention_heads = 4, which does not divide by tp_degree 3; degrees that would work (up to 64): 1, "
               "2, 4; meshes of 3 ranks it can run on: [--ring 3 --tp 1]");
     PipelineLoadOptions ulysses3;
-    ulysses3.mesh = ParallelDims{1, 3, 1, 1}.build_mesh(world);
+    ulysses3.parallel = ParallelDims{1, 3, 1, 1}.build(world);
     EXPECT_EQ(error_of([&] { DiffusionPipeline::open(dir, ulysses3); }),
               "QwenImagePipeline's transformer cannot run on the mesh cfg=1 x ulysses=3 x ring=1 x tp=1: "
               "QwenImageTransformer2DModel: num_attention_heads = 4 does not divide by tp x ulysses = 1 x 3 = 3 "

@@ -36,7 +36,7 @@ constexpr int kRanks = 4;
 void expect_mesh_matches(shardit::testing::PipelineCase& golden, const ParallelDims& dims) {
   auto& world = shardit::dist::World::get();
   PipelineLoadOptions options;
-  options.mesh = dims.build_mesh(world);
+  options.parallel = dims.build(world);
   options.load_text_encoders = false;
   const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
   ASSERT_EQ(pipeline->parallel_dims(), dims);

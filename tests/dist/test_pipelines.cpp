@@ -37,7 +37,7 @@ void api_worker() {
   shardit::testing::PipelineCase golden = shardit::testing::read_pipeline_case(env_or("SHARDIT_PIPELINE_CASE"));
   const std::string path = env_or("SHARDIT_PIPELINE_PATH");
   shardit::pipelines::PipelineLoadOptions options;
-  if (path == "shard-on-load") options.transformer_parallel = TensorParallelConfig::from_degree(world, world.size());
+  if (path == "shard-on-load") options.parallel = shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world);
   const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
   if (path == "enable-parallelism") {
     pipeline->transformer()->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()));
@@ -193,6 +193,34 @@ TEST(PipelinesBuiltin, PromptEncodingTp2AndTp3MatchTp1) {
               0)
         << "TP=" << nproc;
   }
+}
+
+// LoRA owned by the pipeline, from the command line: the golden FLUX.1 pipeline with the golden
+// PEFT adapter (written for a transformer whose blocks have this pipeline's widths; it targets
+// only block Linears). The adapter changes the image; merging it (--fuse-lora) gives the unfused
+// image up to fp32 rounding; weight 0 gives the base image bit for bit (the unfused delta is
+// skipped at weight 0, as it is with no adapter); TP=2 shards the adapter with the transformer.
+TEST(PipelineLora, GoldenGenerateLoraFuseZeroWeightAndTp2) {
+  if (is_worker()) return;
+  const auto golden = shardit::testing::read_pipeline_case(shardit::testing::golden_path("pipeline_flux1"));
+  const std::string lora = "--lora " + shardit::testing::golden_path("lora_flux1_peft/pixel.safetensors");
+  // One GEMM kernel for every run: `auto` times BLAS against oneDNN in each process, and the
+  // bit-for-bit comparison must not depend on which one a loaded machine picked.
+  const std::string blas = "--gemm-backend blas";
+  const auto base = shardit::testing::run_generate_cli(golden, blas);
+  const auto unfused = shardit::testing::run_generate_cli(golden, blas, lora + ":0.8");
+  const auto fused = shardit::testing::run_generate_cli(golden, blas, lora + ":0.8 --fuse-lora");
+  const auto zero = shardit::testing::run_generate_cli(golden, blas, lora + ":0");
+  const auto tp2 = shardit::testing::run_generate_cli(golden, blas + " --nproc-per-node 2", lora + ":0.8");
+  ASSERT_TRUE(base.image.defined() && unfused.image.defined() && fused.image.defined() && zero.image.defined() &&
+              tp2.image.defined());
+  EXPECT_GT((unfused.image - base.image).abs().max().item<double>(), 1e-3) << "the adapter does not change the image";
+  EXPECT_TRUE(shardit::testing::tensors_close("--fuse-lora against unfused", fused.image, unfused.image, 1e-5, 0));
+  EXPECT_TRUE(at::equal(zero.image, base.image)) << "weight 0 is not the base image bit for bit";
+  EXPECT_TRUE(at::equal(zero.latents, base.latents)) << "weight 0 does not give the base latents bit for bit";
+  EXPECT_NE(tp2.output.find("tp 2 of 2 ranks"), std::string::npos) << tp2.output;
+  EXPECT_TRUE(shardit::testing::tensors_close("LoRA at TP=2 against TP=1", tp2.image, unfused.image,
+                                              shardit::testing::kImageAtol, 0));
 }
 
 }  // namespace

@@ -24,7 +24,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 #include "shardit/parallel/spatial_parallel.h"
 #include "shardit/pipelines/pipeline.h"
 #include "support/multiprocess.h"
@@ -310,7 +310,7 @@ void pipeline_worker() {
   shardit::pipelines::PipelineLoadOptions options;
   options.vae_parallel = true;
   if (world.size() == 2) {
-    options.transformer_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, 2);
+    options.parallel = shardit::parallel::ParallelDims{1, 1, 1, 2}.build(world);
   }
   const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
   ASSERT_NE(pipeline->vae(), nullptr);

@@ -13,7 +13,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/registry.h"
-#include "shardit/nn/embeddings.h"
+#include "shardit/nn/timestep_embeddings.h"
 #include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 

@@ -88,7 +88,8 @@ void expect_api_matches(PipelineCase& golden, const std::string& what) {
   EXPECT_TRUE(at::equal(result.latents, steps.back())) << what;
 }
 
-GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options) {
+GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options,
+                                const std::string& options) {
   const std::string dir = make_temp_dir("pipeline-cli");
   std::string command = cli_path() + " " + global_options + " generate";
   for (const auto& arg : golden.cli_args) {
@@ -96,7 +97,7 @@ GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& g
     for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
     command += " '" + quoted + "'";
   }
-  command += " --out " + dir + "/out.png --out-tensors " + dir + "/tensors.safetensors --save-steps";
+  command += " " + options + " --out " + dir + "/out.png --out-tensors " + dir + "/tensors.safetensors --save-steps";
   GenerateCliRun run;
   EXPECT_EQ(run_command(command, &run.output), 0) << run.output;
   const auto tensors = io::SafetensorsFile::open(dir + "/tensors.safetensors");

@@ -47,9 +47,10 @@ struct GenerateCliRun {
   std::string output;  ///< stdout + stderr
 };
 
-/// Runs `shardit <global_options> generate` with the case's arguments, writing into a temp folder;
-/// a test failure when it exits non-zero.
-GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options);
+/// Runs `shardit <global_options> generate` with the case's arguments and `options` (more
+/// generate flags), writing into a temp folder; a test failure when it exits non-zero.
+GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& global_options,
+                                const std::string& options = "");
 
 /// Compares PNG files written by `shardit generate` with the stored ones (+-1 per channel).
 void expect_pngs_match(const PipelineCase& golden, const std::vector<std::string>& pngs, const std::string& what);

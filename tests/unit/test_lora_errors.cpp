@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "apps/commands.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/lora_formats.h"
 #include "shardit/nn/linear.h"
@@ -142,11 +143,11 @@ TEST(LoraErrors, GoldenSetAdaptersNamesUnknownAdapter) {
 }
 
 TEST(LoraRequest, ParsesFileAndWeight) {
-  EXPECT_EQ(models::parse_lora_request("a.safetensors").path, "a.safetensors");
-  EXPECT_EQ(models::parse_lora_request("a.safetensors").weight, 1.0);
-  EXPECT_EQ(models::parse_lora_request("a.safetensors:0.7").weight, 0.7);
-  EXPECT_EQ(models::parse_lora_request("a.safetensors:-0.3").path, "a.safetensors");
-  EXPECT_EQ(models::parse_lora_request("c:/x/a.safetensors").path, "c:/x/a.safetensors");
+  EXPECT_EQ(apps::parse_lora_request("a.safetensors").path, "a.safetensors");
+  EXPECT_EQ(apps::parse_lora_request("a.safetensors").weight, 1.0);
+  EXPECT_EQ(apps::parse_lora_request("a.safetensors:0.7").weight, 0.7);
+  EXPECT_EQ(apps::parse_lora_request("a.safetensors:-0.3").path, "a.safetensors");
+  EXPECT_EQ(apps::parse_lora_request("c:/x/a.safetensors").path, "c:/x/a.safetensors");
   EXPECT_EQ(models::lora_adapter_name("dir/pixel.safetensors"), "pixel");
 }
 

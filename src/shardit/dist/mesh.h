@@ -1,5 +1,7 @@
 #pragma once
-// A named N-D arrangement of the world's ranks (e.g. tp=2 x cp=2), with a group per dimension.
+// A named N-D arrangement of the world's ranks (e.g. ulysses=2 x tp=2), with a group per
+// dimension. The pipelines' meshes are made by parallel::ParallelDims::build (replica, cfg,
+// ulysses, ring, tp).
 #include <memory>
 #include <string>
 #include <utility>
@@ -13,9 +15,9 @@ class World;
 
 class DeviceMesh {
  public:
-  /// `dims` in order, e.g. {{"cp", 2}, {"tp", 2}}: ranks are laid out row-major, the last
-  /// dimension varying fastest (rank = cp_index * 2 + tp_index). The product must equal the world
-  /// size. Collective: every rank constructs the same mesh.
+  /// `dims` in order, e.g. {{"ulysses", 2}, {"tp", 2}}: ranks are laid out row-major, the last
+  /// dimension varying fastest (rank = ulysses_index * 2 + tp_index). The product must equal the
+  /// world size. Collective: every rank constructs the same mesh.
   DeviceMesh(World& world, std::vector<std::pair<std::string, int>> dims);
   /// A 1-D mesh over the whole world.
   static DeviceMesh one_d(World& world, const std::string& name = "tp");
@@ -28,7 +30,7 @@ class DeviceMesh {
   int coordinate(const std::string& dim) const;
   /// The group of ranks that share every coordinate but `dim`.
   std::shared_ptr<Group> group(const std::string& dim) const;
-  /// "tp=2 x cp=2"
+  /// "ulysses=2 x tp=2"
   std::string to_string() const;
 
  private:

@@ -467,24 +467,28 @@ void convert_xlabs(const io::SafetensorsFile& file, const ModelLinears& linears,
 }  // namespace
 
 parallel::LoraAdapterSpec read_lora_spec(const std::string& path, parallel::TensorParallelModule& model) {
+  return read_lora_spec(*io::SafetensorsFile::open(path), model);
+}
+
+parallel::LoraAdapterSpec read_lora_spec(const io::SafetensorsFile& file, parallel::TensorParallelModule& model) {
   const ModelLinears linears = linears_of(model);
-  const auto file = io::SafetensorsFile::open(path);
-  const std::vector<std::string> names = file->names();
+  const std::string& path = file.path();
+  const std::vector<std::string> names = file.names();
   TORCH_CHECK(!names.empty(), path, ": the file holds no tensors; it is not a LoRA");
   LoraAdapterSpec spec;
   spec.path = path;
   const std::string& first = names.front();
   auto any = [&](auto predicate) { return std::any_of(names.begin(), names.end(), predicate); };
   if (any([](const std::string& key) { return starts_with(key, "lora_unet_"); })) {
-    convert_prefixed(*file, linears, "lora_unet_", spec);
+    convert_prefixed(file, linears, "lora_unet_", spec);
   } else if (any([](const std::string& key) { return key.find(".processor.") != std::string::npos; })) {
-    convert_xlabs(*file, linears, spec);
+    convert_xlabs(file, linears, spec);
   } else if (any([](const std::string& key) { return starts_with(key, "diffusion_model."); })) {
-    convert_prefixed(*file, linears, "diffusion_model.", spec);
+    convert_prefixed(file, linears, "diffusion_model.", spec);
   } else if (any([](const std::string& key) { return starts_with(key, "base_model.model."); })) {
-    convert_prefixed(*file, linears, "base_model.model.", spec);
+    convert_prefixed(file, linears, "base_model.model.", spec);
   } else if (any([](const std::string& key) { return starts_with(key, "transformer."); })) {
-    convert_diffusers(*file, linears, spec);
+    convert_diffusers(file, linears, spec);
   } else {
     TORCH_CHECK(false, path, ": unknown LoRA format (first key '", first,
                 "'); known: diffusers/PEFT 'transformer.<module>.lora_A.weight', kohya 'lora_unet_*', XLabs "
@@ -495,48 +499,41 @@ parallel::LoraAdapterSpec read_lora_spec(const std::string& path, parallel::Tens
   return spec;
 }
 
-LoraRequest parse_lora_request(const std::string& argument) {
-  LoraRequest request{argument, 1.0};
-  const size_t colon = argument.rfind(':');
-  if (colon == std::string::npos || colon == 0) return request;
-  const std::string tail = argument.substr(colon + 1);
-  try {
-    size_t used = 0;
-    const double weight = std::stod(tail, &used);
-    if (used == tail.size() && std::isfinite(weight)) return {argument.substr(0, colon), weight};
-  } catch (const std::exception&) {
+std::vector<LoraFile> open_lora_files(const std::vector<LoraRequest>& requests, parallel::TensorParallelModule& model) {
+  std::vector<LoraFile> files;
+  for (const LoraRequest& request : requests) {
+    TORCH_CHECK(std::isfinite(request.weight), request.path, ": the adapter weight ", request.weight,
+                " is not a finite number");
+    LoraFile opened;
+    opened.name = lora_adapter_name(request.path);
+    for (const LoraFile& earlier : files) {
+      TORCH_CHECK(earlier.name != opened.name, request.path, ": an adapter named '", opened.name, "' (from ",
+                  earlier.spec.path, ") is already given; adapters are named after their files");
+    }
+    opened.weight = request.weight;
+    opened.file = io::SafetensorsFile::open(request.path);
+    opened.spec = read_lora_spec(*opened.file, model);
+    files.push_back(std::move(opened));
   }
-  return request;
+  return files;
 }
 
-std::unique_ptr<parallel::LoraAdapters> load_lora_requests(parallel::TensorParallelModule& model,
-                                                           const std::vector<LoraRequest>& requests,
-                                                           double lora_scale, bool fuse) {
-  TORCH_CHECK(std::isfinite(lora_scale), "--lora-scale ", lora_scale, " is not a finite number");
-  std::vector<std::pair<std::string, LoraAdapterSpec>> specs;
-  for (const LoraRequest& request : requests) {
-    const std::string name = lora_adapter_name(request.path);
-    for (const auto& loaded : specs) {
-      TORCH_CHECK(loaded.first != name, request.path, ": an adapter named '", name, "' (from ",
-                  loaded.second.path, ") is already given; adapters are named after their files");
-    }
-    specs.emplace_back(name, read_lora_spec(request.path, model));
-  }
-  auto adapters = std::make_unique<parallel::LoraAdapters>(model);
+void load_lora_files(parallel::LoraAdapters& adapters, const std::vector<LoraFile>& files, double lora_scale,
+                     bool fuse) {
+  TORCH_CHECK(std::isfinite(lora_scale), "the LoRA scale (--lora-scale) ", lora_scale, " is not a finite number");
   std::vector<std::string> names;
   std::vector<double> weights;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    adapters->load(specs[i].first, specs[i].second);
-    names.push_back(specs[i].first);
-    weights.push_back(requests[i].weight);
+  for (const LoraFile& file : files) {
+    adapters.load(file.name, file.spec, *file.file);
+    names.push_back(file.name);
+    weights.push_back(file.weight);
   }
-  adapters->set_adapters(names, weights);
+  adapters.set_adapters(names, weights);
   if (fuse) {
-    adapters->fuse(lora_scale);
+    adapters.fuse(lora_scale);
   } else {
-    adapters->set_scale(lora_scale);
+    adapters.set_scale(lora_scale);
   }
-  return adapters;
 }
 
 std::string lora_adapter_name(const std::string& path) {

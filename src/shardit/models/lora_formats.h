@@ -18,33 +18,41 @@
 
 namespace shardit::models {
 
-/// Detects the format of the LoRA file at `path` from its keys and converts it for `model` (a
+/// Detects the format of the LoRA file `file` from its keys and converts it for `model` (a
 /// FluxTransformer2DModel, Flux2TransformerModel or QwenImageTransformer2DModel, loaded or not).
 /// Errors name the file and the key: an unknown format, a key that is not a LoRA tensor or names
 /// no module of the model, a factor without its partner, a fused source whose rows do not match
 /// the modules it splits into.
+parallel::LoraAdapterSpec read_lora_spec(const io::SafetensorsFile& file, parallel::TensorParallelModule& model);
+/// The same for the file at `path`.
 parallel::LoraAdapterSpec read_lora_spec(const std::string& path, parallel::TensorParallelModule& model);
 
 /// The adapter name of a LoRA file: its file name without the extension ("pixel.safetensors" ->
 /// "pixel").
 std::string lora_adapter_name(const std::string& path);
 
-/// One `--lora FILE[:WEIGHT]` request.
+/// One adapter file at a weight (what `--lora FILE[:WEIGHT]` asks for).
 struct LoraRequest {
   std::string path;
   double weight = 1.0;
 };
 
-/// Parses "FILE[:WEIGHT]": the part after the last ':' is the weight when it is a number (so a
-/// path may hold ':'); without one, the weight is 1.
-LoraRequest parse_lora_request(const std::string& argument);
+/// An adapter file opened once and converted for a model, no weight read yet.
+struct LoraFile {
+  std::string name;  ///< lora_adapter_name(path)
+  double weight = 1.0;
+  std::shared_ptr<io::SafetensorsFile> file;
+  parallel::LoraAdapterSpec spec;
+};
 
-/// Converts and loads every requested file into `model` (loaded already), each named after its
-/// file, activates them at their weights in this order, and sets the runtime scale `lora_scale`;
-/// with `fuse`, merges them into the weights at `lora_scale` instead (the result then holds no
-/// unfused adapter). Every file is converted and checked before the first one is loaded.
-std::unique_ptr<parallel::LoraAdapters> load_lora_requests(parallel::TensorParallelModule& model,
-                                                           const std::vector<LoraRequest>& requests,
-                                                           double lora_scale, bool fuse);
+/// Opens and converts every requested file for `model` (loaded or not), refusing two files of the
+/// same adapter name. Reads no weight: call it before loading the model to fail early.
+std::vector<LoraFile> open_lora_files(const std::vector<LoraRequest>& requests, parallel::TensorParallelModule& model);
+
+/// Loads `files` into `adapters` (whose model is loaded), then makes exactly them active at their
+/// weights, in this order, under the runtime scale `lora_scale`; with `fuse`, merges them into the
+/// weights at `lora_scale` instead (no unfused adapter is left).
+void load_lora_files(parallel::LoraAdapters& adapters, const std::vector<LoraFile>& files, double lora_scale,
+                     bool fuse);
 
 }  // namespace shardit::models

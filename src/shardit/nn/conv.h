@@ -1,7 +1,7 @@
 #pragma once
 // torch.nn.Conv2d and torch.nn.Conv3d (zero padding, groups 1, dilation 1): the convolutions of
 // the VAE decoders. Replicated layers; tensor parallelism never splits them. Under spatial
-// parallelism (nn/spatial_parallel.h) the input is a band of rows and the height padding is the
+// parallelism (nn/spatial_parallel_layer.h) the input is a band of rows and the height padding is the
 // neighbouring bands' rows.
 #include <ATen/ATen.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "shardit/nn/module.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::nn {
 

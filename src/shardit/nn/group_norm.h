@@ -1,13 +1,13 @@
 #pragma once
 // torch.nn.GroupNorm with affine parameters, over [B, C, *] (computed in fp32 for bf16/fp16
-// inputs, cast back). Under spatial parallelism (nn/spatial_parallel.h) the statistics cover
+// inputs, cast back). Under spatial parallelism (nn/spatial_parallel_layer.h) the statistics cover
 // every band of the map.
 #include <ATen/ATen.h>
 
 #include <string>
 
 #include "shardit/nn/module.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::nn {
 

@@ -126,13 +126,16 @@ nn::Linear& LoraAdapters::linear(const std::string& module, const std::string& c
 }
 
 void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, std::shared_ptr<io::ReadStats> stats) {
+  load(name, spec, *io::SafetensorsFile::open(spec.path, std::move(stats)));
+}
+
+void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, const io::SafetensorsFile& file) {
   TORCH_CHECK(!name.empty(), spec.path, ": an adapter needs a name");
   TORCH_CHECK(std::find(names_.begin(), names_.end(), name) == names_.end(), spec.path, ": an adapter named '",
               name, "' is already loaded; unload it first or choose another name");
   TORCH_CHECK(!spec.targets.empty(), spec.path, ": the LoRA targets no module");
   const ResolvedPlan* plan = model_.resolved_plan();
   TORCH_CHECK(plan != nullptr, spec.path, ": load the model's weights before its LoRA adapters");
-  const auto file = io::SafetensorsFile::open(spec.path, std::move(stats));
   const int tp_rank = tp_rank_of(model_);
 
   // Read and check everything first: a bad adapter leaves the model as it was.
@@ -140,14 +143,14 @@ void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, st
   std::vector<std::pair<nn::Linear*, nn::LoraLayer>> pending;
   pending.reserve(spec.targets.size());
   for (const LoraTarget& target : spec.targets) {
-    const ShardSpec& weight_spec = check_target(*file, target, *plan, model_.type_name());
+    const ShardSpec& weight_spec = check_target(file, target, *plan, model_.type_name());
     const auto [it, fresh] = seen.emplace(target.module, target.lora_B.key);
     TORCH_CHECK(fresh, spec.path, ": tensors '", it->second, "' and '", target.lora_B.key,
                 "' both target module '", target.module, "'; a LoRA gives each module one pair");
     nn::Linear& layer = linear(target.module, spec.path);
     TORCH_CHECK(layer.loras().empty() || layer.lora_selection() == selection_, spec.path, ": module '",
                 target.module, "' holds adapters of another LoraAdapters object; keep one per model");
-    auto [lora_A, lora_B] = read_target(*file, target, weight_spec, tp_rank);
+    auto [lora_A, lora_B] = read_target(file, target, weight_spec, tp_rank);
     const auto options = layer.weight.options();
     TORCH_INTERNAL_ASSERT(lora_A.size(1) == layer.weight.size(1) && lora_B.size(0) == layer.weight.size(0),
                           "LoRA slice of '", target.module, "' does not match the local weight");

@@ -75,6 +75,8 @@ class LoraAdapters {
   /// and read before any Linear changes; errors name the file, the key and the module. `stats`
   /// (optional) counts the bytes read from the file: only this rank's slices.
   void load(const std::string& name, const LoraAdapterSpec& spec, std::shared_ptr<io::ReadStats> stats = nullptr);
+  /// The same, reading from `file` (spec.path opened already).
+  void load(const std::string& name, const LoraAdapterSpec& spec, const io::SafetensorsFile& file);
   /// Removes the adapter `name` from every Linear.
   void unload(const std::string& name);
   /// Activates exactly `names` with `weights` (one per name), in this order (diffusers'

@@ -73,10 +73,13 @@ std::vector<std::pair<std::string, int>> ParallelDims::mesh_dims(int world_size)
   return out;
 }
 
-std::shared_ptr<const dist::DeviceMesh> ParallelDims::build_mesh(dist::World& world) const {
-  const auto dims = mesh_dims(world.size());
-  world.agree("parallel mesh (--cfg-parallel, --ulysses, --ring, --tp)", resolved(world.size()).to_string());
-  return std::make_shared<const dist::DeviceMesh>(world, dims);
+ParallelLayout ParallelDims::build(dist::World& world) const {
+  ParallelLayout layout;
+  layout.dims = resolved(world.size());  // wrong degrees fail here, naming the flags
+  if (world.size() == 1) return layout;
+  world.agree("parallel mesh (--cfg-parallel, --ulysses, --ring, --tp)", layout.dims.to_string());
+  layout.mesh = std::make_shared<const dist::DeviceMesh>(world, mesh_dims(world.size()));
+  return layout;
 }
 
 std::string ParallelDims::to_string() const {
@@ -92,15 +95,6 @@ std::string ParallelDims::to_flags() const {
   if (ring > 1) add("--ring " + std::to_string(ring));
   if (tp > 0) add("--tp " + std::to_string(tp));
   return out;
-}
-
-ParallelDims ParallelDims::of(const dist::DeviceMesh& mesh) {
-  ParallelDims dims;
-  dims.cfg = mesh_dim_size(mesh, "cfg");
-  dims.ulysses = mesh_dim_size(mesh, "ulysses");
-  dims.ring = mesh_dim_size(mesh, "ring");
-  dims.tp = mesh_dim_size(mesh, "tp");
-  return dims;
 }
 
 std::vector<ParallelDims> ParallelDims::fitting(int world_size) {
@@ -144,13 +138,6 @@ void check_split(TensorParallelModule& model, const ParallelDims& dims, int worl
   }
   TORCH_CHECK(false, what, " cannot run on the mesh ", dims.to_string(), ": ", problem, "; meshes of ",
               ranks(world_size), " it can run on: ", fits.empty() ? "none (launch another number of ranks)" : fits);
-}
-
-int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim) {
-  for (const auto& [name, size] : mesh.dims()) {
-    if (name == dim) return size;
-  }
-  return 1;
 }
 
 }  // namespace shardit::parallel

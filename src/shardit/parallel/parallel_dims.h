@@ -25,6 +25,7 @@ class World;
 namespace shardit::parallel {
 
 class TensorParallelModule;
+struct ParallelLayout;
 
 /// cfg x ulysses x ring x tp.
 struct ParallelDims {
@@ -48,16 +49,15 @@ struct ParallelDims {
   int replicas(int world_size) const { return world_size / resolved(world_size).product(); }
   /// The mesh's dimensions in order (see the file comment), resolved against `world_size`.
   std::vector<std::pair<std::string, int>> mesh_dims(int world_size) const;
-  /// Builds the mesh over `world` (resolved first). Collective over the world: the ranks first
-  /// agree on the degrees, so ranks launched with different flags fail with a named error.
-  std::shared_ptr<const dist::DeviceMesh> build_mesh(dist::World& world) const;
+  /// The degrees resolved against `world` and the mesh built from them (none on a world of one
+  /// rank). Collective over the world: the ranks first agree on the degrees, so ranks launched
+  /// with different flags fail with a named error.
+  ParallelLayout build(dist::World& world) const;
   /// "cfg=2 x ulysses=1 x ring=1 x tp=2" (tp=auto when unset).
   std::string to_string() const;
   /// The command-line flags that select these degrees ("--cfg-parallel --ulysses 2 --tp 2"):
   /// --cfg-parallel, --ulysses and --ring only when above 1, --tp always (when set).
   std::string to_flags() const;
-  /// The degrees of a mesh's "cfg", "ulysses", "ring" and "tp" dimensions (1 for those it lacks).
-  static ParallelDims of(const dist::DeviceMesh& mesh);
   /// Every cfg x ulysses x ring x tp with cfg in {1, 2} whose product is `world_size`, ordered
   /// by cfg, then ulysses, then ring.
   static std::vector<ParallelDims> fitting(int world_size);
@@ -68,8 +68,15 @@ struct ParallelDims {
   bool operator!=(const ParallelDims& other) const { return !(*this == other); }
 };
 
-/// The size of `mesh`'s dimension `dim`, or 1 when the mesh has no such dimension.
-int mesh_dim_size(const dist::DeviceMesh& mesh, const std::string& dim);
+/// How the ranks are laid out for one model: the resolved degrees and the mesh built from them,
+/// together, so that nothing downstream reads the degrees back from the mesh. Made by
+/// ParallelDims::build (or default: one rank, no mesh).
+struct ParallelLayout {
+  ParallelDims dims{1, 1, 1, 1};  ///< resolved: tp is set
+  /// cfg x ulysses x ring x tp (with "replica" first when the world holds several); null on a
+  /// world of one rank, where the model is loaded whole.
+  std::shared_ptr<const dist::DeviceMesh> mesh;
+};
 
 /// Why `model` cannot run on a mesh of (resolved) `dims`: its plan does not resolve at dims.tp, or
 /// a head count it declares (check_context_parallel_split) does not divide by

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::parallel {
 

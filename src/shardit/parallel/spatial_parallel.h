@@ -1,7 +1,7 @@
 #pragma once
 // The model-agnostic applier of spatial (row-band) parallelism, the decode split of xDiT's
 // patch-parallel VAE: every member of a group holds a contiguous band of the feature map's rows
-// (dim -2), the layers that look beyond a position exchange what they need (nn/spatial_parallel.h:
+// (dim -2), the layers that look beyond a position exchange what they need (nn/spatial_parallel_layer.h:
 // halo rows for convolutions, all-reduced GroupNorm statistics, gathered attention keys/values),
 // and the result is every band gathered in order: the single-rank result up to float rounding,
 // with each member holding about 1/n of every activation.

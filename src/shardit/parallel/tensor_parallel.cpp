@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
+#include <fnmatch.h>
 
 #include <algorithm>
 #include <iomanip>
@@ -11,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "shardit/core/units.h"
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/nn/embedding.h"
@@ -479,19 +481,6 @@ void set_parallel_modes(const std::vector<LayerMatch>& layers, const std::shared
   }
 }
 
-std::string human_bytes(int64_t bytes) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(2);
-  if (bytes >= (int64_t{1} << 30)) {
-    out << static_cast<double>(bytes) / (1 << 30) << " GiB";
-  } else if (bytes >= (int64_t{1} << 20)) {
-    out << static_cast<double>(bytes) / (1 << 20) << " MiB";
-  } else {
-    out << static_cast<double>(bytes) / (1 << 10) << " KiB";
-  }
-  return out.str();
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -705,26 +694,9 @@ ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const 
 
 namespace {
 
-/// `text` matches `glob`, where `*` stands for any run of characters.
-bool glob_matches(const std::string& glob, const std::string& text) {
-  size_t g = 0, t = 0, star = std::string::npos, resume = 0;
-  while (t < text.size()) {
-    if (g < glob.size() && glob[g] == '*') {
-      star = g++;
-      resume = t;
-    } else if (g < glob.size() && glob[g] == text[t]) {
-      ++g;
-      ++t;
-    } else if (star != std::string::npos) {
-      g = star + 1;
-      t = ++resume;
-    } else {
-      return false;
-    }
-  }
-  while (g < glob.size() && glob[g] == '*') ++g;
-  return g == glob.size();
-}
+/// `text` matches `glob` (fnmatch(3) without flags: plan keys use `*` for any run of characters,
+/// dots included).
+bool glob_matches(const std::string& glob, const std::string& text) { return ::fnmatch(glob.c_str(), text.c_str(), 0) == 0; }
 
 /// For each state tensor, the checkpoint key it is read from: its own name, else the first of its
 /// aliases present; "" when none is.

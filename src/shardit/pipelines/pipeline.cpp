@@ -204,36 +204,28 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
           .config();
   transformer_ = models::create_transformer(transformer_folder);
 
-  if (options_.mesh) {
-    TORCH_CHECK(!options_.transformer_parallel, pipeline_class,
-                ": PipelineLoadOptions sets both a mesh and transformer_parallel; set one (the transformer is "
-                "sharded over the mesh's \"tp\" dimension)");
-    options_.transformer_parallel = parallel::TensorParallelConfig(*options_.mesh, "tp");
-  }
-  if (options_.transformer_parallel) {
-    const auto& mesh = options_.transformer_parallel->mesh;
-    if (mesh) parallel_dims_ = parallel::ParallelDims::of(*mesh);
-    parallel_dims_.tp = options_.transformer_parallel->tp_degree();
-    TORCH_CHECK(parallel_dims_.cfg == 1 || parallel_dims_.cfg == 2, pipeline_class, ": the mesh ", mesh->to_string(),
-                " has a cfg dimension of ", parallel_dims_.cfg,
-                "; classifier-free guidance has two branches, so it is 1 or 2");
-    if (parallel_dims_.cfg == 2) cfg_group_ = mesh->group("cfg");
+  const parallel::ParallelLayout& layout = options_.parallel;
+  TORCH_CHECK(layout.mesh || layout.dims.product() == 1, pipeline_class, ": PipelineLoadOptions::parallel has the "
+              "degrees ", layout.dims.to_string(), " but no mesh; make it with ParallelDims::build(world)");
+  if (layout.mesh) {
+    transformer_parallel_ = parallel::TensorParallelConfig(*layout.mesh, "tp");
+    if (layout.dims.cfg == 2) cfg_group_ = layout.mesh->group("cfg");
   }
 }
 
 parallel::ParallelDims DiffusionPipeline::parallel_dims() const {
-  parallel::ParallelDims dims = parallel_dims_;
+  parallel::ParallelDims dims = options_.parallel.dims;
   if (transformer_->resolved_plan() != nullptr) dims.tp = transformer_->tp_degree();
   return dims;
 }
 
 void DiffusionPipeline::check_parallel() const {
-  TORCH_CHECK(parallel_dims_.cfg == 1 || supports_cfg(), class_name(),
+  TORCH_CHECK(options_.parallel.dims.cfg == 1 || supports_cfg(), class_name(),
               ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
               "classifier-free guidance on the two halves of the mesh, but this pipeline runs no CFG (",
               cfg_condition(), "); drop --cfg-parallel");
-  if (options_.transformer_parallel && !transformer_->resolved_plan()) {
-    parallel::check_split(*transformer_, parallel_dims_, dist::World::get().size(),
+  if (transformer_parallel_ && !transformer_->resolved_plan()) {
+    parallel::check_split(*transformer_, options_.parallel.dims, dist::World::get().size(),
                           class_name() + "'s transformer", supports_cfg(), options_.dtype);
   }
 }
@@ -261,7 +253,9 @@ void DiffusionPipeline::load() {
   parallel::LoadOptions load;
   load.dtype = options_.dtype;
   load.device = options_.device;
-  load.tensor_parallel = options_.transformer_parallel;
+  load.tensor_parallel = transformer_parallel_;
+  // The adapter files are opened and checked against the transformer before any weight is read.
+  const std::vector<models::LoraFile> adapter_files = models::open_lora_files(options_.lora, *transformer_);
   // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,
   // rather than after the (larger) transformer has loaded.
   if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name())) {
@@ -269,13 +263,17 @@ void DiffusionPipeline::load() {
     text.dtype = options_.dtype;
     text.device = options_.device;
     text.tp_degree = options_.text_encoder_tp;
-    text.transformer_tp_degree = options_.transformer_parallel ? options_.transformer_parallel->tp_degree() : 1;
+    text.transformer_tp_degree = options_.parallel.dims.tp;
     prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
   }
   transformer_->load(transformer_weights_, load);
-  if (parallel_dims_.ulysses > 1 || parallel_dims_.ring > 1) {
+  lora_ = std::make_unique<parallel::LoraAdapters>(*transformer_);
+  if (!adapter_files.empty()) {
+    models::load_lora_files(*lora_, adapter_files, options_.lora_scale, options_.fuse_lora);
+  }
+  if (options_.parallel.dims.ulysses > 1 || options_.parallel.dims.ring > 1) {
     // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
-    transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.transformer_parallel->mesh));
+    transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.parallel.mesh));
   }
   if (options_.vae_parallel || options_.load_vae.value_or(dist::World::get().rank() == 0)) {
     parallel::LoadOptions vae_load;  // replicated: no parallel config
@@ -291,6 +289,17 @@ void DiffusionPipeline::load() {
     vae_ = vae_model_;
   }
   loaded_ = true;
+}
+
+parallel::LoraAdapters& DiffusionPipeline::lora_adapters() {
+  TORCH_CHECK(lora_ != nullptr, class_name(), ": load() the pipeline before its LoRA adapters");
+  return *lora_;
+}
+
+void DiffusionPipeline::load_lora_weights(const std::vector<models::LoraRequest>& requests, double lora_scale,
+                                          bool fuse) {
+  parallel::LoraAdapters& adapters = lora_adapters();
+  models::load_lora_files(adapters, models::open_lora_files(requests, *transformer_), lora_scale, fuse);
 }
 
 void DiffusionPipeline::check(const GenerateRequest& request) const {

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "shardit/io/model_folder.h"
+#include "shardit/models/lora_formats.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/parallel/lora.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
@@ -84,14 +86,12 @@ struct GenerateResult {
 struct PipelineLoadOptions {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
-  /// The transformer sharded while loading (TensorParallelConfig::from_degree(world, d));
-  /// nullopt: loaded whole (shard later with transformer()->enable_parallelism), or from `mesh`.
-  std::optional<parallel::TensorParallelConfig> transformer_parallel;
-  /// The transformer's mesh, cfg x ulysses x ring x tp (parallel::ParallelDims::build_mesh): the
-  /// transformer is sharded over its "tp" dimension, and with a "cfg" dimension of 2 the
-  /// conditional and unconditional branches of classifier-free guidance run on its two halves
-  /// (DiffusionPipeline::guided). Set this or transformer_parallel, not both.
-  std::shared_ptr<const dist::DeviceMesh> mesh;
+  /// How the ranks are laid out for the transformer (parallel::ParallelDims::build): the
+  /// transformer is sharded over the mesh's "tp" dimension, its sequence split over "ulysses" and
+  /// "ring", and with a "cfg" dimension of 2 the conditional and unconditional branches of
+  /// classifier-free guidance run on its two halves (DiffusionPipeline::guided). Default: one
+  /// rank, the transformer loaded whole (shard it later with transformer()->enable_parallelism).
+  parallel::ParallelLayout parallel;
   /// Whether this rank loads the (replicated) VAE and decodes; nullopt: world rank 0 only.
   std::optional<bool> load_vae;
   /// Decode in tiles (diffusers' vae.enable_tiling()).
@@ -107,6 +107,15 @@ struct PipelineLoadOptions {
   /// The text encoders' tensor-parallel degree; nullopt: the largest divisor of the world their
   /// heads allow (a note is printed when it differs from the transformer's).
   std::optional<int> text_encoder_tp;
+  /// LoRA adapters load() puts on the transformer after its weights (diffusers'
+  /// load_lora_weights): each named after its file and active at its weight, in this order.
+  std::vector<models::LoraRequest> lora;
+  /// The runtime scale multiplying every adapter (diffusers' `scale` attention kwarg); with
+  /// fuse_lora, the lora_scale of the merge.
+  double lora_scale = 1.0;
+  /// Merge the adapters into the weights once, at load (diffusers' fuse_lora): the steps then cost
+  /// what the base model's cost.
+  bool fuse_lora = false;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().
@@ -120,9 +129,9 @@ class DiffusionPipeline {
   /// open() then load().
   static std::unique_ptr<DiffusionPipeline> from_pretrained(const std::string& path,
                                                             const PipelineLoadOptions& options = {});
-  /// Loads the weights: the transformer under options.transformer_parallel, the VAE (replicated)
-  /// on the ranks that decode, and the text encoders (see PipelineLoadOptions::load_text_encoders).
-  /// Does nothing the second time.
+  /// Loads the weights: the transformer over options.parallel's mesh with its LoRA adapters
+  /// (options.lora), the VAE (replicated) on the ranks that decode, and the text encoders (see
+  /// PipelineLoadOptions::load_text_encoders). Does nothing the second time.
   void load();
   bool loaded() const { return loaded_; }
 
@@ -157,6 +166,17 @@ class DiffusionPipeline {
   virtual std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const = 0;
   /// Its dimensions in words, for errors.
   virtual std::string latents_layout() const = 0;
+
+  /// The transformer's LoRA adapters, owned by the pipeline (after load()): load more, choose and
+  /// weight the active ones, fuse or unload them between generate() calls (diffusers'
+  /// load_lora_weights, set_adapters, fuse_lora, unload_lora_weights). Collective like
+  /// generate(): every rank of the mesh makes the same calls.
+  parallel::LoraAdapters& lora_adapters();
+  /// Loads every file of `requests` into lora_adapters(), each named after its file, and makes
+  /// exactly them active at their weights under the runtime scale `lora_scale`; with `fuse`,
+  /// merges them into the weights at `lora_scale` instead. Every file is checked before the
+  /// first is loaded (after load()).
+  void load_lora_weights(const std::vector<models::LoraRequest>& requests, double lora_scale = 1.0, bool fuse = false);
 
   /// Uses `encoder` for GenerateRequest::prompt.
   void set_prompt_encoder(std::shared_ptr<PromptEncoder> encoder) { prompt_encoder_ = std::move(encoder); }
@@ -219,6 +239,10 @@ class DiffusionPipeline {
   io::ModelFolder folder_;
   PipelineLoadOptions options_;
   std::shared_ptr<parallel::TensorParallelModule> transformer_;
+  /// The transformer's sharding: the mesh's "tp" dimension; none on one rank.
+  std::optional<parallel::TensorParallelConfig> transformer_parallel_;
+  /// Made by load(); declared after transformer_, so it is destroyed first.
+  std::unique_ptr<parallel::LoraAdapters> lora_;
   std::shared_ptr<models::AutoencoderModel> vae_;
   std::shared_ptr<models::AutoencoderModel> vae_model_;  ///< built from the config, loaded by load()
   io::Checkpoint transformer_weights_;
@@ -227,7 +251,6 @@ class DiffusionPipeline {
   std::shared_ptr<PromptEncoder> prompt_encoder_;
   int64_t vae_scale_factor_ = 8;
   schedulers::FlowMatchEulerDiscreteSchedulerConfig scheduler_config_;
-  parallel::ParallelDims parallel_dims_{1, 1, 1, 1};
   /// The group of the mesh's "cfg" dimension when it is 2 (CFG-parallel); null otherwise.
   std::shared_ptr<dist::Group> cfg_group_;
 

@@ -17,7 +17,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/attention.h"
-#include "shardit/nn/embeddings.h"
+#include "shardit/nn/timestep_embeddings.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
 #include "shardit/nn/norms.h"

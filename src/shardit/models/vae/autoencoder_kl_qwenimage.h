@@ -15,7 +15,7 @@
 #include "shardit/models/vae/vae.h"
 #include "shardit/nn/conv.h"
 #include "shardit/nn/module.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::models {
 

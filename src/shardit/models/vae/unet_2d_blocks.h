@@ -10,7 +10,7 @@
 #include "shardit/nn/group_norm.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::models {
 

@@ -1,4 +1,4 @@
-#include "shardit/nn/spatial_parallel.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "shardit/nn/embeddings.h"
+#include "shardit/nn/timestep_embeddings.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,0 +1,106 @@
+// How every command turns its parallel flags into ranks, in one place:
+//
+//   --cfg-parallel --ulysses --ring --tp  ->  ParallelDims  ->  ParallelDims::build(world)
+//     -> ParallelLayout {dims, mesh}  ->  PipelineLoadOptions::parallel (generate, serve)
+//                                     ->  parallel::LoadOptions::tensor_parallel (run-*, check-backends)
+//
+// and the options generate, serve and run-transformer share (dtype, mesh, VAE, LoRA).
+#include <fmt/format.h>
+
+#include <cmath>
+#include <exception>
+#include <filesystem>
+#include <string>
+
+#include "apps/commands.h"
+#include "shardit/core/dtype.h"
+#include "shardit/dist/mesh.h"
+
+namespace shardit::apps {
+
+parallel::ParallelDims PipelineCliOptions::dims() const {
+  return parallel::ParallelDims{cfg_parallel ? 2 : 1, ulysses, ring, tp};
+}
+
+parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dtype, int tp) {
+  parallel::LoadOptions options;
+  options.dtype = dtype;
+  options.device = world.device();
+  // A model command has only a tp dimension (0: the whole world); the rest of the world holds replicas.
+  const parallel::ParallelLayout layout = parallel::ParallelDims{1, 1, 1, tp}.build(world);
+  if (layout.mesh) options.tensor_parallel = parallel::TensorParallelConfig(*layout.mesh, "tp");
+  return options;
+}
+
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options) {
+  pipelines::PipelineLoadOptions load;
+  load.dtype = parse_compute_dtype(options.dtype);
+  load.device = world.device();
+  load.vae_tiling = options.tiled_vae;
+  load.vae_parallel = options.vae_parallel;
+  load.parallel = options.dims().build(world);  // wrong degrees fail here, naming the flags
+  if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
+  load.lora = lora_requests(options.lora);
+  load.lora_scale = options.lora.scale;
+  load.fuse_lora = options.lora.fuse;
+  return load;
+}
+
+void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
+  command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
+  command
+      ->add_option("--tp", options.tp,
+                   "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
+                   "leave); cfg x ulysses x ring x tp must divide the number of ranks")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
+  command->add_flag("--cfg-parallel", options.cfg_parallel,
+                    "run the conditional and unconditional CFG branches on the two halves of the ranks");
+  command
+      ->add_option("--text-encoder-tp", options.text_encoder_tp,
+                   "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
+                   "such degree their heads allow)")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
+  command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
+      ->excludes("--tiled-vae");
+  add_lora_options(command, options.lora);
+}
+
+models::LoraRequest parse_lora_request(const std::string& argument) {
+  models::LoraRequest request{argument, 1.0};
+  const size_t colon = argument.rfind(':');
+  if (colon == std::string::npos || colon == 0) return request;
+  const std::string tail = argument.substr(colon + 1);
+  try {
+    size_t used = 0;
+    const double weight = std::stod(tail, &used);
+    if (used == tail.size() && std::isfinite(weight)) return {argument.substr(0, colon), weight};
+  } catch (const std::exception&) {
+  }
+  return request;
+}
+
+std::vector<models::LoraRequest> lora_requests(const LoraCliOptions& options) {
+  std::vector<models::LoraRequest> requests;
+  for (const std::string& argument : options.files) requests.push_back(parse_lora_request(argument));
+  return requests;
+}
+
+void add_lora_options(CLI::App* command, LoraCliOptions& options) {
+  command->add_option("--lora", options.files,
+                      "LoRA adapter FILE[:WEIGHT] for the transformer (repeatable; named after the file; weight 1 "
+                      "by default)");
+  command->add_option("--lora-scale", options.scale, "runtime scale multiplying every LoRA adapter");
+  command->add_flag("--fuse-lora", options.fuse, "merge the LoRA adapters into the weights at load");
+}
+
+std::string model_folder_name(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path normal = fs::path(path).lexically_normal();
+  return normal.filename().string().empty() ? normal.parent_path().filename().string() : normal.filename().string();
+}
+
+}  // namespace shardit::apps
