@@ -19,6 +19,7 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/nn/gemm.h"
 #include "shardit/pipelines/pipeline.h"
 
 namespace shardit::apps {
@@ -124,7 +125,8 @@ int generate(const GenerateOptions& given) {
       request.prompt_embeds ? request.prompt_embeds->num_prompts() : static_cast<int64_t>(options.prompt.size());
   const std::vector<std::string> pngs = pipelines::image_paths(options.out, num_prompts * options.num_images);
   if (world.rank() == 0) {
-    std::vector<std::string> inputs = {options.prompt_embeds, options.latents, options.compare_to};
+    // The model folder stands for every file under it (weights, configs, tokenizer files).
+    std::vector<std::string> inputs = {options.model, options.prompt_embeds, options.latents, options.compare_to};
     for (const models::LoraRequest& lora : lora_requests(options.pipeline.lora)) inputs.push_back(lora.path);
     for (const auto& png : pngs) io::check_output_path(png, inputs);
     if (!options.out_tensors.empty()) io::check_output_path(options.out_tensors, inputs);
@@ -184,6 +186,7 @@ int generate(const GenerateOptions& given) {
         pipeline->class_name(), options.pipeline.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
         result.height, result.num_inference_steps, seconds(start, end), seconds(load_start, start),
         fmt::join(pngs, ", "), options.out_tensors.empty() ? "" : ", " + options.out_tensors);
+    fmt::print("fp32 matrix products on {}\n", nn::gemm_kernel_summary());
   }
   return 0;
 }

@@ -42,7 +42,7 @@ int run_encoder(const RunEncoderOptions& options) {
   const std::string inputs_path = case_inputs_file(options.inputs, component);
   const auto inputs = io::SafetensorsFile::open(inputs_path);
   if (world.rank() == 0) {
-    std::vector<std::string> read = {inputs_path, component.dir + "/config.json", weights.path()};
+    std::vector<std::string> read = {inputs_path, options.model, component.dir, options.inputs, weights.path()};
     for (const auto& file : weights.files()) read.push_back(file->path());
     io::check_output_path(options.out, read);
   }

@@ -107,7 +107,7 @@ int run_transformer(const RunTransformerOptions& given) {
   }
   const std::vector<models::LoraRequest> loras = lora_requests(options.lora);
   if (world.rank() == 0) {
-    std::vector<std::string> inputs = {inputs_path, inputs_json.string(), (fs::path(component.dir) / "config.json").string(),
+    std::vector<std::string> inputs = {inputs_path, inputs_json.string(), options.model, component.dir, options.inputs,
                                        weights.path()};
     for (const auto& file : weights.files()) inputs.push_back(file->path());
     for (const auto& lora : loras) inputs.push_back(lora.path);

@@ -14,6 +14,7 @@
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
 #include "shardit/dist/world.h"
+#include "shardit/io/file.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
@@ -40,6 +41,10 @@ int run_vae(const RunVaeOptions& options) {
 
   const std::string inputs_path = case_inputs_file(options.inputs, component);
   const auto inputs = io::SafetensorsFile::open(inputs_path);
+  // Before any work: the output must not land on anything read (the component folder, the case).
+  if (world.rank() == 0) {
+    io::check_output_path(options.out, {options.model, component.dir, inputs_path, options.inputs});
+  }
 
   parallel::LoadOptions load_options;
   load_options.dtype = dtype;

@@ -38,6 +38,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
+#include "shardit/core/cpu_features.h"
 #include "shardit/core/units.h"
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/mesh.h"
@@ -292,7 +293,9 @@ nlohmann::json gemm_report() {
           {"probe_blas_gflops", probe.blas_gflops},
           {"probe_onednn_gflops", probe.onednn_gflops},
           {"probe_threads", probe.threads},
-          {"blas_core", shardit::nn::blas_core_name()}};
+          {"blas_core", shardit::nn::blas_core_name()},
+          {"cpu_features", shardit::cpu_features().to_string()},
+          {"kernels", shardit::nn::gemm_kernel_summary()}};
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,6 +6,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -127,6 +134,73 @@ TEST(PipelinesBuiltin, Tp3AndReplicasMatchTp1) {
     const BuiltinRun run = generate_builtin(dir, name, options + " " + model);
     EXPECT_TRUE(shardit::testing::tensors_close(name + " image", run.image, tp1.image, 1e-4, 0));
     EXPECT_LE((run.png - tp1.png).abs().max().item<int>(), 1) << name;
+  }
+}
+
+// Busy processes that load every core while they live (killed when it goes).
+class CoreLoad {
+ public:
+  explicit CoreLoad(int processes) {
+    for (int i = 0; i < processes; ++i) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        volatile uint64_t spin = 0;
+        for (;;) spin = spin + 1;
+      }
+      if (pid > 0) pids_.push_back(pid);
+    }
+  }
+  ~CoreLoad() {
+    for (const pid_t pid : pids_) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+  CoreLoad(const CoreLoad&) = delete;
+  CoreLoad& operator=(const CoreLoad&) = delete;
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The same command on the same machine gives the same bits whatever the load: `auto` takes the
+// GEMM kernel from what the machine is (cpuid, the BLAS library's core), never from a timing. Ten
+// runs of one `generate` at 256x256 (its products are large enough for auto to route them) while
+// two busy processes load the cores: the PNG bytes and the tensors equal the first run's.
+TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
+  if (is_worker()) return;
+  const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin-determinism");
+  const auto builtin = shardit::models::write_builtin_model(dir + "/model");
+  const CoreLoad load(2);
+  std::string first_png;
+  at::Tensor first_image, first_latents;
+  for (int run = 0; run < 10; ++run) {
+    const std::string out = dir + "/run" + std::to_string(run);
+    std::string output;
+    ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " generate --model " + builtin.pipeline +
+                                                " --prompt-embeds " + builtin.prompt_embeds +
+                                                " --height 256 --width 256 --steps 2 --seed 3 --out " + out +
+                                                ".png --out-tensors " + out + ".safetensors",
+                                            &output),
+              0)
+        << output;
+    const auto tensors = shardit::io::SafetensorsFile::open(out + ".safetensors");
+    if (run == 0) {
+      EXPECT_THAT(output, ::testing::HasSubstr("fp32 matrix products on")) << "the kernel is not reported";
+      first_png = file_bytes(out + ".png");
+      first_image = tensors->read("image");
+      first_latents = tensors->read("latents");
+      ASSERT_FALSE(first_png.empty());
+      continue;
+    }
+    EXPECT_EQ(file_bytes(out + ".png"), first_png) << "run " << run << ": the PNG differs from run 0's";
+    EXPECT_TRUE(at::equal(tensors->read("image"), first_image)) << "run " << run << ": the image differs";
+    EXPECT_TRUE(at::equal(tensors->read("latents"), first_latents)) << "run " << run << ": the latents differ";
   }
 }
 

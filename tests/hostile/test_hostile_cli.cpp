@@ -400,6 +400,22 @@ TEST_F(Hostile, OutputNamingAnInputIsRefused) {
   }
 }
 
+// generate reads the whole model folder: an output onto any file under it (weights, configs,
+// tokenizer files, model_index.json) is refused before anything loads, and the folder is unchanged.
+TEST_F(Hostile, GenerateOutputOntoTheModelFolderIsRefused) {
+  for (const std::string relative : {"model_index.json", "vae/diffusion_pytorch_model.safetensors",
+                                     "vae/config.json", "tokenizer/vocab.json"}) {
+    const std::string target = (fs::path(model_) / relative).string();
+    ASSERT_TRUE(fs::is_regular_file(target)) << target;
+    for (const std::string flag : {"--out", "--out-tensors"}) {
+      std::vector<std::string> args = {"generate", "--model", model_, "--prompt", "a fox", "--steps", "1"};
+      args.insert(args.end(), {flag, target});
+      if (flag == "--out-tensors") args.insert(args.end(), {"--out", out_path("image.png")});
+      expect_refused(run({args}), {target, "is also an input", "in the folder " + model_});
+    }
+  }
+}
+
 TEST_F(Hostile, UnwritableOutputIsRefusedBeforeLoading) {
   for (const auto& out : {(fs::path(root_) / "missing" / "x.safetensors").string(), (fs::path(root_) / "out").string() + "/",
                           (fs::path(root_) / "out").string()}) {

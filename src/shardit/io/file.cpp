@@ -121,6 +121,30 @@ UniqueFd make_temp(const std::string& path, std::string* temp_path) {
 
 }  // namespace
 
+namespace {
+
+bool same_file(const struct stat& a, const struct stat& b) { return a.st_dev == b.st_dev && a.st_ino == b.st_ino; }
+
+/// The file under `folder` (recursively, links to files followed, links to folders not) that is
+/// `target`, or "". Bounded: a folder of more entries than any model folder holds is refused.
+std::string file_in_folder(const std::string& folder, const struct stat& target) {
+  constexpr size_t kMaxEntries = 1000000;
+  size_t entries = 0;
+  std::error_code error;
+  for (fs::recursive_directory_iterator it(folder, fs::directory_options::skip_permission_denied, error), end;
+       !error && it != end; it.increment(error)) {
+    TORCH_CHECK(++entries <= kMaxEntries, folder, ": holds more than ", kMaxEntries,
+                " entries; an output path cannot be checked against it");
+    struct stat entry {};
+    if (::stat(it->path().c_str(), &entry) == 0 && !S_ISDIR(entry.st_mode) && same_file(entry, target)) {
+      return it->path().string();
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 void check_output_path(const std::string& path, const std::vector<std::string>& inputs) {
   TORCH_CHECK(!path.empty(), "the output path is empty");
   TORCH_CHECK(fs::path(path).has_filename(), path, ": the output must name a file, not a folder");
@@ -135,8 +159,10 @@ void check_output_path(const std::string& path, const std::vector<std::string>& 
                 "; the output must be a regular file (it is replaced as a whole)");
     for (const auto& input : inputs) {
       struct stat in {};
-      const bool same = ::stat(input.c_str(), &in) == 0 && in.st_dev == st.st_dev && in.st_ino == st.st_ino;
-      TORCH_CHECK(!same, path, ": is also an input of this command (", input,
+      if (::stat(input.c_str(), &in) != 0) continue;
+      const std::string same = S_ISDIR(in.st_mode) ? file_in_folder(input, st) : (same_file(in, st) ? input : "");
+      TORCH_CHECK(same.empty(), path, ": is also an input of this command (", same,
+                  S_ISDIR(in.st_mode) ? ", in the folder " + input : std::string(),
                   "); writing the output there would destroy it; choose another output path");
     }
   }

@@ -46,7 +46,8 @@ std::string regular_file_problem(const std::string& path);
 /// Checks, before any work is done, that `path` can be written as a command's output: its folder
 /// exists and accepts a new file (a temporary file is created there and removed), it is not a
 /// folder, FIFO or device, and it is none of `inputs` (compared by device and inode, so another
-/// spelling or a link of an input is refused too). Errors name the path and the reason.
+/// spelling or a link of an input is refused too); an input that is a folder (a model folder)
+/// stands for every file under it. Errors name the path and the reason.
 void check_output_path(const std::string& path, const std::vector<std::string>& inputs);
 
 /// A file written all or nothing: the bytes go to a temporary file in the same folder, which

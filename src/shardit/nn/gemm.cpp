@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
+
+#include "shardit/core/cpu_features.h"
 
 namespace shardit::nn {
 
@@ -24,9 +27,6 @@ namespace {
 // x the keys x 128) qualifies.
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kMinMultiplyAdds = int64_t{1} << 22;
-// oneDNN must beat BLAS by this factor on the probe to be chosen: a close call keeps LibTorch's
-// default path.
-constexpr double kOneDnnMargin = 0.9;
 
 bool onednn_available() { return at::hasMKLDNN(); }
 
@@ -78,7 +78,6 @@ GemmProbe run_probe(int threads) {
   }
   probe.blas_gflops = flop / blas / 1e9;
   probe.onednn_gflops = onednn_available() ? flop / onednn / 1e9 : 0.0;
-  probe.chosen = onednn_available() && onednn < kOneDnnMargin * blas ? GemmBackend::OneDnn : GemmBackend::Blas;
   return probe;
 }
 
@@ -134,6 +133,41 @@ std::string blas_core_name() {
   return name == nullptr ? "" : name;
 }
 
+int blas_vector_level(const std::string& core_name) {
+  std::string name;
+  for (char c : core_name) name += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* avx512 : {"skylakex", "cooperlake", "sapphirerapids"}) {
+    if (name == avx512) return 3;
+  }
+  for (const char* avx2 : {"haswell", "zen", "excavator"}) {
+    if (name == avx2) return 2;
+  }
+  for (const char* older : {"prescott", "core2", "penryn", "dunnington", "nehalem", "atom", "sandybridge",
+                            "bulldozer", "piledriver", "steamroller", "barcelona", "opteron", "katmai",
+                            "coppermine", "northwood", "athlon", "bobcat", "nano"}) {
+    if (name == older) return 1;
+  }
+  return 0;
+}
+
+GemmBackend auto_gemm_backend() {
+  static const GemmBackend choice = [] {
+    if (!onednn_available()) return GemmBackend::Blas;
+    const int blas_level = blas_vector_level(blas_core_name());
+    return blas_level > 0 && blas_level < cpu_features().vector_level() ? GemmBackend::OneDnn : GemmBackend::Blas;
+  }();
+  return choice;
+}
+
+std::string gemm_kernel_summary() {
+  const GemmBackend selected = gemm_backend_selection();
+  const GemmBackend large = selected == GemmBackend::Auto ? auto_gemm_backend() : selected;
+  const std::string core = blas_core_name();
+  return std::string(gemm_backend_name(large)) + (selected == GemmBackend::Auto ? " (auto" : " (set") +
+         "; BLAS core " + (core.empty() ? std::string("unknown") : core) + "; cpu " + cpu_features().to_string() +
+         ")";
+}
+
 GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel) {
   if (!routable(device, dtype)) return GemmBackend::Blas;
   switch (gemm_backend_selection()) {
@@ -141,7 +175,7 @@ GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int
     case GemmBackend::OneDnn: return rows > 0 ? GemmBackend::OneDnn : GemmBackend::Blas;
     case GemmBackend::Auto:
       if (rows < kMinRows || rows * weight_numel < kMinMultiplyAdds) return GemmBackend::Blas;
-      return gemm_probe().chosen;
+      return auto_gemm_backend();
   }
   return GemmBackend::Blas;
 }

@@ -7,9 +7,10 @@
 // 12's OpenBLAS does not recognise some current Xeons (it names them "Prescott" and runs SSE3
 // kernels), which makes an fp32 GEMM 3-4x slower than the CPU allows, while oneDNN finds the
 // AVX-512 kernels itself. Where BLAS recognises the CPU it can be the faster of the two. "auto"
-// measures both once per process and thread count on a probe shaped like a transformer
-// projection, and keeps BLAS unless oneDNN is clearly faster. Only fp32 is routed: for bf16
-// LibTorch already sends at::linear to oneDNN.
+// decides from what the machine is, never from a timing (a race run under load would make the
+// kernel, and so the last bits of every result, depend on the load): oneDNN when the BLAS
+// library's kernels use a narrower vector set than the CPU has (its core name against cpuid),
+// BLAS otherwise. Only fp32 is routed: for bf16 LibTorch already sends at::linear to oneDNN.
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -41,17 +42,29 @@ class GemmBackendGuard {
   GemmBackend previous_;
 };
 
-/// What auto measured on this process for one thread count.
+/// The rates of both kernels on this process for one thread count, for reports (the bench): auto
+/// does not read them.
 struct GemmProbe {
   int threads = 0;
   double blas_gflops = 0;    ///< fp32 [512, 1024] x [1024, 1024] + bias through at::linear
   double onednn_gflops = 0;  ///< the same through at::mkldnn_linear (0: oneDNN not available)
-  GemmBackend chosen = GemmBackend::Blas;
 };
 
-/// Runs (once per thread count, then cached) and returns auto's probe for the current thread
-/// count.
+/// Runs (once per thread count, then cached) and returns the probe for the current thread count.
 GemmProbe gemm_probe();
+
+/// The vector set the BLAS library's kernels use, from its core name: 3 AVX-512 (SkylakeX,
+/// Cooperlake, SapphireRapids), 2 AVX2 (Haswell, Zen, Excavator), 1 older (Prescott, Nehalem,
+/// Sandybridge, ...), 0 unknown (no OpenBLAS, or a name not in the table).
+int blas_vector_level(const std::string& core_name);
+
+/// What "auto" takes for large fp32 products on CPU: OneDnn when oneDNN is built in and the BLAS
+/// kernels' vector set is known and narrower than this CPU's (cpu_features()), else Blas. The
+/// same on every run of a build on a machine.
+GemmBackend auto_gemm_backend();
+
+/// One line for start-up messages and the bench: "blas (OpenBLAS core Haswell; cpu avx2 fma ...)".
+std::string gemm_kernel_summary();
 
 /// The name of the kernel set the BLAS library chose for this CPU ("Prescott", "SkylakeX", ...)
 /// where it says (OpenBLAS's openblas_get_corename), "" otherwise. OPENBLAS_CORETYPE overrides
