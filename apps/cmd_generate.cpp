@@ -4,8 +4,10 @@
 // Only rank 0 decodes and writes.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -50,6 +52,30 @@ struct GenerateOptions {
   PipelineCliOptions pipeline;
   bool save_steps = false;
   std::string compare_to;
+};
+
+/// "step 3/28 | 1.24 s/it | ETA 31 s" on one terminal line, rewritten after every step (the
+/// pipeline's on_progress); silent when stderr is not a terminal.
+class ProgressBar {
+ public:
+  explicit ProgressBar(bool enabled) : enabled_(enabled && ::isatty(STDERR_FILENO) == 1) {}
+  void update(int64_t done, int64_t total) {
+    if (!enabled_) return;
+    if (done == 0) {  // the loop starts: the time per step leaves out the prompt encoding before it
+      start_ = std::chrono::steady_clock::now();
+      return;
+    }
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double per_step = elapsed / static_cast<double>(done);
+    std::fprintf(stderr, "\rstep %lld/%lld | %.2f s/it | ETA %.0f s   ", static_cast<long long>(done),
+                 static_cast<long long>(total), per_step, per_step * static_cast<double>(total - done));
+    if (done == total) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 /// Compares the first image with a PNG written before (another TP degree, another machine): the
@@ -149,6 +175,8 @@ int generate(const GenerateOptions& given) {
   const auto load_start = std::chrono::steady_clock::now();
   pipeline->load();
   const auto start = std::chrono::steady_clock::now();
+  ProgressBar progress(world.rank() == 0);
+  request.on_progress = [&progress](int64_t done, int64_t total) { progress.update(done, total); };
   const pipelines::GenerateResult result = pipeline->generate(request);
   const auto end = std::chrono::steady_clock::now();
 

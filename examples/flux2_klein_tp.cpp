@@ -2,66 +2,12 @@
 // parallelism), as in diffusers' tensor-parallel examples. Launch one process per rank:
 //   torchrun --nproc-per-node 2 flux2_klein_tp --model FLUX.2-klein --prompt-embeds embeds.safetensors --out klein.png
 // (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Prompt embeddings are
-// the Qwen3 `prompt_embeds` and, for CFG, `negative_prompt_embeds` (of "").
-#include <CLI/CLI.hpp>
-
-#include <cstdio>
-#include <optional>
-#include <string>
-
-#include "shardit/core/error.h"
-#include "shardit/dist/mesh.h"
-#include "shardit/dist/world.h"
-#include "shardit/io/safetensors.h"
-#include "shardit/pipelines/pipeline_flux2_klein.h"
+// the Qwen3 `prompt_embeds` and, for CFG (--guidance > 1, not distilled), `negative_prompt_embeds` (of "").
+#include "tp_example.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"FLUX.2 klein with a tensor-parallel transformer"};
-  std::string model, embeds, latents, out = "klein.png";
-  int64_t height = 1024, width = 1024, steps = 50;
-  double guidance = 4.0;
-  bool enable_parallelism = false;
-  app.add_option("--model", model, "FLUX.2 klein pipeline folder")->required();
-  app.add_option("--prompt-embeds", embeds, "prompt_embeds (+ negative_prompt_embeds)")->required();
-  app.add_option("--latents", latents, "start from these latents instead of seed 0");
-  app.add_option("--height", height);
-  app.add_option("--width", width);
-  app.add_option("--steps", steps);
-  app.add_option("--guidance", guidance);
-  app.add_option("--out", out);
-  app.add_flag("--enable-parallelism", enable_parallelism, "load whole, then shard in memory");
-  CLI11_PARSE(app, argc, argv);
-  try {
-    // The launch environment, and a 1-D mesh over all ranks for the transformer.
-    shardit::dist::World& world = shardit::dist::World::init();
-    const shardit::parallel::TensorParallelConfig tp(shardit::dist::DeviceMesh::one_d(world, "tp"), "tp");
-
-    // The transformer sharded while loading (each rank reads only its slices); the VAE is
-    // replicated and loaded by rank 0 only, which decodes.
-    shardit::pipelines::PipelineLoadOptions options;
-    options.device = world.device();
-    if (!enable_parallelism) options.parallel = shardit::parallel::ParallelLayout{{1, 1, 1, world.size()}, tp.mesh};
-    shardit::pipelines::Flux2KleinPipeline pipe(shardit::io::ModelFolder::open(model), options);
-    pipe.load();
-    if (enable_parallelism) pipe.transformer()->enable_parallelism(tp);
-
-    shardit::pipelines::GenerateRequest request;
-    request.prompt_embeds = shardit::pipelines::read_prompt_embeds(embeds);
-    request.negative_prompt_embeds = shardit::pipelines::read_prompt_embeds(embeds, "negative_");
-    request.height = height;
-    request.width = width;
-    request.num_inference_steps = steps;
-    request.guidance_scale = guidance;
-    if (!latents.empty()) request.latents = shardit::io::SafetensorsFile::open(latents)->read("latents");
-    const shardit::pipelines::GenerateResult result = pipe.generate(request);
-
-    if (world.rank() == 0) {
-      for (const auto& path : shardit::pipelines::save_images(result.image, out))
-        std::printf("wrote %s\n", path.c_str());
-    }
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "flux2_klein_tp: %s\n", shardit::error_message(e).c_str());
-    return 1;
-  }
+  return shardit::examples::run_tp_example(
+      argc, argv,
+      {"flux2_klein_tp", "Flux2KleinPipeline", "FLUX.2 klein with a tensor-parallel transformer",
+       "prompt_embeds (+ negative_prompt_embeds)", "klein.png"});
 }

@@ -2,65 +2,12 @@
 // parallelism), as in diffusers' tensor-parallel examples. Launch one process per rank:
 //   torchrun --nproc-per-node 2 flux_tp --model FLUX.1-dev --prompt-embeds embeds.safetensors --out flux.png
 // (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Prompt embeddings are
-// T5's `prompt_embeds` and CLIP's `pooled_prompt_embeds` in one safetensors file.
-#include <CLI/CLI.hpp>
-
-#include <cstdio>
-#include <optional>
-#include <string>
-
-#include "shardit/core/error.h"
-#include "shardit/dist/mesh.h"
-#include "shardit/dist/world.h"
-#include "shardit/io/safetensors.h"
-#include "shardit/pipelines/pipeline_flux.h"
+// T5's `prompt_embeds` and CLIP's `pooled_prompt_embeds` in one safetensors file (with the
+// negative prompt's `negative_*` and --true-cfg-scale > 1 for true CFG).
+#include "tp_example.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"FLUX.1 with a tensor-parallel transformer"};
-  std::string model, embeds, latents, out = "flux.png";
-  int64_t height = 1024, width = 1024, steps = 28;
-  double guidance = 3.5;
-  bool enable_parallelism = false;
-  app.add_option("--model", model, "FLUX.1 pipeline folder")->required();
-  app.add_option("--prompt-embeds", embeds, "prompt_embeds + pooled_prompt_embeds")->required();
-  app.add_option("--latents", latents, "start from these latents instead of seed 0");
-  app.add_option("--height", height);
-  app.add_option("--width", width);
-  app.add_option("--steps", steps);
-  app.add_option("--guidance", guidance);
-  app.add_option("--out", out);
-  app.add_flag("--enable-parallelism", enable_parallelism, "load whole, then shard in memory");
-  CLI11_PARSE(app, argc, argv);
-  try {
-    // The launch environment, and a 1-D mesh over all ranks for the transformer.
-    shardit::dist::World& world = shardit::dist::World::init();
-    const shardit::parallel::TensorParallelConfig tp(shardit::dist::DeviceMesh::one_d(world, "tp"), "tp");
-
-    // The transformer sharded while loading (each rank reads only its slices); the VAE is
-    // replicated and loaded by rank 0 only, which decodes.
-    shardit::pipelines::PipelineLoadOptions options;
-    options.device = world.device();
-    if (!enable_parallelism) options.parallel = shardit::parallel::ParallelLayout{{1, 1, 1, world.size()}, tp.mesh};
-    shardit::pipelines::FluxPipeline pipe(shardit::io::ModelFolder::open(model), options);
-    pipe.load();
-    if (enable_parallelism) pipe.transformer()->enable_parallelism(tp);
-
-    shardit::pipelines::GenerateRequest request;
-    request.prompt_embeds = shardit::pipelines::read_prompt_embeds(embeds);
-    request.height = height;
-    request.width = width;
-    request.num_inference_steps = steps;
-    request.guidance_scale = guidance;
-    if (!latents.empty()) request.latents = shardit::io::SafetensorsFile::open(latents)->read("latents");
-    const shardit::pipelines::GenerateResult result = pipe.generate(request);
-
-    if (world.rank() == 0) {
-      for (const auto& path : shardit::pipelines::save_images(result.image, out))
-        std::printf("wrote %s\n", path.c_str());
-    }
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "flux_tp: %s\n", shardit::error_message(e).c_str());
-    return 1;
-  }
+  return shardit::examples::run_tp_example(argc, argv,
+                                           {"flux_tp", "FluxPipeline", "FLUX.1 with a tensor-parallel transformer",
+                                            "prompt_embeds + pooled_prompt_embeds (+ negative_*)", "flux.png"});
 }

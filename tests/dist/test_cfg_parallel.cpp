@@ -223,7 +223,7 @@ GenerateRequest builtin_request() {
   request.height = 32;
   request.width = 32;
   request.num_inference_steps = 1;
-  request.progress = false;
+  request.notes = false;
   return request;
 }
 

@@ -20,7 +20,7 @@ PipelineCase read_pipeline_case(const std::string& dir) {
   request.num_inference_steps = call.at("num_inference_steps").get<int64_t>();
   request.num_images_per_prompt = call.value("num_images_per_prompt", int64_t{1});
   request.max_sequence_length = call.value("max_sequence_length", int64_t{512});
-  request.progress = false;
+  request.notes = false;
   golden.cli_args = {"--model",
                      dir,
                      "--prompt-embeds",

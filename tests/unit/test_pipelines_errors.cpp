@@ -44,7 +44,7 @@ GenerateRequest small_request() {
   request.height = 32;
   request.width = 48;
   request.num_inference_steps = 2;
-  request.progress = false;
+  request.notes = false;
   return request;
 }
 

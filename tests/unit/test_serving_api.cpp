@@ -68,7 +68,8 @@ TEST(ServingApi, ParsesEveryFieldAndRoundTripsToTheRanks) {
   EXPECT_EQ(generate.prompt, std::vector<std::string>{"a cat"});
   EXPECT_EQ(generate.num_images_per_prompt, 2);
   EXPECT_EQ(generate.seed, 9u);
-  EXPECT_FALSE(generate.progress);
+  EXPECT_FALSE(generate.on_progress);
+  EXPECT_FALSE(generate.notes);
 }
 
 TEST(ServingApi, DrawsASeedWhenNoneIsGiven) {

@@ -3,12 +3,11 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 #include "shardit/dist/mesh.h"
 #include "shardit/parallel/context_parallel.h"
@@ -23,27 +22,6 @@
 namespace shardit::pipelines {
 
 namespace {
-
-/// "step 3/28 | 1.24 s/it | ETA 31 s" on one terminal line, rewritten after every step; silent
-/// when stderr is not a terminal.
-class ProgressBar {
- public:
-  ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled && ::isatty(STDERR_FILENO) == 1) {}
-  void update(int64_t done) {
-    if (!enabled_) return;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    const double per_step = elapsed / static_cast<double>(done);
-    std::fprintf(stderr, "\rstep %lld/%lld | %.2f s/it | ETA %.0f s   ", static_cast<long long>(done),
-                 static_cast<long long>(total_), per_step, per_step * static_cast<double>(total_ - done));
-    if (done == total_) std::fprintf(stderr, "\n");
-    std::fflush(stderr);
-  }
-
- private:
-  int64_t total_;
-  bool enabled_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-};
 
 bool is_floating(at::ScalarType type) { return at::isFloatingType(type); }
 
@@ -333,6 +311,56 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
   }
 }
 
+GenerateResult DiffusionPipeline::generate(const GenerateRequest& request) {
+  TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
+  check(request);
+  PreparedRequest call = prepare(request);
+  return generate_prepared(call, request);
+}
+
+PreparedRequest DiffusionPipeline::prepare(const GenerateRequest& request) const {
+  PreparedRequest call;
+  std::tie(call.height, call.width) = resolve_size(request, request.notes);
+  const CallDefaults defaults = call_defaults();
+  call.num_inference_steps = request.num_inference_steps.value_or(defaults.num_inference_steps);
+  call.guidance_scale = request.guidance_scale.value_or(defaults.guidance_scale);
+  call.true_cfg_scale = request.true_cfg_scale.value_or(defaults.true_cfg_scale);
+  call.do_cfg = runs_cfg(request);
+  const int64_t n = request.num_images_per_prompt;
+
+  const PromptEmbeds positive = positive_embeds(request);
+  const int64_t num_prompts = positive.num_prompts();
+  const std::optional<PromptEmbeds> negative = call_negative_embeds(request, call, num_prompts);
+  TORCH_INTERNAL_ASSERT(!call.do_cfg || negative.has_value(), class_name(), ": CFG without negative embeddings");
+
+  // The latent token grid: the VAE's latent is (H/8, W/8), its 2x2 patches (H/16, W/16) tokens.
+  call.h = call.height / (vae_scale_factor_ * 2);
+  call.w = call.width / (vae_scale_factor_ * 2);
+  call.batch = num_prompts * n;
+  call.latents = prepare_latents(request, call.batch, call.h, call.w);  // [B, N, C4]
+  call.cond = repeat_prompt_embeds(positive, n, call.dtype(), call.device());
+  if (call.do_cfg) call.uncond = repeat_prompt_embeds(*negative, n, call.dtype(), call.device());
+  call.scheduler = make_scheduler(call.num_inference_steps, scheduler_mu(call.h * call.w, call.num_inference_steps));
+  return call;
+}
+
+std::optional<PromptEmbeds> DiffusionPipeline::call_negative_embeds(const GenerateRequest& request,
+                                                                    const PreparedRequest& /*call*/,
+                                                                    int64_t num_prompts) const {
+  return negative_embeds(request, num_prompts);
+}
+
+double DiffusionPipeline::scheduler_mu(int64_t image_seq_len, int64_t /*steps*/) const {
+  return calculate_shift(image_seq_len);
+}
+
+at::Tensor DiffusionPipeline::packed_noise_latents(const GenerateRequest& request, int64_t batch, int64_t h,
+                                                   int64_t w) const {
+  if (request.latents) return initial_latents(request, batch, h, w);
+  const int64_t channels = latents_shape(batch, h, w).back() / 4;
+  return pack_latents_2x2(seeded_noise({batch, channels, 2 * h, 2 * w}, request.seed));  // [B, N, 4C]
+}
+
 at::Tensor DiffusionPipeline::initial_latents(const GenerateRequest& request, int64_t batch, int64_t h,
                                               int64_t w) const {
   const std::vector<int64_t> shape = latents_shape(batch, h, w);
@@ -390,15 +418,14 @@ std::optional<PromptEmbeds> DiffusionPipeline::negative_embeds(const GenerateReq
   return embeds;
 }
 
-GenerateResult DiffusionPipeline::make_result(const at::Tensor& latents, int64_t height, int64_t width, int64_t steps,
-                                              double guidance, bool cfg) {
+GenerateResult DiffusionPipeline::make_result(const at::Tensor& latents, const PreparedRequest& call, double guidance) {
   GenerateResult result;
   result.latents = latents.to(at::kCPU, at::kFloat);
-  result.height = height;
-  result.width = width;
-  result.num_inference_steps = steps;
+  result.height = call.height;
+  result.width = call.width;
+  result.num_inference_steps = call.num_inference_steps;
   result.guidance = guidance;
-  result.cfg = cfg;
+  result.cfg = call.do_cfg;
   return result;
 }
 
@@ -415,13 +442,13 @@ schedulers::FlowMatchEulerDiscreteScheduler DiffusionPipeline::make_scheduler(in
   return scheduler;
 }
 
-at::Tensor DiffusionPipeline::denoise(
-    schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
-    const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
-    const GenerateRequest& request) const {
+at::Tensor DiffusionPipeline::denoise(PreparedRequest& call, const GenerateRequest& request,
+                                      const TransformerCall& transformer, const CfgCombine& combine) const {
+  schedulers::FlowMatchEulerDiscreteScheduler& scheduler = call.scheduler;
   const at::Tensor timesteps = scheduler.timesteps();
   const int64_t steps = timesteps.size(0);
-  ProgressBar progress(steps, request.progress && dist::World::get().rank() == 0);
+  at::Tensor latents = call.latents;
+  if (request.on_progress) request.on_progress(0, steps);
   for (int64_t i = 0; i < steps; ++i) {
     const float t = timesteps[i].item<float>();
     // The pipelines pass t.expand(B).to(latents.dtype) / 1000.
@@ -429,10 +456,13 @@ at::Tensor DiffusionPipeline::denoise(
                                     .to(latents.scalar_type())
                                     .div(1000)
                                     .to(latents.device());
-    const at::Tensor noise_pred = predict(latents, timestep);
+    const at::Tensor noise_pred = guided(
+        call.do_cfg,
+        [&](bool conditional) { return transformer(conditional ? call.cond : *call.uncond, latents, timestep); },
+        combine);
     latents = scheduler.step(noise_pred, t, latents);
     if (request.callback_on_step_end) request.callback_on_step_end(i, latents);
-    progress.update(i + 1);
+    if (request.on_progress) request.on_progress(i + 1, steps);
   }
   return latents;
 }

@@ -1,8 +1,9 @@
 #pragma once
 // What the three text-to-image pipelines share (diffusers' DiffusionPipeline role): loading a
-// pipeline folder with each component under its own parallel config, prompt embeddings given
-// directly or made by a PromptEncoder, seeded latents, the denoising loop with its progress bar,
-// and decoding to an image on the ranks that hold a VAE.
+// pipeline folder with each component under its own parallel config, the start of every call
+// (defaults, size, prompt embeddings given directly or made by a PromptEncoder, the CFG decision,
+// seeded latents, the scheduler), the denoising loop, and decoding to an image on the ranks that
+// hold a VAE. Each family (pipeline_flux, ...) adds what its diffusers __call__ does differently.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -67,8 +68,45 @@ struct GenerateRequest {
   std::optional<at::Tensor> latents;
   /// Called after every step with the step index and the packed latents [B, N, C4].
   std::function<void(int64_t step, const at::Tensor& latents)> callback_on_step_end;
-  /// A progress line on stderr (rank 0, terminals only).
-  bool progress = true;
+  /// Called on every rank as the loop starts (done 0) and after each step (after
+  /// callback_on_step_end) with the steps done and the steps in all, for a progress display: the
+  /// library draws none itself.
+  std::function<void(int64_t done, int64_t total)> on_progress;
+  /// Whether generate() says on stderr (rank 0) where it does not take the request as given (a
+  /// size rounded down, true_cfg_scale without a negative prompt).
+  bool notes = true;
+};
+
+/// A pipeline family's values for what a request leaves unset (its diffusers __call__ defaults).
+struct CallDefaults {
+  int64_t num_inference_steps = 50;
+  double guidance_scale = 1.0;
+  double true_cfg_scale = 1.0;
+};
+
+/// A request as the shared start of DiffusionPipeline::generate() resolves it (diffusers' __call__
+/// up to the denoising loop), for the family's rest of the call (generate_prepared).
+struct PreparedRequest {
+  int64_t height = 0;  ///< the image size in pixels, rounded to a multiple of 2 * vae_scale_factor
+  int64_t width = 0;
+  int64_t h = 0;  ///< the latent token grid: height / (2 * vae_scale_factor)
+  int64_t w = 0;
+  int64_t batch = 0;  ///< prompts x num_images_per_prompt
+  int64_t num_inference_steps = 0;
+  double guidance_scale = 0;  ///< the request's, or the family's default
+  double true_cfg_scale = 0;
+  bool do_cfg = false;  ///< runs_cfg(request)
+  /// The prompts' embeddings, each row num_images_per_prompt times, on the latents' device and dtype.
+  PromptEmbeds cond;
+  /// The negative prompts' likewise; only with CFG.
+  std::optional<PromptEmbeds> uncond;
+  /// The initial latents as tokens [B, N, C4] on the transformer's device, in its dtype.
+  at::Tensor latents;
+  /// Set for num_inference_steps with the family's mu.
+  schedulers::FlowMatchEulerDiscreteScheduler scheduler{schedulers::FlowMatchEulerDiscreteSchedulerConfig{}};
+  /// The transformer's device and dtype (the latents').
+  at::Device device() const { return latents.device(); }
+  at::ScalarType dtype() const { return latents.scalar_type(); }
 };
 
 /// What a call returns.
@@ -145,8 +183,9 @@ class DiffusionPipeline {
 
   /// Runs the pipeline (after load()). Everything is checked (sizes, steps, embeddings, latents)
   /// before the first transformer call. Collective: every rank of the transformer's mesh calls it
-  /// with the same request.
-  virtual GenerateResult generate(const GenerateRequest& request) = 0;
+  /// with the same request. The start of the call is shared (prepare()); the family's
+  /// generate_prepared() runs the rest.
+  GenerateResult generate(const GenerateRequest& request);
 
   /// Whether `request` runs classifier-free guidance (a negative prediction combined with the
   /// positive one at every step).
@@ -192,6 +231,26 @@ class DiffusionPipeline {
   DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options, const std::string& pipeline_class,
                     const std::string& transformer_class);
 
+  // The steps of generate() each family fills in.
+  /// What the request's unset values take.
+  virtual CallDefaults call_defaults() const = 0;
+  /// diffusers' prepare_latents: the request's latents (checked against latents_shape) or noise
+  /// from its seed, as the tokens the transformer takes, [B, N, C4], on its device in its dtype.
+  virtual at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const = 0;
+  /// The negative prompt's embeddings, one row per prompt (before the repeat for
+  /// num_images_per_prompt), with `call`'s scales and CFG decision set: by default
+  /// negative_embeds(request, num_prompts), nullopt without a negative prompt. With CFG they must be there.
+  virtual std::optional<PromptEmbeds> call_negative_embeds(const GenerateRequest& request,
+                                                           const PreparedRequest& call, int64_t num_prompts) const;
+  /// The scheduler's mu for `image_seq_len` tokens and `steps` steps: by default calculate_shift.
+  virtual double scheduler_mu(int64_t image_seq_len, int64_t steps) const;
+  /// The rest of the call after the shared start: the transformer's inputs and the CFG formula
+  /// (through denoise()), and the decode.
+  virtual GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) = 0;
+
+  /// The shared start of generate() after check(): size, defaults, prompt embeddings, the CFG
+  /// decision, initial latents, scheduler.
+  PreparedRequest prepare(const GenerateRequest& request) const;
   /// The request's size rounded as diffusers does (a multiple of 2 * vae_scale_factor), with a
   /// printed note on rank 0 when it changes and `note` is set; errors for sizes that round to nothing.
   std::pair<int64_t, int64_t> resolve_size(const GenerateRequest& request, bool note = true) const;
@@ -199,6 +258,10 @@ class DiffusionPipeline {
   int64_t default_size() const { return 128 * vae_scale_factor_; }
   /// The request's latents (checked against latents_shape), or noise of that shape from its seed.
   at::Tensor initial_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const;
+  /// FLUX.1's and Qwen-Image's prepare_latents on the CPU: the request's packed latents (checked),
+  /// or noise drawn unpacked [B, C, H/8, W/8] from its seed and packed to [B, N, 4C] as they do
+  /// (latents_shape is [B, N, 4C]).
+  at::Tensor packed_noise_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const;
   /// The prompt embeddings of the request (given, or made by the encoder from `prompts`), or
   /// nullopt when neither is there. `what` names them in errors.
   std::optional<PromptEmbeds> embeds_for(const std::optional<PromptEmbeds>& given,
@@ -214,16 +277,23 @@ class DiffusionPipeline {
   /// when there is no negative prompt.
   std::optional<PromptEmbeds> negative_embeds(const GenerateRequest& request, int64_t num_prompts,
                                               const std::optional<std::string>& default_prompt = std::nullopt) const;
-  /// The result of a run: the final latents (float32 on the CPU) and the values used.
-  static GenerateResult make_result(const at::Tensor& latents, int64_t height, int64_t width, int64_t steps,
-                                    double guidance, bool cfg);
+  /// The result of a call: the final latents (float32 on the CPU), its size and steps, and the
+  /// guidance it reports.
+  static GenerateResult make_result(const at::Tensor& latents, const PreparedRequest& call, double guidance);
   /// A fresh scheduler from the folder's scheduler_config.json with the pipelines' sigmas.
   schedulers::FlowMatchEulerDiscreteScheduler make_scheduler(int64_t steps, double mu) const;
-  /// The denoising loop: for each timestep t, latents <- scheduler.step(predict(latents, t/1000
-  /// as [B]), t, latents), with the progress bar and the callback.
-  at::Tensor denoise(schedulers::FlowMatchEulerDiscreteScheduler& scheduler, at::Tensor latents,
-                     const std::function<at::Tensor(const at::Tensor& latents, const at::Tensor& timestep)>& predict,
-                     const GenerateRequest& request) const;
+  /// The transformer on one branch's prompt embeddings: latents [B, N, C4] and timestep [B] to
+  /// the prediction [B, N, C4].
+  using TransformerCall =
+      std::function<at::Tensor(const PromptEmbeds& embeds, const at::Tensor& latents, const at::Tensor& timestep)>;
+  /// A family's CFG formula on the conditional and unconditional predictions.
+  using CfgCombine = std::function<at::Tensor(const at::Tensor& cond, const at::Tensor& uncond)>;
+  /// The denoising loop of a prepared call: for each timestep t, latents <- call.scheduler.step(
+  /// guided(transformer on call.cond, and on call.uncond with CFG, combined), t, latents), with
+  /// the timestep passed as t/1000 [B]; the request's callbacks after each step. Returns the
+  /// final latents [B, N, C4].
+  at::Tensor denoise(PreparedRequest& call, const GenerateRequest& request, const TransformerCall& transformer,
+                     const CfgCombine& combine) const;
   /// vae.decode(z) -> image float32 [B, H, W, 3] in [0, 1] (diffusers' postprocess, "np").
   at::Tensor decode_image(const at::Tensor& vae_latents) const;
   /// One step's prediction with classifier-free guidance: `branch(true)` runs the transformer on

@@ -1,9 +1,5 @@
 #include "shardit/pipelines/pipeline_flux.h"
 
-#include <fmt/format.h>
-
-#include "shardit/dist/world.h"
-
 namespace shardit::pipelines {
 
 FluxPipeline::FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
@@ -32,77 +28,51 @@ std::string FluxPipeline::cfg_condition() const {
   return "FluxPipeline runs true CFG when true_cfg_scale (default 1) > 1 and a negative prompt is given";
 }
 
-GenerateResult FluxPipeline::generate(const GenerateRequest& request) {
-  TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
-  check(request);
+CallDefaults FluxPipeline::call_defaults() const {
+  return {/*num_inference_steps=*/28, /*guidance_scale=*/3.5, /*true_cfg_scale=*/1.0};
+}
+
+at::Tensor FluxPipeline::prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const {
+  const models::FluxTransformer2DModel& transformer = flux_transformer();
+  return packed_noise_latents(request, batch, h, w).to(transformer.device(), transformer.dtype());  // [B, N, 4C]
+}
+
+GenerateResult FluxPipeline::generate_prepared(PreparedRequest& call, const GenerateRequest& request) {
   models::FluxTransformer2DModel& transformer = flux_transformer();
-  const auto& config = transformer.config;
-  const auto [height, width] = resolve_size(request);
-  const int64_t steps = request.num_inference_steps.value_or(28);
-  const double guidance_scale = request.guidance_scale.value_or(3.5);
-  const double true_cfg_scale = request.true_cfg_scale.value_or(1.0);
-  const int64_t n = request.num_images_per_prompt;
-
-  const PromptEmbeds positive = positive_embeds(request);
-  const int64_t num_prompts = positive.num_prompts();
-  const auto negative = negative_embeds(request, num_prompts);
-  const bool do_true_cfg = runs_cfg(request);
-  TORCH_INTERNAL_ASSERT(!do_true_cfg || negative.has_value());
-
-  // Latent token grid: the VAE's latent is (H/8, W/8), packed 2x2 into (H/16, W/16) tokens.
-  const int64_t h = height / (vae_scale_factor_ * 2);
-  const int64_t w = width / (vae_scale_factor_ * 2);
-  const int64_t batch = num_prompts * n;
-  const int64_t channels = config.in_channels / 4;
-  // Noise is drawn unpacked, [B, C, H/8, W/8], and packed to [B, N, 4C] as the pipeline does.
-  const at::Tensor latents_in = request.latents
-                                    ? initial_latents(request, batch, h, w)
-                                    : pack_latents_2x2(seeded_noise({batch, channels, 2 * h, 2 * w}, request.seed));
-  const at::Device device = transformer.device();
-  const at::ScalarType dtype = transformer.dtype();
-  at::Tensor latents = latents_in.to(device, dtype);
-
-  const PromptEmbeds cond = repeat_prompt_embeds(positive, n, dtype, device);
-  std::optional<PromptEmbeds> uncond;
-  if (do_true_cfg) uncond = repeat_prompt_embeds(*negative, n, dtype, device);
+  const at::Device device = call.device();
 
   // img_ids (0, row, col) per token, txt_ids zeros.
   const auto float_options = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor img_ids = at::zeros({h, w, 3}, float_options);
-  img_ids.select(2, 1).add_(at::arange(h, float_options).unsqueeze(1));
-  img_ids.select(2, 2).add_(at::arange(w, float_options).unsqueeze(0));
-  img_ids = img_ids.reshape({h * w, 3}).to(device);  // [N, 3]
+  at::Tensor img_ids = at::zeros({call.h, call.w, 3}, float_options);
+  img_ids.select(2, 1).add_(at::arange(call.h, float_options).unsqueeze(1));
+  img_ids.select(2, 2).add_(at::arange(call.w, float_options).unsqueeze(0));
+  img_ids = img_ids.reshape({call.h * call.w, 3}).to(device);  // [N, 3]
 
-  auto scheduler = make_scheduler(steps, calculate_shift(h * w));
-
+  // Embedded guidance (FLUX.1 [dev]); [schnell] has no guidance embedder.
   std::optional<at::Tensor> guidance;
-  if (config.guidance_embeds) guidance = at::full({batch}, guidance_scale, float_options).to(device);
+  if (transformer.config.guidance_embeds) {
+    guidance = at::full({call.batch}, call.guidance_scale, float_options).to(device);
+  }
 
-  const auto run = [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
-    models::FluxTransformer2DModelInputs inputs;
-    inputs.hidden_states = x;
-    inputs.encoder_hidden_states = embeds.prompt_embeds;
-    inputs.pooled_projections = *embeds.pooled_prompt_embeds;
-    inputs.timestep = timestep;
-    inputs.img_ids = img_ids;
-    inputs.txt_ids = at::zeros({embeds.prompt_embeds.size(1), 3}, float_options).to(device);
-    inputs.guidance = guidance;
-    return transformer.forward(inputs);
-  };
-  latents = denoise(
-      scheduler, latents,
-      [&](const at::Tensor& x, const at::Tensor& timestep) {
-        return guided(
-            do_true_cfg, [&](bool conditional) { return run(conditional ? cond : *uncond, x, timestep); },
-            [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
-              return neg + true_cfg_scale * (noise_pred - neg);
-            });
+  const at::Tensor latents = denoise(
+      call, request,
+      [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
+        models::FluxTransformer2DModelInputs inputs;
+        inputs.hidden_states = x;
+        inputs.encoder_hidden_states = embeds.prompt_embeds;
+        inputs.pooled_projections = *embeds.pooled_prompt_embeds;
+        inputs.timestep = timestep;
+        inputs.img_ids = img_ids;
+        inputs.txt_ids = at::zeros({embeds.prompt_embeds.size(1), 3}, float_options).to(device);
+        inputs.guidance = guidance;
+        return transformer.forward(inputs);
       },
-      request);
+      [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
+        return neg + call.true_cfg_scale * (noise_pred - neg);
+      });
 
-  GenerateResult result =
-      make_result(latents, height, width, steps, do_true_cfg ? true_cfg_scale : guidance_scale, do_true_cfg);
-  if (vae_) result.image = decode_image(unpack_latents_2x2(latents, h, w));  // [B, C, H/8, W/8]
+  GenerateResult result = make_result(latents, call, call.do_cfg ? call.true_cfg_scale : call.guidance_scale);
+  if (vae_) result.image = decode_image(unpack_latents_2x2(latents, call.h, call.w));  // [B, C, H/8, W/8]
   return result;
 }
 

@@ -17,7 +17,6 @@ class FluxPipeline : public DiffusionPipeline {
  public:
   FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
   std::string class_name() const override { return "FluxPipeline"; }
-  GenerateResult generate(const GenerateRequest& request) override;
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;
   int64_t joint_attention_dim() const override;
@@ -26,6 +25,11 @@ class FluxPipeline : public DiffusionPipeline {
   std::string latents_layout() const override;
 
   models::FluxTransformer2DModel& flux_transformer() const;
+
+ protected:
+  CallDefaults call_defaults() const override;
+  at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
+  GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;
 };
 
 }  // namespace shardit::pipelines

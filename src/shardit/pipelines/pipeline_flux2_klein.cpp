@@ -57,73 +57,68 @@ std::string Flux2KleinPipeline::cfg_condition() const {
          (is_distilled_ ? "true" : "false") + ")";
 }
 
-GenerateResult Flux2KleinPipeline::generate(const GenerateRequest& request) {
-  TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
-  check(request);
+CallDefaults Flux2KleinPipeline::call_defaults() const {
+  // No true_cfg_scale: guidance_scale is the CFG scale.
+  return {/*num_inference_steps=*/50, /*guidance_scale=*/kDefaultGuidanceScale, /*true_cfg_scale=*/1.0};
+}
+
+std::optional<PromptEmbeds> Flux2KleinPipeline::call_negative_embeds(const GenerateRequest& request,
+                                                                     const PreparedRequest& call,
+                                                                     int64_t num_prompts) const {
+  if (!call.do_cfg) return std::nullopt;
+  TORCH_CHECK(request.negative_prompt_embeds || prompt_encoder_ != nullptr, class_name(),
+              ": classifier-free guidance (guidance_scale ", call.guidance_scale,
+              " > 1, not distilled) needs negative_prompt_embeds (the embedding of the negative prompt, \"\" by "
+              "default) next to prompt_embeds; or set guidance_scale to 1");
+  // diffusers encodes "" when no negative prompt is given.
+  return negative_embeds(request, num_prompts, std::string());
+}
+
+at::Tensor Flux2KleinPipeline::prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h,
+                                               int64_t w) const {
+  const models::Flux2Transformer2DModel& transformer = flux2_transformer();
+  const at::Tensor latents = initial_latents(request, batch, h, w);  // [B, in_channels, h, w]
+  // The 2x2 patch lives in the channels: tokens are a plain flatten of the grid.
+  return latents.reshape({batch, transformer.config.in_channels, h * w})
+      .permute({0, 2, 1})
+      .to(transformer.device(), transformer.dtype());  // [B, N, C4]
+}
+
+double Flux2KleinPipeline::scheduler_mu(int64_t image_seq_len, int64_t steps) const {
+  return schedulers::compute_empirical_mu(image_seq_len, steps);
+}
+
+GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, const GenerateRequest& request) {
   models::Flux2Transformer2DModel& transformer = flux2_transformer();
   const auto& config = transformer.config;
-  const auto [height, width] = resolve_size(request);
-  const int64_t steps = request.num_inference_steps.value_or(50);
-  const double guidance_scale = request.guidance_scale.value_or(kDefaultGuidanceScale);
-  const int64_t n = request.num_images_per_prompt;
-  const bool do_cfg = runs_cfg(request);
-
-  const PromptEmbeds positive = positive_embeds(request);
-  const int64_t num_prompts = positive.num_prompts();
-  std::optional<PromptEmbeds> negative;
-  if (do_cfg) {
-    TORCH_CHECK(request.negative_prompt_embeds || prompt_encoder_ != nullptr, class_name(),
-                ": classifier-free guidance (guidance_scale ", guidance_scale,
-                " > 1, not distilled) needs negative_prompt_embeds (the embedding of the negative prompt, \"\" by "
-                "default) next to prompt_embeds; or set guidance_scale to 1");
-    // diffusers encodes "" when no negative prompt is given.
-    negative = negative_embeds(request, num_prompts, std::string());
+  const at::Device device = call.device();
+  const at::Tensor img_ids = image_ids(call.batch, call.h, call.w).to(device);
+  std::optional<at::Tensor> guidance;
+  if (config.guidance_embeds) {
+    guidance = at::full({call.batch}, call.guidance_scale, at::TensorOptions().dtype(at::kFloat)).to(device);
   }
 
-  const int64_t h = height / (vae_scale_factor_ * 2);
-  const int64_t w = width / (vae_scale_factor_ * 2);
-  const int64_t batch = num_prompts * n;
-  const at::Tensor latents_in = initial_latents(request, batch, h, w);  // [B, in_channels, h, w]
-  const at::Device device = transformer.device();
-  const at::ScalarType dtype = transformer.dtype();
-  // The 2x2 patch lives in the channels: tokens are a plain flatten of the grid.
-  at::Tensor latents =
-      latents_in.reshape({batch, config.in_channels, h * w}).permute({0, 2, 1}).to(device, dtype);  // [B, N, C4]
-
-  const PromptEmbeds cond = repeat_prompt_embeds(positive, n, dtype, device);
-  std::optional<PromptEmbeds> uncond;
-  if (do_cfg) uncond = repeat_prompt_embeds(*negative, n, dtype, device);
-  const at::Tensor img_ids = image_ids(batch, h, w).to(device);
-
-  auto scheduler = make_scheduler(steps, schedulers::compute_empirical_mu(h * w, steps));
-  std::optional<at::Tensor> guidance;
-  if (config.guidance_embeds)
-    guidance = at::full({batch}, guidance_scale, at::TensorOptions().dtype(at::kFloat)).to(device);
-
-  const auto run = [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
-    models::Flux2Transformer2DModelInputs inputs;
-    inputs.hidden_states = x;
-    inputs.encoder_hidden_states = embeds.prompt_embeds;
-    inputs.timestep = timestep;
-    inputs.img_ids = img_ids;
-    inputs.txt_ids = text_ids(batch, embeds.prompt_embeds.size(1)).to(device);
-    inputs.guidance = guidance;
-    return transformer.forward(inputs);
-  };
-  latents = denoise(
-      scheduler, latents,
-      [&](const at::Tensor& x, const at::Tensor& timestep) {
-        return guided(
-            do_cfg, [&](bool conditional) { return run(conditional ? cond : *uncond, x, timestep); },
-            [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
-              return neg + guidance_scale * (noise_pred - neg);
-            });
+  const at::Tensor latents = denoise(
+      call, request,
+      [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
+        models::Flux2Transformer2DModelInputs inputs;
+        inputs.hidden_states = x;
+        inputs.encoder_hidden_states = embeds.prompt_embeds;
+        inputs.timestep = timestep;
+        inputs.img_ids = img_ids;
+        inputs.txt_ids = text_ids(call.batch, embeds.prompt_embeds.size(1)).to(device);
+        inputs.guidance = guidance;
+        return transformer.forward(inputs);
       },
-      request);
+      [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
+        return neg + call.guidance_scale * (noise_pred - neg);
+      });
 
-  GenerateResult result = make_result(latents, height, width, steps, guidance_scale, do_cfg);
+  GenerateResult result = make_result(latents, call, call.guidance_scale);
   // Tokens back to [B, 4C, h, w]; the VAE de-normalises and unpatchifies.
-  if (vae_) result.image = decode_image(latents.permute({0, 2, 1}).reshape({batch, config.in_channels, h, w}));
+  if (vae_) {
+    result.image = decode_image(latents.permute({0, 2, 1}).reshape({call.batch, config.in_channels, call.h, call.w}));
+  }
   return result;
 }
 

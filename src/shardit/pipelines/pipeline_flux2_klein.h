@@ -1,6 +1,7 @@
 #pragma once
 // diffusers' Flux2KleinPipeline (pipeline_flux2_klein.py): FLUX.2 [klein] with classifier-free
 // guidance against the empty negative prompt unless the checkpoint is distilled.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,7 +18,6 @@ class Flux2KleinPipeline : public DiffusionPipeline {
  public:
   Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
   std::string class_name() const override { return "Flux2KleinPipeline"; }
-  GenerateResult generate(const GenerateRequest& request) override;
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;
   bool supports_cfg() const override { return !is_distilled_; }
@@ -28,6 +28,14 @@ class Flux2KleinPipeline : public DiffusionPipeline {
   models::Flux2Transformer2DModel& flux2_transformer() const;
   /// model_index.json's is_distilled (no CFG when true).
   bool is_distilled() const { return is_distilled_; }
+
+ protected:
+  CallDefaults call_defaults() const override;
+  std::optional<PromptEmbeds> call_negative_embeds(const GenerateRequest& request, const PreparedRequest& call,
+                                                   int64_t num_prompts) const override;
+  at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
+  double scheduler_mu(int64_t image_seq_len, int64_t steps) const override;
+  GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;
 
  private:
   bool is_distilled_ = false;

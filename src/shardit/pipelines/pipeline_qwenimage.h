@@ -18,7 +18,6 @@ class QwenImagePipeline : public DiffusionPipeline {
  public:
   QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
   std::string class_name() const override { return "QwenImagePipeline"; }
-  GenerateResult generate(const GenerateRequest& request) override;
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;
   int64_t joint_attention_dim() const override;
@@ -26,6 +25,11 @@ class QwenImagePipeline : public DiffusionPipeline {
   std::string latents_layout() const override;
 
   models::QwenImageTransformer2DModel& qwen_transformer() const;
+
+ protected:
+  CallDefaults call_defaults() const override;
+  at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
+  GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;
 };
 
 }  // namespace shardit::pipelines

@@ -217,7 +217,7 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.num_images_per_prompt = n;
   request.max_sequence_length = max_sequence_length;
   request.seed = seed;
-  request.progress = false;
+  request.notes = false;  // a server's stderr is its log, not the client's
   return request;
 }
 

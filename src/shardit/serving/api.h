@@ -61,7 +61,7 @@ struct ImageRequest {
   std::optional<double> true_cfg_scale;
   int64_t max_sequence_length = 512;
 
-  /// The pipeline call (no progress bar).
+  /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;
   /// As the control plane sends it to the other ranks.
   nlohmann::json to_json() const;
