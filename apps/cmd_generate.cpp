@@ -110,7 +110,7 @@ int generate(const GenerateOptions& given) {
           given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
     }
   }
-  const at::ScalarType dtype = parse_compute_dtype(options.pipeline.dtype);
+  parse_compute_dtype(options.pipeline.dtype);  // a wrong --dtype fails before anything is read
 
   // Everything the command reads or writes is checked before anything is loaded.
   pipelines::GenerateRequest request;

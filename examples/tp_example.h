@@ -13,9 +13,9 @@
 
 #include "shardit/core/error.h"
 #include "shardit/dist/mesh.h"
-#include "shardit/parallel/parallel_dims.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/pipelines/pipeline.h"
 
 namespace shardit::examples {
