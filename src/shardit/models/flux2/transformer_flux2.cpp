@@ -1,6 +1,5 @@
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/core/profile.h"
-#include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
 
