@@ -211,6 +211,22 @@ TEST(TpPlan, ColwiseGatherSplitsContiguously) {
   EXPECT_EQ(plan.spec("blocks.1.modulation.bias").ranges_per_rank[1], ranges({{36, 72}}));
 }
 
+TEST(TpPlan, ShardedModulationPrecedesTheReferencePlan) {
+  const TpPlan reference = {{"blocks.*.attn.to_q", ShardStyle::Colwise},
+                            {"blocks.*.ff.net.0.proj", ShardStyle::PackedColwise, {1, 1}}};
+  const TpPlan plan = shardit::parallel::with_sharded_modulation({"blocks.*.modulation", "norm.linear"}, reference);
+  ASSERT_EQ(plan.size(), 4u);
+  EXPECT_EQ(plan[0].pattern, "blocks.*.modulation");
+  EXPECT_EQ(plan[0].style, ShardStyle::ColwiseGather);
+  EXPECT_TRUE(plan[0].blocks.empty());
+  EXPECT_EQ(plan[1].pattern, "norm.linear");
+  EXPECT_EQ(plan[1].style, ShardStyle::ColwiseGather);
+  EXPECT_EQ(plan[2].pattern, "blocks.*.attn.to_q");
+  EXPECT_EQ(plan[3].pattern, "blocks.*.ff.net.0.proj");
+  EXPECT_EQ(plan[3].style, ShardStyle::PackedColwise);
+  EXPECT_EQ(plan[3].blocks, (std::vector<int64_t>{1, 1}));
+}
+
 TEST(TpPlan, UnlistedParametersAreReplicated) {
   ToyModel model;
   const auto plan = shardit::parallel::resolve_plan(model, full_plan(), 2);

@@ -15,6 +15,13 @@ const char* shard_style_name(ShardStyle style) {
   return "?";
 }
 
+TpPlan with_sharded_modulation(const std::vector<std::string>& modulation_linears, const TpPlan& reference) {
+  TpPlan plan;
+  for (const std::string& pattern : modulation_linears) plan.push_back({pattern, ShardStyle::ColwiseGather});
+  plan.insert(plan.end(), reference.begin(), reference.end());
+  return plan;
+}
+
 const char* tp_plan_kind_name(TpPlanKind kind) {
   switch (kind) {
     case TpPlanKind::Full: return "full";

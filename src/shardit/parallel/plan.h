@@ -37,6 +37,12 @@ struct PlanEntry {
 
 using TpPlan = std::vector<PlanEntry>;
 
+/// A model's own plan from the reference's: `reference` (diffusers' `_tp_plan`, which keeps the
+/// AdaLN modulation whole on every rank) with the modulation linears `modulation_linears` (module
+/// globs) added first, split colwise and all-gathered back to full width (ColwiseGather). The
+/// modulation is a large share of a DiT's weights and each block reads it at full width.
+TpPlan with_sharded_modulation(const std::vector<std::string>& modulation_linears, const TpPlan& reference);
+
 /// A constraint that the sharded dimensions alone do not show, such as "heads must split
 /// evenly": the TP degree must divide `value`.
 struct TpDivisor {

@@ -248,7 +248,7 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
 // Model
 
 FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfig& config)
-    : config(config), pos_embed(10000.0, config.axes_dims_rope) {
+    : JointTransformer2DModel(config.num_attention_heads), config(config), pos_embed(10000.0, config.axes_dims_rope) {
   const int64_t inner_dim = config.inner_dim();
   time_text_embed = register_module("time_text_embed", std::make_shared<CombinedTimestepGuidanceTextProjEmbeddings>(
                                                            inner_dim, config.pooled_projection_dim, config.guidance_embeds));
@@ -273,24 +273,16 @@ FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfi
 }
 
 const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
-  using parallel::ShardStyle;
   // diffusers' FLUX.1 plan: q/k/v and the FF input split by heads / hidden columns (colwise), the
   // projections back to D split by rows (rowwise, one all-reduce each). The single block's
   // proj_out reads cat[attn D | mlp 4D]: each block is split on its own (blocks declared by the
   // layer). Our addition: the AdaLN modulation linears (D -> 6D / 3D, a quarter of FLUX.1's
   // parameters) are split colwise and all-gathered instead of held whole on every rank.
   // Replicated (not listed): embedders, norm_out and proj_out (small), and the per-head RMSNorms.
-  // The reference plan plus the modulation linears.
-  static const parallel::TpPlan plan = [this] {
-    parallel::TpPlan ours = {
-        {"transformer_blocks.*.norm1.linear", ShardStyle::ColwiseGather},
-        {"transformer_blocks.*.norm1_context.linear", ShardStyle::ColwiseGather},
-        {"single_transformer_blocks.*.norm.linear", ShardStyle::ColwiseGather},
-    };
-    const parallel::TpPlan& reference = *reference_tp_plan();
-    ours.insert(ours.end(), reference.begin(), reference.end());
-    return ours;
-  }();
+  static const parallel::TpPlan plan = parallel::with_sharded_modulation(
+      {"transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+       "single_transformer_blocks.*.norm.linear"},
+      *reference_tp_plan());
   return plan;
 }
 
@@ -319,106 +311,53 @@ const parallel::TpPlan* FluxTransformer2DModel::reference_tp_plan() const {
   return &plan;
 }
 
-parallel::ModelTraits FluxTransformer2DModel::traits() const {
-  // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {/*divisors=*/{{"num_attention_heads", config.num_attention_heads}}};
-}
-
 at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("FluxTransformer2DModel");
-  const std::string where = type_name();
-  check_loaded(where);
-  const at::ScalarType dtype = this->dtype();
-  const at::Device device = this->device();
-  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
-
-  const at::Tensor& hidden_states_in = inputs.hidden_states;
-  // B, N image tokens, L text tokens
-  const auto [batch, image_len, text_len] =
-      nn::check_joint_streams(where, hidden_states_in, config.in_channels, inputs.encoder_hidden_states, config.joint_attention_dim);
-  nn::check_shape(where, "pooled_projections", inputs.pooled_projections, {{"B", batch}, config.pooled_projection_dim});
-
-  // The model's own scaling of the pipeline's t/1000, in fp32.
-  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device) * 1000;
-  std::optional<at::Tensor> guidance =
-      nn::optional_per_sample_values(where, "guidance", inputs.guidance, config.guidance_embeds, batch, device);
-  if (guidance) *guidance = *guidance * 1000;
-
-  // Position ids: 2-D [S, 3]. A batched [B, S, 3] tensor is accepted (deprecated in diffusers);
-  // all samples share positions, so its first entry is used.
-  const auto n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
-  const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
-    const size_t batched = nn::check_shape_any(where, name, ids, {{{"S", len}, n_axes}, {"B", {"S", len}, n_axes}});
-    return batched ? ids.select(0, 0) : ids;
-  };
-  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
-  // [B, N_local, C], [B, L_local, C], [N_local, 3], [L_local, 3].
-  parallel::ContextParallelForward cp = context_parallel_forward();
-  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
-  const at::Tensor text_tokens = cp.point("encoder_hidden_states", inputs.encoder_hidden_states);
-  const at::Tensor txt_ids = cp.point("txt_ids", ids_2d(inputs.txt_ids, "txt_ids", text_len));
-  const at::Tensor img_ids = cp.point("img_ids", ids_2d(inputs.img_ids, "img_ids", image_len));
-  const int64_t local_text_len = text_tokens.size(1);
+  // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
+  JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
+                     config.joint_attention_dim);
+  nn::check_shape(joint.where, "pooled_projections", inputs.pooled_projections,
+                  {{"B", joint.batch}, config.pooled_projection_dim});
 
   // [B, N, D]
-  at::Tensor hidden_states = x_embedder->forward(to_model(image_tokens));
+  at::Tensor hidden_states = x_embedder->forward(joint.to_model(joint.image_tokens));
   emit("x_embedder", hidden_states);
 
+  // The model's own scaling of the pipeline's t/1000, in fp32.
+  const at::Tensor timestep = joint.per_sample("timestep", inputs.timestep) * 1000;
+  std::optional<at::Tensor> guidance = joint.optional_per_sample("guidance", inputs.guidance, config.guidance_embeds);
+  if (guidance) *guidance = *guidance * 1000;
   // [B, D]
-  const at::Tensor temb = time_text_embed->forward(timestep, guidance, to_model(inputs.pooled_projections));
+  const at::Tensor temb = time_text_embed->forward(timestep, guidance, joint.to_model(inputs.pooled_projections));
   emit("temb", temb);
 
   // [B, L, D]
-  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(text_tokens));
+  at::Tensor encoder_hidden_states = context_embedder->forward(joint.to_model(joint.text_tokens));
   emit("context_embedder", encoder_hidden_states);
 
+  // [L_local, 3] and [N_local, 3] (diffusers deprecates the batched form [B, S, 3])
+  const auto [txt_ids, img_ids] = joint.position_ids(inputs.txt_ids, inputs.img_ids, config.axes_dims_rope.size());
   // [L + N, head_dim] fp32, text first
-  nn::RotaryEmbedding rope = pos_embed.forward(at::cat({txt_ids, img_ids}, 0).to(device));
+  const nn::RotaryEmbedding rope = pos_embed.forward(at::cat({txt_ids, img_ids}, 0));
   emit("rope.cos", rope.cos);
   emit("rope.sin", rope.sin);
 
-  for (auto& block : *transformer_blocks) {
-    std::tie(encoder_hidden_states, hidden_states) =
-        block->forward(hidden_states, encoder_hidden_states, temb, rope);
-    if (observed()) {
-      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
-      emit("block." + block->path() + ".hidden_states", hidden_states);
-    }
-  }
-
-  // [B, L + N, D]
-  hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
-  for (auto& block : *single_transformer_blocks) {
-    hidden_states = block->forward(hidden_states, temb, rope);
-    if (observed()) {
-      emit("block." + block->path() + ".encoder_hidden_states", hidden_states.slice(1, 0, local_text_len));
-      emit("block." + block->path() + ".hidden_states", hidden_states.slice(1, local_text_len));
-    }
-  }
-  // [B, N, D]
-  hidden_states = hidden_states.slice(1, local_text_len);
-
-  at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
-  emit("norm_out.linear", norm_out_emb);
-  emit("norm_out", hidden_states);
-  // [B, N, patch^2 * out_channels]
-  return cp.point("proj_out", proj_out->forward(hidden_states));
+  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
+  // The reference's single blocks take and return the two streams: observed as such.
+  run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Streams, hidden_states,
+                                encoder_hidden_states, temb, rope);
+  return output_head(joint, hidden_states, temb);
 }
 
 const parallel::CpPlan* FluxTransformer2DModel::cp_plan() const {
   using parallel::CpAction;
   using parallel::SequenceStream;
-  // diffusers' `_cp_plan`: both token streams and their position ids split along the sequence
-  // (the RoPE tables are computed from the local ids, so they travel with their tokens); the
-  // sample gathered after proj_out. Everything else is per token or per sample.
-  static const parallel::CpPlan plan = {
-      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
-      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+  // diffusers' `_cp_plan`: beside both token streams, their position ids split along the
+  // sequence (the RoPE tables are computed from the local ids, so they travel with their tokens).
+  static const parallel::CpPlan plan = joint_cp_plan({
       {"img_ids", CpAction::Split, 0, SequenceStream::Image},
       {"txt_ids", CpAction::Split, 0, SequenceStream::Text},
-      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
-  };
+  });
   return &plan;
 }
 

@@ -13,6 +13,7 @@
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/joint_transformer.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/timestep_embeddings.h"
 #include "shardit/nn/linear.h"
@@ -180,7 +181,9 @@ struct FluxTransformer2DModelInputs {
   std::optional<at::Tensor> guidance;  ///< [B] guidance scale (e.g. 3.5), also x1000 inside; required iff guidance_embeds
 };
 
-class FluxTransformer2DModel : public parallel::TensorParallelModule {
+/// The skeleton of its forward, norm_out / proj_out and traits() come from
+/// JointTransformer2DModel.
+class FluxTransformer2DModel : public JointTransformer2DModel {
  public:
   explicit FluxTransformer2DModel(const FluxTransformer2DModelConfig& config);
   std::string type_name() const override { return "FluxTransformer2DModel"; }
@@ -188,7 +191,6 @@ class FluxTransformer2DModel : public parallel::TensorParallelModule {
   const parallel::TpPlan& tp_plan() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
-  parallel::ModelTraits traits() const override;
   /// Image and text tokens and their ids split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
 
@@ -196,10 +198,6 @@ class FluxTransformer2DModel : public parallel::TensorParallelModule {
   /// model's dtype. Intermediates go to Module::emit (x_embedder, temb.*, rope.*, block.*, and
   /// the blocks' own).
   at::Tensor forward(const FluxTransformer2DModelInputs& inputs);
-
-  /// The dtype and device of the (loaded) parameters.
-  at::ScalarType dtype() const { return x_embedder->weight.scalar_type(); }
-  at::Device device() const { return x_embedder->weight.device(); }
 
   const FluxTransformer2DModelConfig config;
 
@@ -209,8 +207,7 @@ class FluxTransformer2DModel : public parallel::TensorParallelModule {
   std::shared_ptr<nn::Linear> x_embedder;
   std::shared_ptr<nn::ModuleList<FluxTransformerBlock>> transformer_blocks;
   std::shared_ptr<nn::ModuleList<FluxSingleTransformerBlock>> single_transformer_blocks;
-  std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;
-  std::shared_ptr<nn::Linear> proj_out;
+  // norm_out, proj_out: JointTransformer2DModel's members, registered here.
 };
 
 }  // namespace shardit::models

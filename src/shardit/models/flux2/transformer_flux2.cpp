@@ -1,6 +1,5 @@
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/core/profile.h"
-#include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
 
@@ -272,7 +271,9 @@ at::Tensor Flux2SingleTransformerBlock::forward(const at::Tensor& hidden_states,
 // Model
 
 Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelConfig& config)
-    : config(config), pos_embed(config.rope_theta, config.axes_dims_rope) {
+    : JointTransformer2DModel(config.num_attention_heads),
+      config(config),
+      pos_embed(config.rope_theta, config.axes_dims_rope) {
   const int64_t inner_dim = config.inner_dim();
   time_guidance_embed = register_module(
       "time_guidance_embed", std::make_shared<Flux2TimestepGuidanceEmbeddings>(config.timestep_guidance_channels,
@@ -302,7 +303,6 @@ Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelCo
 }
 
 const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
-  using parallel::ShardStyle;
   // diffusers' FLUX.2 plan: q/k/v (image and text) and the FF linear_in split colwise, closed by
   // rowwise to_out.0 / to_add_out / linear_out (one all-reduce each). linear_in's output is
   // [gate M | up M] and the single block's fused to_qkv_mlp_proj is [q | k | v | gate | up]:
@@ -310,17 +310,9 @@ const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   // [attn D | mlp M]: packed rowwise. Our addition: the three shared modulation linears
   // (D -> 6D, 6D, 3D) split colwise and all-gathered instead of held whole on every rank.
   // Replicated (not listed): embedders, norm_out and proj_out (small), the per-head RMSNorms.
-  // The reference plan plus the modulation linears.
-  static const parallel::TpPlan plan = [this] {
-    parallel::TpPlan ours = {
-        {"double_stream_modulation_img.linear", ShardStyle::ColwiseGather},
-        {"double_stream_modulation_txt.linear", ShardStyle::ColwiseGather},
-        {"single_stream_modulation.linear", ShardStyle::ColwiseGather},
-    };
-    const parallel::TpPlan& reference = *reference_tp_plan();
-    ours.insert(ours.end(), reference.begin(), reference.end());
-    return ours;
-  }();
+  static const parallel::TpPlan plan = parallel::with_sharded_modulation(
+      {"double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear"},
+      *reference_tp_plan());
   return plan;
 }
 
@@ -347,49 +339,21 @@ const parallel::TpPlan* Flux2Transformer2DModel::reference_tp_plan() const {
   return &plan;
 }
 
-parallel::ModelTraits Flux2Transformer2DModel::traits() const {
-  // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {/*divisors=*/{{"num_attention_heads", config.num_attention_heads}}};
-}
-
 at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("Flux2Transformer2DModel");
-  const std::string where = type_name();
-  check_loaded(where);
-  const at::ScalarType dtype = this->dtype();
-  const at::Device device = this->device();
-  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
-
-  const at::Tensor& hidden_states_in = inputs.hidden_states;
-  // B, N image tokens, L text tokens
-  const auto [batch, image_len, text_len] =
-      nn::check_joint_streams(where, hidden_states_in, config.in_channels, inputs.encoder_hidden_states, config.joint_attention_dim);
+  // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
+  JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
+                     config.joint_attention_dim);
 
   // The model's own scaling of the pipeline's t/1000, in fp32.
-  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device) * 1000;
-  std::optional<at::Tensor> guidance =
-      nn::optional_per_sample_values(where, "guidance", inputs.guidance, config.guidance_embeds, batch, device);
+  const at::Tensor timestep = joint.per_sample("timestep", inputs.timestep) * 1000;
+  std::optional<at::Tensor> guidance = joint.optional_per_sample("guidance", inputs.guidance, config.guidance_embeds);
   if (guidance) *guidance = *guidance * 1000;
-
-  // Position ids [B, S, n_axes] (or [S, n_axes]); all samples share positions, [0] is used.
-  const auto n_axes = static_cast<int64_t>(config.axes_dims_rope.size());
-  const auto ids_2d = [&](const at::Tensor& ids, const char* name, int64_t len) {
-    const size_t batched = nn::check_shape_any(where, name, ids, {{"B", {"S", len}, n_axes}, {{"S", len}, n_axes}});
-    return (batched == 0 ? ids.select(0, 0) : ids).to(device);
-  };
-  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
-  // [B, N_local, C], [B, L_local, C], [N_local, n_axes], [L_local, n_axes].
-  parallel::ContextParallelForward cp = context_parallel_forward();
-  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
-  const at::Tensor text_tokens = cp.point("encoder_hidden_states", inputs.encoder_hidden_states);
-  const at::Tensor txt_ids = cp.point("txt_ids", ids_2d(inputs.txt_ids, "txt_ids", text_len));
-  const at::Tensor img_ids = cp.point("img_ids", ids_2d(inputs.img_ids, "img_ids", image_len));
-  const int64_t local_text_len = text_tokens.size(1);
-
   // [B, D]
-  const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, dtype);
+  const at::Tensor temb = time_guidance_embed->forward(timestep, guidance, joint.dtype);
   emit("temb", temb);
 
+  // Computed once, shared by every block of a kind.
   const Flux2Modulation::Output mod_img = double_stream_modulation_img->forward(temb);
   const Flux2Modulation::Output mod_txt = double_stream_modulation_txt->forward(temb);
   const Flux2Modulation::Output mod_single = single_stream_modulation->forward(temb);
@@ -398,11 +362,13 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
   emit("mod.single_stream", mod_single.emb);
 
   // [B, N, D] and [B, L, D]
-  at::Tensor hidden_states = x_embedder->forward(to_model(image_tokens));
+  at::Tensor hidden_states = x_embedder->forward(joint.to_model(joint.image_tokens));
   emit("x_embedder", hidden_states);
-  at::Tensor encoder_hidden_states = context_embedder->forward(to_model(text_tokens));
+  at::Tensor encoder_hidden_states = context_embedder->forward(joint.to_model(joint.text_tokens));
   emit("context_embedder", encoder_hidden_states);
 
+  // [L_local, 4] and [N_local, 4]
+  const auto [txt_ids, img_ids] = joint.position_ids(inputs.txt_ids, inputs.img_ids, config.axes_dims_rope.size());
   // [N, hd] and [L, hd] fp32, joined text first
   const nn::RotaryEmbedding image_rope = pos_embed.forward(img_ids);
   const nn::RotaryEmbedding text_rope = pos_embed.forward(txt_ids);
@@ -414,44 +380,21 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
   emit("rope.cos", rope.cos);
   emit("rope.sin", rope.sin);
 
-  for (auto& block : *transformer_blocks) {
-    std::tie(encoder_hidden_states, hidden_states) =
-        block->forward(hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope);
-    if (observed()) {
-      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
-      emit("block." + block->path() + ".hidden_states", hidden_states);
-    }
-  }
-
-  // [B, L + N, D]
-  hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
-  for (auto& block : *single_transformer_blocks) {
-    hidden_states = block->forward(hidden_states, mod_single.sets[0], rope);
-    if (observed()) emit("block." + block->path() + ".hidden_states", hidden_states);
-  }
-  // [B, N, D]
-  hidden_states = hidden_states.slice(1, local_text_len);
-
-  at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
-  emit("norm_out.linear", norm_out_emb);
-  emit("norm_out", hidden_states);
-  // [B, N, patch^2 * out_channels]
-  return cp.point("proj_out", proj_out->forward(hidden_states));
+  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope);
+  run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
+                                encoder_hidden_states, mod_single.sets[0], rope);
+  return output_head(joint, hidden_states, temb);
 }
 
 const parallel::CpPlan* Flux2Transformer2DModel::cp_plan() const {
   using parallel::CpAction;
   using parallel::SequenceStream;
-  // As FLUX.1's: both token streams and their position ids split (RoPE rows computed from the
-  // local ids travel with their tokens); the modulation is per sample; the sample gathered.
-  static const parallel::CpPlan plan = {
-      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
-      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+  // As FLUX.1's: beside both token streams, their position ids split (RoPE rows computed from the
+  // local ids travel with their tokens); the modulation is per sample.
+  static const parallel::CpPlan plan = joint_cp_plan({
       {"img_ids", CpAction::Split, 0, SequenceStream::Image},
       {"txt_ids", CpAction::Split, 0, SequenceStream::Text},
-      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
-  };
+  });
   return &plan;
 }
 

@@ -15,6 +15,7 @@
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/joint_transformer.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/timestep_embeddings.h"
 #include "shardit/nn/linear.h"
@@ -194,7 +195,9 @@ struct Flux2Transformer2DModelInputs {
   std::optional<at::Tensor> guidance;  ///< [B], also x1000 inside; required iff guidance_embeds
 };
 
-class Flux2Transformer2DModel : public parallel::TensorParallelModule {
+/// The skeleton of its forward, norm_out / proj_out and traits() come from
+/// JointTransformer2DModel.
+class Flux2Transformer2DModel : public JointTransformer2DModel {
  public:
   explicit Flux2Transformer2DModel(const Flux2Transformer2DModelConfig& config);
   std::string type_name() const override { return "Flux2Transformer2DModel"; }
@@ -202,7 +205,6 @@ class Flux2Transformer2DModel : public parallel::TensorParallelModule {
   const parallel::TpPlan& tp_plan() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
-  parallel::ModelTraits traits() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
 
@@ -210,9 +212,6 @@ class Flux2Transformer2DModel : public parallel::TensorParallelModule {
   /// model's dtype. Intermediates go to Module::emit (x_embedder, context_embedder, temb.*, mod.*,
   /// rope.*, block.*, norm_out.*, and the blocks' own).
   at::Tensor forward(const Flux2Transformer2DModelInputs& inputs);
-
-  at::ScalarType dtype() const { return x_embedder->weight.scalar_type(); }
-  at::Device device() const { return x_embedder->weight.device(); }
 
   const Flux2Transformer2DModelConfig config;
 
@@ -225,8 +224,7 @@ class Flux2Transformer2DModel : public parallel::TensorParallelModule {
   std::shared_ptr<nn::Linear> context_embedder;
   std::shared_ptr<nn::ModuleList<Flux2TransformerBlock>> transformer_blocks;
   std::shared_ptr<nn::ModuleList<Flux2SingleTransformerBlock>> single_transformer_blocks;
-  std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;
-  std::shared_ptr<nn::Linear> proj_out;
+  // norm_out, proj_out: JointTransformer2DModel's members, registered here.
 };
 
 }  // namespace shardit::models

@@ -240,7 +240,7 @@ std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
 
 
 QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransformer2DModelConfig& config)
-    : config(config), pos_embed(10000.0, config.axes_dims_rope) {
+    : JointTransformer2DModel(config.num_attention_heads), config(config), pos_embed(10000.0, config.axes_dims_rope) {
   const int64_t inner_dim = config.inner_dim();
   time_text_embed = register_module("time_text_embed", std::make_shared<QwenTimestepProjEmbeddings>(inner_dim));
   txt_norm = register_module(
@@ -261,22 +261,13 @@ QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransfor
 }
 
 const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
-  using parallel::ShardStyle;
   // diffusers' Qwen-Image plan: q/k/v (image and text) split by heads (colwise), the output
   // projections back to D split by rows (rowwise, one all-reduce each), and the GELU FFs split
   // colwise / rowwise. Our addition: the modulation linears (D -> 6D, a third of the weights) are
   // split colwise and all-gathered. Replicated (not listed): embedders, txt_norm, norm_out,
   // proj_out (small), and the per-head RMSNorms.
-  // The reference plan plus the modulation linears.
-  static const parallel::TpPlan plan = [this] {
-    parallel::TpPlan ours = {
-        {"transformer_blocks.*.img_mod.1", ShardStyle::ColwiseGather},
-        {"transformer_blocks.*.txt_mod.1", ShardStyle::ColwiseGather},
-    };
-    const parallel::TpPlan& reference = *reference_tp_plan();
-    ours.insert(ours.end(), reference.begin(), reference.end());
-    return ours;
-  }();
+  static const parallel::TpPlan plan = parallel::with_sharded_modulation(
+      {"transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1"}, *reference_tp_plan());
   return plan;
 }
 
@@ -300,25 +291,13 @@ const parallel::TpPlan* QwenImageTransformer2DModel::reference_tp_plan() const {
   return &plan;
 }
 
-parallel::ModelTraits QwenImageTransformer2DModel::traits() const {
-  // Heads are the unit of the attention split: a rank must hold whole heads.
-  return {/*divisors=*/{{"num_attention_heads", config.num_attention_heads}}};
-}
-
 at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformer2DModel");
-  const std::string where = type_name();
-  check_loaded(where);
-  const at::ScalarType dtype = this->dtype();
-  const at::Device device = this->device();
-  const auto to_model = [&](const at::Tensor& t) { return t.to(device, dtype); };
-
-  const at::Tensor& hidden_states_in = inputs.hidden_states;
-  const at::Tensor& text_in = inputs.encoder_hidden_states;
-  // B, N image tokens, L text tokens
-  const auto [batch, image_len, text_len] =
-      nn::check_joint_streams(where, hidden_states_in, config.in_channels, text_in, config.joint_attention_dim);
-  const at::Tensor timestep = nn::per_sample_values(where, "timestep", inputs.timestep, batch, device);
+  // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
+  JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
+                     config.joint_attention_dim);
+  const std::string& where = joint.where;
+  const at::Tensor timestep = joint.per_sample("timestep", inputs.timestep);
 
   // The grids of the image tokens: diffusers uses the first sample's list for all.
   TORCH_CHECK(!inputs.img_shapes.empty() && !inputs.img_shapes[0].empty(),
@@ -336,42 +315,37 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
                 "QwenImageTransformer2DModel: img_shapes entries must be positive, got ", format_shapes(shapes));
     grid_tokens += shape[0] * shape[1] * shape[2];
   }
-  TORCH_CHECK(grid_tokens == image_len, "QwenImageTransformer2DModel: img_shapes ", format_shapes(shapes), " hold ",
-              grid_tokens, " tokens but hidden_states has ", image_len, " (N = sum of frame * height * width)");
-
-  // Under context parallelism (cp_plan) each rank keeps its share of the tokens from here on:
-  // [B, N_local, C], [B, L_local, C].
-  parallel::ContextParallelForward cp = context_parallel_forward();
-  const at::Tensor image_tokens = cp.point("hidden_states", hidden_states_in);
-  const at::Tensor text_tokens = cp.point("encoder_hidden_states", text_in);
+  TORCH_CHECK(grid_tokens == joint.image_len, "QwenImageTransformer2DModel: img_shapes ", format_shapes(shapes),
+              " hold ", grid_tokens, " tokens but hidden_states has ", joint.image_len,
+              " (N = sum of frame * height * width)");
 
   // Key mask over [text; image], true = attend: padded text tokens are hidden.
   std::optional<at::Tensor> key_mask;
   if (inputs.encoder_hidden_states_mask.has_value() && inputs.encoder_hidden_states_mask->defined()) {
     const at::Tensor& mask = *inputs.encoder_hidden_states_mask;
-    nn::check_shape(where, "encoder_hidden_states_mask", mask, {{"B", batch}, {"L", text_len}});
+    nn::check_shape(where, "encoder_hidden_states_mask", mask, {{"B", joint.batch}, {"L", joint.text_len}});
     // [B, L_local]
-    const at::Tensor text_mask = cp.point("encoder_hidden_states_mask", mask.to(device).to(at::kBool));
-    const at::Tensor image_mask = at::ones({batch, image_tokens.size(1)}, text_mask.options());
+    const at::Tensor text_mask = joint.cp.point("encoder_hidden_states_mask", mask.to(joint.device).to(at::kBool));
+    const at::Tensor image_mask = at::ones({joint.batch, joint.image_tokens.size(1)}, text_mask.options());
     // [B, L + N]
     key_mask = at::cat({text_mask, image_mask}, 1);
   }
 
   // [B, N, D]
-  at::Tensor hidden_states = img_in->forward(to_model(image_tokens));
+  at::Tensor hidden_states = img_in->forward(joint.to_model(joint.image_tokens));
   emit("img_in", hidden_states);
 
   // [B, L, C] -> [B, L, D]
-  const at::Tensor text_normed = txt_norm->forward(to_model(text_tokens));
+  const at::Tensor text_normed = txt_norm->forward(joint.to_model(joint.text_tokens));
   emit("txt_norm", text_normed);
   at::Tensor encoder_hidden_states = txt_in->forward(text_normed);
   emit("txt_in", encoder_hidden_states);
 
   // [B, D]
-  const at::Tensor temb = time_text_embed->forward(timestep, dtype);
+  const at::Tensor temb = time_text_embed->forward(timestep, joint.dtype);
   emit("temb", temb);
 
-  const QwenEmbedRope::Tables tables = pos_embed.forward(shapes, text_len, device);
+  const QwenEmbedRope::Tables tables = pos_embed.forward(shapes, joint.text_len, joint.device);
   if (observed()) {
     emit("rope.img.real", at::cos(tables.img_angles));
     emit("rope.img.imag", at::sin(tables.img_angles));
@@ -379,40 +353,24 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
     emit("rope.txt.imag", at::sin(tables.txt_angles));
   }
   // The tables of the full sequences, then this rank's rows: [N_local, hd / 2], [L_local, hd / 2].
-  const nn::RotaryEmbedding img_rope = rotary_from_angles(cp.point("rope.img", tables.img_angles));
-  const nn::RotaryEmbedding txt_rope = rotary_from_angles(cp.point("rope.txt", tables.txt_angles));
+  const nn::RotaryEmbedding img_rope = rotary_from_angles(joint.cp.point("rope.img", tables.img_angles));
+  const nn::RotaryEmbedding txt_rope = rotary_from_angles(joint.cp.point("rope.txt", tables.txt_angles));
 
-  for (auto& block : *transformer_blocks) {
-    std::tie(encoder_hidden_states, hidden_states) =
-        block->forward(hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
-    if (observed()) {
-      emit("block." + block->path() + ".encoder_hidden_states", encoder_hidden_states);
-      emit("block." + block->path() + ".hidden_states", hidden_states);
-    }
-  }
-
-  at::Tensor norm_out_emb;
-  hidden_states = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
-  emit("norm_out.linear", norm_out_emb);
-  emit("norm_out", hidden_states);
-  // [B, N, patch^2 * out_channels]
-  return cp.point("proj_out", proj_out->forward(hidden_states));
+  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
+  return output_head(joint, hidden_states, temb);
 }
 
 const parallel::CpPlan* QwenImageTransformer2DModel::cp_plan() const {
   using parallel::CpAction;
   using parallel::SequenceStream;
-  // diffusers' `_cp_plan`: the token streams, the text mask and the rotary tables (computed for
-  // the full grids, then split, so each token keeps its row) along the sequence; the sample
-  // gathered. Mask padding is false, so padded text keys stay hidden.
-  static const parallel::CpPlan plan = {
-      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
-      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+  // diffusers' `_cp_plan`: beside both token streams, the text mask and the rotary tables
+  // (computed for the full grids, then split, so each token keeps its row) along the sequence.
+  // Mask padding is false, so padded text keys stay hidden.
+  static const parallel::CpPlan plan = joint_cp_plan({
       {"encoder_hidden_states_mask", CpAction::Split, 1, SequenceStream::Text, /*optional=*/true},
       {"rope.img", CpAction::Split, 0, SequenceStream::Image},
       {"rope.txt", CpAction::Split, 0, SequenceStream::Text},
-      {"proj_out", CpAction::Gather, 1, SequenceStream::Image},
-  };
+  });
   return &plan;
 }
 

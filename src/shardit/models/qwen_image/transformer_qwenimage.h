@@ -16,6 +16,7 @@
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/joint_transformer.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/timestep_embeddings.h"
 #include "shardit/nn/linear.h"
@@ -153,7 +154,9 @@ struct QwenImageTransformer2DModelInputs {
   std::vector<std::vector<QwenImageShape>> img_shapes;
 };
 
-class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
+/// The skeleton of its forward, norm_out / proj_out and traits() come from
+/// JointTransformer2DModel.
+class QwenImageTransformer2DModel : public JointTransformer2DModel {
  public:
   explicit QwenImageTransformer2DModel(const QwenImageTransformer2DModelConfig& config);
   std::string type_name() const override { return "QwenImageTransformer2DModel"; }
@@ -161,7 +164,6 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   const parallel::TpPlan& tp_plan() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
-  parallel::ModelTraits traits() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
 
@@ -169,9 +171,6 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   /// model's dtype. Intermediates go to Module::emit (img_in, txt_norm, txt_in, temb.*, rope.*,
   /// block.*, norm_out.*, and the blocks' own).
   at::Tensor forward(const QwenImageTransformer2DModelInputs& inputs);
-
-  at::ScalarType dtype() const { return img_in->weight.scalar_type(); }
-  at::Device device() const { return img_in->weight.device(); }
 
   const QwenImageTransformer2DModelConfig config;
 
@@ -181,8 +180,7 @@ class QwenImageTransformer2DModel : public parallel::TensorParallelModule {
   std::shared_ptr<nn::Linear> img_in;
   std::shared_ptr<nn::Linear> txt_in;
   std::shared_ptr<nn::ModuleList<QwenImageTransformerBlock>> transformer_blocks;
-  std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;
-  std::shared_ptr<nn::Linear> proj_out;
+  // norm_out, proj_out: JointTransformer2DModel's members, registered here.
 };
 
 }  // namespace shardit::models

@@ -1,0 +1,98 @@
+#include "shardit/models/joint_transformer.h"
+#include "shardit/nn/inputs.h"
+
+namespace shardit::models {
+
+JointForward::JointForward(JointTransformer2DModel& model, const at::Tensor& hidden_states, int64_t in_channels,
+                           const at::Tensor& encoder_hidden_states, int64_t joint_attention_dim)
+    : where(model.type_name()),
+      dtype(model.dtype()),
+      device(model.device()),
+      cp(model.context_parallel_forward()) {
+  model.check_loaded(where);
+  const nn::JointStreams streams =
+      nn::check_joint_streams(where, hidden_states, in_channels, encoder_hidden_states, joint_attention_dim);
+  batch = streams.batch;
+  image_len = streams.image_len;
+  text_len = streams.text_len;
+  // Under context parallelism each rank keeps its share of the tokens from here on:
+  // [B, N_local, C], [B, L_local, C_text].
+  image_tokens = cp.point("hidden_states", hidden_states);
+  text_tokens = cp.point("encoder_hidden_states", encoder_hidden_states);
+}
+
+at::Tensor JointForward::per_sample(const char* name, const at::Tensor& values) const {
+  return nn::per_sample_values(where, name, values, batch, device);
+}
+
+std::optional<at::Tensor> JointForward::optional_per_sample(const char* name, const std::optional<at::Tensor>& values,
+                                                            bool expected) const {
+  return nn::optional_per_sample_values(where, name, values, expected, batch, device);
+}
+
+std::pair<at::Tensor, at::Tensor> JointForward::position_ids(const at::Tensor& txt_ids, const at::Tensor& img_ids,
+                                                             size_t n_axes) {
+  const auto axes = static_cast<int64_t>(n_axes);
+  const auto ids_2d = [&](const char* name, const at::Tensor& ids, int64_t len) {
+    const size_t batched = nn::check_shape_any(where, name, ids, {{"B", {"S", len}, axes}, {{"S", len}, axes}});
+    // [S, n_axes]
+    return cp.point(name, (batched == 0 ? ids.select(0, 0) : ids).to(device));
+  };
+  const at::Tensor text = ids_2d("txt_ids", txt_ids, text_len);
+  return {text, ids_2d("img_ids", img_ids, image_len)};
+}
+
+parallel::ModelTraits JointTransformer2DModel::traits() const {
+  // Heads are the unit of the attention split: a rank must hold whole heads.
+  parallel::ModelTraits traits;
+  traits.divisors = {{"num_attention_heads", num_attention_heads_}};
+  return traits;
+}
+
+at::Tensor JointTransformer2DModel::output_head(JointForward& joint, const at::Tensor& hidden_states,
+                                                const at::Tensor& temb) {
+  // hidden_states [B, N, D], temb [B, D]
+  at::Tensor norm_out_emb;
+  const at::Tensor normed = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
+  emit("norm_out.linear", norm_out_emb);
+  emit("norm_out", normed);
+  // [B, N, patch^2 * out_channels]
+  return joint.cp.point("proj_out", proj_out->forward(normed));
+}
+
+void JointTransformer2DModel::emit_block_output(const nn::Module& block, const at::Tensor& encoder_hidden_states,
+                                                const at::Tensor& hidden_states) const {
+  if (!observed()) return;
+  emit("block." + block.path() + ".encoder_hidden_states", encoder_hidden_states);
+  emit("block." + block.path() + ".hidden_states", hidden_states);
+}
+
+void JointTransformer2DModel::emit_single_block_output(const nn::Module& block, SingleBlockOutput output,
+                                                       const at::Tensor& joint, int64_t text_len) const {
+  if (!observed()) return;
+  switch (output) {
+    case SingleBlockOutput::Joint:
+      emit("block." + block.path() + ".hidden_states", joint);
+      return;
+    case SingleBlockOutput::Streams:
+      // [B, L, D] and [B, N, D]
+      emit_block_output(block, joint.slice(1, 0, text_len), joint.slice(1, text_len));
+      return;
+  }
+}
+
+parallel::CpPlan joint_cp_plan(const parallel::CpPlan& model_points) {
+  using parallel::CpAction;
+  using parallel::SequenceStream;
+  // The points JointForward and output_head mark: both token streams split along the sequence,
+  // the sample gathered after proj_out. Everything else is per token or per sample.
+  parallel::CpPlan plan = {
+      {"hidden_states", CpAction::Split, 1, SequenceStream::Image},
+      {"encoder_hidden_states", CpAction::Split, 1, SequenceStream::Text},
+  };
+  plan.insert(plan.end(), model_points.begin(), model_points.end());
+  plan.push_back({"proj_out", CpAction::Gather, 1, SequenceStream::Image});
+  return plan;
+}
+
+}  // namespace shardit::models

@@ -1,0 +1,157 @@
+#pragma once
+// What diffusers' joint-stream ("MMDiT") transformers share, written once: FLUX.1, FLUX.2 and
+// Qwen-Image check the image and text token streams together, split both along the sequence under
+// context parallelism, run the double-stream blocks over the two streams, then (FLUX) the
+// single-stream blocks over the joint [text; image] sequence, and end with the output head
+// norm_out -> proj_out, gathered. A model derives from JointTransformer2DModel and writes only
+// what differs: its config, blocks and embeddings, the middle of its forward (conditioning,
+// embeddings, RoPE, in the reference's order), and its plans as data.
+//
+//   at::Tensor MyTransformer2DModel::forward(const MyTransformer2DModelInputs& inputs) {
+//     SHARDIT_PROFILE_SCOPE("MyTransformer2DModel");
+//     JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
+//                        config.joint_attention_dim);
+//     at::Tensor hidden_states = x_embedder->forward(joint.to_model(joint.image_tokens));
+//     ...  encoder_hidden_states, temb, rope: the model's own ...
+//     run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
+//     run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
+//                                   encoder_hidden_states, temb, rope);
+//     return output_head(joint, hidden_states, temb);
+//   }
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "shardit/nn/linear.h"
+#include "shardit/nn/module.h"
+#include "shardit/nn/norms.h"
+#include "shardit/parallel/context_parallel.h"
+#include "shardit/parallel/plan.h"
+#include "shardit/parallel/tensor_parallel.h"
+
+namespace shardit::models {
+
+class JointTransformer2DModel;
+
+/// One forward of a joint-stream transformer, from its start: the weights checked loaded, both
+/// token streams checked together (image tokens [B, N, in_channels], text tokens
+/// [B, L, joint_attention_dim]) and split at the cp plan's points "hidden_states" and
+/// "encoder_hidden_states". It must live for the whole forward: while it does, attention
+/// exchanges keys and values through `cp` (without context parallelism every point is the
+/// identity).
+class JointForward {
+ public:
+  JointForward(JointTransformer2DModel& model, const at::Tensor& hidden_states, int64_t in_channels,
+               const at::Tensor& encoder_hidden_states, int64_t joint_attention_dim);
+
+  /// `t` in the model's dtype, on its device.
+  at::Tensor to_model(const at::Tensor& t) const { return t.to(device, dtype); }
+  /// A per-sample argument (timestep, guidance) as fp32 [B] on the model's device: one value per
+  /// sample, or one for all.
+  at::Tensor per_sample(const char* name, const at::Tensor& values) const;
+  /// An optional per-sample argument: required when `expected` (the model embeds it), refused
+  /// otherwise; fp32 [B] when given.
+  std::optional<at::Tensor> optional_per_sample(const char* name, const std::optional<at::Tensor>& values,
+                                                bool expected) const;
+  /// The position ids of both streams, as the reference's `txt_ids` and `img_ids`: each
+  /// [S, n_axes] or [B, S, n_axes] (all samples share positions: the first is used), checked
+  /// against its stream's length, on the model's device and split like the stream's tokens at the
+  /// cp points "txt_ids" and "img_ids". Returns {[L_local, n_axes], [N_local, n_axes]}.
+  std::pair<at::Tensor, at::Tensor> position_ids(const at::Tensor& txt_ids, const at::Tensor& img_ids, size_t n_axes);
+
+  std::string where;  ///< the model's name, for messages
+  at::ScalarType dtype;  ///< the model's
+  at::Device device;     ///< the model's
+  int64_t batch = 0;      ///< B
+  int64_t image_len = 0;  ///< N, before the split
+  int64_t text_len = 0;   ///< L, before the split
+  /// The model's context-parallel scope: its other points (position ids, masks, rotary tables)
+  /// split here too, and output_head gathers through it.
+  parallel::ContextParallelForward cp;
+  at::Tensor image_tokens;  ///< this rank's share [B, N_local, in_channels], as given (dtype, device)
+  at::Tensor text_tokens;   ///< this rank's share [B, L_local, joint_attention_dim], as given
+};
+
+/// How the reference returns a single-stream block's output, which names its observation.
+enum class SingleBlockOutput {
+  Joint,    ///< the joint sequence, as "hidden_states" (FLUX.2)
+  Streams,  ///< split back into "encoder_hidden_states" and "hidden_states" (FLUX.1)
+};
+
+/// The base of the joint-stream transformers: the skeleton's steps for their forwards, the
+/// output head `norm_out` / `proj_out` (registered by the model, last, as the reference does, so
+/// the checkpoint keys are unchanged), and the head-count constraint of tensor parallelism.
+class JointTransformer2DModel : public parallel::TensorParallelModule {
+ public:
+  /// Heads are the unit of the attention split: a rank must hold whole heads.
+  parallel::ModelTraits traits() const override;
+
+  /// The dtype and device of the (loaded) parameters.
+  at::ScalarType dtype() const { return proj_out->weight.scalar_type(); }
+  at::Device device() const { return proj_out->weight.device(); }
+
+  std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;
+  std::shared_ptr<nn::Linear> proj_out;
+
+ protected:
+  explicit JointTransformer2DModel(int64_t num_attention_heads) : num_attention_heads_(num_attention_heads) {}
+
+  /// Runs the double-stream `blocks` in order, replacing both streams (hidden_states [B, N, D],
+  /// encoder_hidden_states [B, L, D]) by each block's output: block.forward(hidden_states,
+  /// encoder_hidden_states, conditioning...) returns {encoder_hidden_states, hidden_states}, as the
+  /// reference's blocks. Emits "block.<path>.encoder_hidden_states" and ".hidden_states".
+  template <class Block, class... Conditioning>
+  void run_transformer_blocks(nn::ModuleList<Block>& blocks, at::Tensor& hidden_states,
+                              at::Tensor& encoder_hidden_states, const Conditioning&... conditioning) {
+    for (auto& block : blocks) {
+      std::tie(encoder_hidden_states, hidden_states) =
+          block->forward(hidden_states, encoder_hidden_states, conditioning...);
+      emit_block_output(*block, encoder_hidden_states, hidden_states);
+    }
+  }
+
+  /// Runs the single-stream `blocks` over the joint sequence [text; image] and leaves the image
+  /// part in `hidden_states`: [B, N, D] and encoder_hidden_states [B, L, D] -> [B, N, D].
+  /// block.forward(joint, conditioning...) returns the joint sequence; it is emitted per block as
+  /// `output` says.
+  template <class Block, class... Conditioning>
+  void run_single_transformer_blocks(nn::ModuleList<Block>& blocks, SingleBlockOutput output,
+                                     at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                                     const Conditioning&... conditioning) {
+    const int64_t text_len = encoder_hidden_states.size(1);
+    // [B, L + N, D]
+    hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
+    for (auto& block : blocks) {
+      hidden_states = block->forward(hidden_states, conditioning...);
+      emit_single_block_output(*block, output, hidden_states, text_len);
+    }
+    // [B, N, D]
+    hidden_states = hidden_states.slice(1, text_len);
+  }
+
+  /// norm_out(hidden_states, temb) then proj_out, gathered at the cp point "proj_out": image
+  /// tokens [B, N, D], temb [B, D] -> the sample [B, N, patch_size^2 * out_channels]. Emits
+  /// "norm_out.linear" and "norm_out".
+  at::Tensor output_head(JointForward& joint, const at::Tensor& hidden_states, const at::Tensor& temb);
+
+ private:
+  void emit_block_output(const nn::Module& block, const at::Tensor& encoder_hidden_states,
+                         const at::Tensor& hidden_states) const;
+  void emit_single_block_output(const nn::Module& block, SingleBlockOutput output, const at::Tensor& joint,
+                                int64_t text_len) const;
+
+  int64_t num_attention_heads_;
+};
+
+/// A joint-stream model's cp plan: the skeleton's own points (the image and text tokens split
+/// along the sequence, the sample gathered after proj_out) around `model_points`, the model's
+/// other splits (position ids, masks, rotary tables), which its forward marks on
+/// JointForward::cp.
+parallel::CpPlan joint_cp_plan(const parallel::CpPlan& model_points);
+
+}  // namespace shardit::models
