@@ -104,7 +104,7 @@ void register_serve(CLI::App& app, CommandBody& body) {
       ->check(CLI::Range(16, 16384));
   command->add_option("--max-sequence-length", options->serve.limits.max_sequence_length,
                       "prompt tokens kept (longer prompts are truncated)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, pipelines::kMaxSequenceLength));
   add_pipeline_options(command, options->pipeline);
   command->callback([&body, options] { body = [options] { return serve(*options); }; });
 }

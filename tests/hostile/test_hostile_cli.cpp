@@ -400,6 +400,27 @@ TEST_F(Hostile, OutputNamingAnInputIsRefused) {
   }
 }
 
+// Sizes, counts and lengths are bounded, and guidance scales must be finite, before anything is
+// allocated: each is refused at once, naming the option (no 5 GB allocation, no black image).
+TEST_F(Hostile, GenerateBoundsAndNonFiniteScalesAreRefusedBeforeLoading) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--height", "100000", "--width", "100000"}, "height (--height) is 100000; it must be between 1 and 16384"},
+      {{"--width", "16", "--height", "100000"}, "height (--height) is 100000"},
+      {{"--num-images", "100000"}, "num_images_per_prompt (--num-images) is 100000"},
+      {{"--steps", "2000000000"}, "num_inference_steps (--steps) is 2000000000"},
+      {{"--max-sequence-length", "100000000"}, "max_sequence_length (--max-sequence-length) is 100000000"},
+      {{"--guidance", "nan"}, "guidance_scale (--guidance) is nan; it must be a finite number"},
+      {{"--true-cfg-scale", "inf"}, "true_cfg_scale (--true-cfg-scale) is inf"},
+  };
+  for (const auto& [options, message] : cases) {
+    std::vector<std::string> args = {"generate", "--model", model_, "--prompt", "a fox", "--out", out_path("x.png")};
+    args.insert(args.end(), options.begin(), options.end());
+    const Outcome outcome = run({args}, 20);
+    expect_refused(outcome, {message});
+    EXPECT_LT(outcome.seconds, 10) << message;
+  }
+}
+
 // generate reads the whole model folder: an output onto any file under it (weights, configs,
 // tokenizer files, model_index.json) is refused before anything loads, and the folder is unchanged.
 TEST_F(Hostile, GenerateOutputOntoTheModelFolderIsRefused) {

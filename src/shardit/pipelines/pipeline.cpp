@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <tuple>
@@ -133,20 +134,53 @@ std::vector<std::string> save_images(const at::Tensor& image, const std::string&
   return paths;
 }
 
+namespace {
+
+void check_range(const char* what, int64_t value, int64_t low, int64_t high) {
+  TORCH_CHECK(value >= low && value <= high, what, " is ", value, "; it must be between ", low, " and ", high);
+}
+
+void check_finite_scale(const char* what, const std::optional<double>& value) {
+  if (value) TORCH_CHECK(std::isfinite(*value), what, " is ", *value, "; it must be a finite number");
+}
+
+void check_finite_tensor(const std::string& what, const at::Tensor& tensor) {
+  if (!tensor.defined() || !at::isFloatingType(tensor.scalar_type())) return;
+  const int64_t bad = at::logical_not(at::isfinite(tensor)).sum().item<int64_t>();
+  TORCH_CHECK(bad == 0, what, " holds ", bad, " NaN or infinite values of ", tensor.numel(),
+              "; they would make the image NaN (black)");
+}
+
+void check_finite_embeds(const std::optional<PromptEmbeds>& embeds, const std::string& what) {
+  if (!embeds) return;
+  check_finite_tensor(what, embeds->prompt_embeds);
+  if (embeds->pooled_prompt_embeds) check_finite_tensor(what + ": pooled_prompt_embeds", *embeds->pooled_prompt_embeds);
+}
+
+}  // namespace
+
 void check_request(const GenerateRequest& request) {
   if (request.num_inference_steps) {
-    TORCH_CHECK(*request.num_inference_steps > 0, "num_inference_steps (--steps) is ", *request.num_inference_steps,
-                "; it must be at least 1");
+    check_range("num_inference_steps (--steps)", *request.num_inference_steps, 1, kMaxInferenceSteps);
   }
-  TORCH_CHECK(request.num_images_per_prompt >= 1, "num_images_per_prompt (--num-images) is ",
-              request.num_images_per_prompt, "; it must be at least 1");
-  TORCH_CHECK(request.max_sequence_length >= 1, "max_sequence_length is ", request.max_sequence_length,
-              "; it must be at least 1");
-  if (request.height) TORCH_CHECK(*request.height > 0, "height is ", *request.height, "; it must be positive");
-  if (request.width) TORCH_CHECK(*request.width > 0, "width is ", *request.width, "; it must be positive");
+  check_range("num_images_per_prompt (--num-images)", request.num_images_per_prompt, 1, kMaxImagesPerCall);
+  check_range("max_sequence_length (--max-sequence-length)", request.max_sequence_length, 1, kMaxSequenceLength);
+  if (request.height) check_range("height (--height)", *request.height, 1, kMaxImageSide);
+  if (request.width) check_range("width (--width)", *request.width, 1, kMaxImageSide);
   TORCH_CHECK(!(request.prompt_embeds && !request.prompt.empty()),
               "give either prompts or prompt embeddings, not both");
   TORCH_CHECK(request.prompt_embeds || !request.prompt.empty(), "no prompt: give prompts or prompt embeddings");
+  const int64_t prompts =
+      request.prompt_embeds ? request.prompt_embeds->num_prompts() : static_cast<int64_t>(request.prompt.size());
+  // Both factors are bounded above, so the product cannot overflow.
+  TORCH_CHECK(prompts <= kMaxImagesPerCall && prompts * request.num_images_per_prompt <= kMaxImagesPerCall, prompts,
+              " prompts x ", request.num_images_per_prompt, " images per prompt (--num-images) is more than ",
+              kMaxImagesPerCall, " images in one call; split the work into several calls");
+  check_finite_scale("guidance_scale (--guidance)", request.guidance_scale);
+  check_finite_scale("true_cfg_scale (--true-cfg-scale)", request.true_cfg_scale);
+  check_finite_embeds(request.prompt_embeds, "prompt_embeds");
+  check_finite_embeds(request.negative_prompt_embeds, "negative_prompt_embeds");
+  if (request.latents) check_finite_tensor("latents (--latents)", *request.latents);
 }
 
 DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,

@@ -370,8 +370,18 @@ std::vector<std::string> image_paths(const std::string& out, int64_t count);
 std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
                                      const std::vector<std::pair<std::string, std::string>>& text = {});
 
-/// The checks every pipeline makes of a request before any compute (steps > 0, images per
-/// prompt >= 1, max_sequence_length >= 1).
+/// The bounds of a request, checked before anything is allocated, for the command line and the
+/// server alike: far above any real use (FLUX.1 and Qwen-Image generate up to 2048 pixels a side
+/// with 512 or 1024 prompt tokens), low enough that no size computed from them overflows or asks
+/// for more memory than a machine has.
+constexpr int64_t kMaxInferenceSteps = 10000;
+constexpr int64_t kMaxImageSide = 16384;       ///< pixels, height or width
+constexpr int64_t kMaxImagesPerCall = 256;     ///< prompts x num_images_per_prompt
+constexpr int64_t kMaxSequenceLength = 4096;   ///< prompt tokens
+
+/// The checks every pipeline makes of a request before any compute: steps, sizes, counts and
+/// lengths within the bounds above (named with their command-line flags), guidance scales and
+/// given latents and embeddings finite (NaN or Inf would give a black image without a word).
 void check_request(const GenerateRequest& request);
 
 }  // namespace shardit::pipelines
