@@ -39,9 +39,11 @@ awk -v slowest="$SLOWEST" -v build_dir="$BUILD_DIR" -F '\t' '
   }
   function finish_case() {
     if (current == "") return
+    # notrun is a skip only when the case asked for it (SKIP_REGULAR_EXPRESSION, SKIP_RETURN_CODE);
+    # otherwise it did not run at all (a missing program, a failed fixture): a failure.
     if (status == "run") outcome = "passed"
-    else if (status == "fail") outcome = "failed"
-    else outcome = "skipped"   # notrun (SKIP_REGULAR_EXPRESSION matched, or a missing program)
+    else if (status == "notrun" && skip_reason ~ /^SKIP_/) outcome = "skipped"
+    else outcome = "failed"
     names[++n] = current; outcome_of[n] = outcome; time_of[n] = seconds
     current = ""
   }
@@ -49,8 +51,9 @@ awk -v slowest="$SLOWEST" -v build_dir="$BUILD_DIR" -F '\t' '
   /<testcase / {
     finish_case()
     current = unescape(attribute($0, "name")); seconds = attribute($0, "time") + 0
-    status = attribute($0, "status")
+    status = attribute($0, "status"); skip_reason = ""
   }
+  /<skipped / { skip_reason = unescape(attribute($0, "message")) }
   /<\/testsuite>/ { finish_case() }
   END {
     finish_case()
