@@ -2,9 +2,9 @@
 # The test command: installs what is missing, builds everything, runs the whole suite under CTest
 # and prints a summary (cases per label, the slowest cases, how to rerun each failed case alone).
 # Extra args go to CTest (e.g. -L unit, -R test_tp_toy, -LE golden).
-#   SHARDIT_TEST_JOBS  cases run at once (default: the number of cores). A case that starts
-#                      several ranks reserves that many (its PROCESSORS), so multi-rank cases never
-#                      share the cores with another case (tests/CMakeLists.txt).
+#   SHARDIT_TEST_JOBS  processors CTest hands out (default: the number of cores). Each case of a
+#                      test file that starts ranks reserves 4 of them (PROCESSORS, capped at this
+#                      value), so on up to 4 cores a multi-rank case runs alone (tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
