@@ -5,10 +5,12 @@
 # transformer and the text encoders split over two ranks (TP=2), and checks that both give the
 # same image (equal PNG pixels, up to one 8-bit level where float rounding differs). The T5 prompt
 # is cut to 64 tokens (FLUX.1's default is 512) to keep the run short.
+# It installs and builds only what the CLI needs (its libraries, not the tests, the fuzzer or the
+# benchmarks); `bash scripts/test.sh` installs and builds the rest into the same build folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-bash scripts/build.sh
+bash scripts/setup.sh --cli
+SHARDIT_BUILD_TARGETS=shardit_cli bash scripts/build.sh
 BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
 SHARDIT="$BUILD_DIR/apps/shardit"
 ARGS=(generate --prompt "a red fox in the snow" --max-sequence-length 64 --height 256 --width 256 --steps 4 --seed 42)

@@ -2,6 +2,8 @@
 # Installs every Debian package shardit needs to build, test and benchmark (bench/ uses only
 # shardit itself and CLI11).
 # Idempotent: re-running only installs what is missing. Needs root (or sudo).
+#   --cli           only what configuring and building the CLI needs (the quick start): leaves out
+#                   OpenMPI (the mpirun test) and clang (the fuzzer)
 #   --bench-anchor  also the packages of the diffusers anchor that bench/compare runs side by side
 #                   (Debian's CPU PyTorch and diffusers' pure-Python dependencies; not needed to
 #                   build or test)
@@ -20,13 +22,17 @@ packages=(
   libcpp-httplib-dev
   # tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping)
   libsentencepiece-dev libpcre2-dev libicu-dev
-  # tests
+  # tests (configuring the project needs GoogleTest even when only the CLI is built)
   libgtest-dev libgmock-dev
-  # multi-process launcher tests
-  openmpi-bin libopenmpi-dev
-  # fuzzing (libFuzzer ships with clang's runtime)
-  clang libclang-rt-14-dev
 )
+if [ "${1:-}" != "--cli" ]; then
+  packages+=(
+    # multi-process launcher tests
+    openmpi-bin libopenmpi-dev
+    # fuzzing (libFuzzer ships with clang's runtime)
+    clang libclang-rt-14-dev
+  )
+fi
 if [ "${1:-}" = "--bench-anchor" ]; then
   packages+=(
     python3-torch python3-numpy python3-filelock python3-packaging python3-regex python3-tqdm

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, builds, runs the whole suite under CTest.
+# The test command: installs what is missing, builds everything, runs the whole suite under CTest
+# and prints a summary (cases per label, the slowest cases, how to rerun each failed case alone).
+# Extra args go to CTest (e.g. -L unit, -R test_tp_toy, -LE golden).
+#   SHARDIT_TEST_JOBS  processors CTest hands out (default: the number of cores). Each case of a
+#                      test file that starts ranks reserves 4 of them (PROCESSORS, capped at this
+#                      value), so on up to 4 cores a multi-rank case runs alone (tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
 BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
-# Tests run one at a time: the dist tests start several ranks each and this is a 2-core machine.
-ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 "$@"
+JOBS=${SHARDIT_TEST_JOBS:-$(nproc)}
+JUNIT="$(cd "$BUILD_DIR" && pwd)/Testing/junit.xml"
+rm -f "$JUNIT"
+status=0
+start=$SECONDS
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j "$JOBS" --output-junit "$JUNIT" "$@" || status=$?
+echo "CTest: $((SECONDS - start)) s wall with -j $JOBS on $(nproc) cores"
+bash scripts/test_summary.sh "$BUILD_DIR" "$JUNIT"
+exit $status

@@ -26,7 +26,7 @@ std::shared_ptr<parallel::TensorParallelModule> load_transformer(
 /// One forward of `model` on `<inputs_dir>/inputs.safetensors`; returns the sample.
 at::Tensor run_case(parallel::TensorParallelModule& model, const std::string& inputs_dir);
 
-/// Absolute path of a file or folder inside the golden data (../shared/golden, or
+/// Absolute path of a file or folder inside the golden data (tests/golden, or
 /// $SHARDIT_GOLDEN_DIR). Throws, failing the test, when the data is missing, and when the test runs
 /// under CTest without the label golden.
 std::string golden_path(const std::string& relative);
