@@ -40,6 +40,7 @@ using shardit::testing::cli_path;
 using shardit::testing::make_temp_dir;
 using shardit::testing::run_command;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using Clock = std::chrono::steady_clock;
 
 // The pipeline every case serves: the built-in tiny FLUX.1 pipeline, with its CLIP and T5 text
@@ -234,13 +235,28 @@ TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
   write_text(dir + "/from_url.png", file->body);
   EXPECT_TRUE(shardit::io::read_png(dir + "/from_url.png").equal(expected));
 
+  // A symbolic link placed in --output-dir is never served, whatever it points to.
+  std::filesystem::create_symlink("/etc/passwd", images + "/linked.png");
+  auto linked = client(port)->Get("/images/linked.png");
+  ASSERT_TRUE(linked);
+  EXPECT_EQ(linked->status, 404) << linked->body;
+  EXPECT_THAT(linked->body, Not(HasSubstr("root:"))) << "the link's target was served";
+  // A Host header that is not a plain host[:port] is not echoed into the answer's URLs.
+  auto hostile_host = client(port)->Post("/v1/images/generations", {{"Host", "evil.example/<script>"}},
+                                         as_url.dump(), "application/json");
+  ASSERT_TRUE(hostile_host);
+  ASSERT_EQ(hostile_host->status, 200) << hostile_host->body;
+  const std::string hostile_url = json::parse(hostile_host->body)["data"][0]["url"];
+  EXPECT_EQ(hostile_url.rfind(prefix, 0), 0u) << hostile_url;
+  EXPECT_THAT(hostile_url, Not(HasSubstr("evil")));
+
   auto metrics = client(port)->Get("/metrics");
   ASSERT_TRUE(metrics);
   EXPECT_EQ(metrics->status, 200);
-  EXPECT_THAT(metrics->body, HasSubstr("shardit_requests_total{endpoint=\"generations\",status=\"200\"} 2"));
-  EXPECT_THAT(metrics->body, HasSubstr("shardit_request_duration_seconds_count 2"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_requests_total{endpoint=\"generations\",status=\"200\"} 3"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_request_duration_seconds_count 3"));
   EXPECT_THAT(metrics->body, HasSubstr("shardit_rank_resident_memory_bytes{rank=\"1\"}"));
-  EXPECT_THAT(metrics->body, HasSubstr("shardit_denoising_steps_total 4"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_denoising_steps_total 6"));
 
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();

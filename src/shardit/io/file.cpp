@@ -63,12 +63,18 @@ std::string regular_file_problem(const std::string& path) {
   return "";
 }
 
-UniqueFd open_regular_file(const std::string& path, uint64_t* size) {
+UniqueFd open_regular_file(const std::string& path, uint64_t* size, bool follow_links) {
+  if (!follow_links) {
+    struct stat link {};
+    TORCH_CHECK(::lstat(path.c_str(), &link) != 0 || !S_ISLNK(link.st_mode), path,
+                ": is a symbolic link, which is not followed here");
+  }
   // stat() first: open() on a FIFO blocks until a writer appears, even before fstat could look.
   const std::string problem = regular_file_problem(path);
   TORCH_CHECK(problem.empty(), problem);
-  // O_NONBLOCK as well, for a file swapped for a FIFO between the stat and the open.
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+  // O_NONBLOCK as well, for a file swapped for a FIFO between the stat and the open (and
+  // O_NOFOLLOW for one swapped for a link).
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | (follow_links ? 0 : O_NOFOLLOW)));
   TORCH_CHECK(fd.get() >= 0, path, ": cannot open: ", std::strerror(errno));
   struct stat st {};
   TORCH_CHECK(::fstat(fd.get(), &st) == 0, path, ": cannot stat: ", std::strerror(errno));
@@ -80,9 +86,9 @@ UniqueFd open_regular_file(const std::string& path, uint64_t* size) {
   return fd;
 }
 
-std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
+std::string read_regular_file(const std::string& path, uint64_t max_bytes, bool follow_links) {
   uint64_t size = 0;
-  const UniqueFd fd = open_regular_file(path, &size);
+  const UniqueFd fd = open_regular_file(path, &size, follow_links);
   TORCH_CHECK(size <= max_bytes, path, ": is ", size, " bytes, more than the limit of ", max_bytes,
               " bytes for this kind of file");
   std::string text(static_cast<size_t>(size), '\0');

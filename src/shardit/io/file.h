@@ -32,12 +32,13 @@ class UniqueFd {
 /// Opens `path` read-only as a regular file, never blocking: the type is checked with stat()
 /// first and the open itself is non-blocking, so a FIFO or a device is refused instead of waited
 /// on. Errors name the path and the reason (missing, dangling symbolic link, a directory, a FIFO,
-/// no permission). `size` (optional) receives the file size.
-UniqueFd open_regular_file(const std::string& path, uint64_t* size = nullptr);
+/// no permission). `size` (optional) receives the file size. With `follow_links` false, a
+/// symbolic link at `path` is refused (for files served to others from a folder).
+UniqueFd open_regular_file(const std::string& path, uint64_t* size = nullptr, bool follow_links = true);
 
 /// The whole content of the regular file `path`, refused (naming the path) when it is larger
-/// than `max_bytes`.
-std::string read_regular_file(const std::string& path, uint64_t max_bytes);
+/// than `max_bytes`; `follow_links` as for open_regular_file.
+std::string read_regular_file(const std::string& path, uint64_t max_bytes, bool follow_links = true);
 
 /// Why `path` cannot be read as a regular file ("" when it can): used where a file is looked for
 /// by name, so that the error says "is a directory" or "is a FIFO" rather than "not found".

@@ -11,10 +11,9 @@
 #include <ctime>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <future>
 #include <mutex>
-#include <sstream>
+#include <regex>
 #include <thread>
 
 #include "shardit/core/error.h"
@@ -36,6 +35,13 @@ std::atomic<int> g_stop_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free, "the stop flag is set from a signal handler");
 
 void on_stop_signal(int signal) { g_stop_signal.store(signal); }
+
+/// A Host header that is only a host name, IPv4 or [IPv6] address, with an optional port: what
+/// may be echoed into a URL (anything else could inject text into the answer).
+bool is_plain_host(const std::string& host) {
+  static const std::regex plain(R"(^([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(:[0-9]{1,5})?$)");
+  return std::regex_match(host, plain);
+}
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -150,8 +156,9 @@ struct Server::State {
       return error_reply(error);
     }
     job->arrived = Clock::now();
+    // The Host header goes into the answer's URLs: only a plain host[:port] is taken from it.
     const std::string host = request.get_header_value("Host");
-    job->base_url = "http://" + (host.empty() ? options.host + ":" + std::to_string(options.port) : host);
+    job->base_url = "http://" + (is_plain_host(host) ? host : options.host + ":" + std::to_string(options.port));
     std::future<Reply> reply = job->reply.get_future();
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -193,15 +200,21 @@ struct Server::State {
       send(res, {200, metrics.render()}, "text/plain; version=0.0.4");
     });
     http.Get(R"(/images/([A-Za-z0-9_-]+\.png))", [this, send](const httplib::Request& req, httplib::Response& res) {
+      // Only regular files the folder holds itself: a symbolic link placed there (to /etc/passwd,
+      // say) is never followed.
+      constexpr uint64_t kMaxServedImageBytes = uint64_t{256} << 20;
       const std::string path = options.output_dir + "/" + req.matches[1].str();
-      if (options.output_dir.empty() || !io::regular_file_problem(path).empty()) {
+      std::string bytes;
+      try {
+        if (!options.output_dir.empty()) bytes = io::read_regular_file(path, kMaxServedImageBytes, /*follow_links=*/false);
+      } catch (const std::exception&) {
+        bytes.clear();
+      }
+      if (bytes.empty()) {
         send(res, error_reply(ApiError(404, "no image " + req.matches[1].str())));
         return;
       }
-      std::ifstream in(path, std::ios::binary);
-      std::stringstream bytes;
-      bytes << in.rdbuf();
-      send(res, {200, bytes.str()}, "image/png");
+      send(res, {200, bytes}, "image/png");
     });
     // Errors httplib answers itself (unknown path, body too large) get OpenAI's error body too.
     http.set_error_handler(httplib::Server::Handler([send](const httplib::Request& req, httplib::Response& res) {
