@@ -20,6 +20,7 @@
 #include "shardit/models/builtin.h"
 #include "shardit/models/lora_formats.h"
 #include "shardit/models/registry.h"
+#include "shardit/nn/inputs.h"
 #include "shardit/verify/transformer_case.h"
 #include "shardit/parallel/tensor_parallel.h"
 
@@ -61,16 +62,6 @@ void check_weight_dtypes(nn::Module& model, const io::Checkpoint& weights) {
                 io::st_dtype_name(dtype), ", but it is a weight of ", model.type_name(),
                 " and weights are floating point (F32, BF16, F16, F64); the file is not this model's checkpoint");
   }
-}
-
-/// The first non-finite element of `tensor` as a sentence, or "" when all are finite.
-std::string non_finite(const at::Tensor& tensor) {
-  if (!at::isFloatingType(tensor.scalar_type())) return "";
-  const at::Tensor bad = at::logical_not(at::isfinite(tensor)).flatten();
-  const int64_t count = bad.sum().item<int64_t>();
-  if (count == 0) return "";
-  const int64_t first = bad.nonzero().flatten()[0].item<int64_t>();
-  return fmt::format("{} of {} values are NaN or infinite (first at flat index {})", count, tensor.numel(), first);
 }
 
 int run_transformer(const RunTransformerOptions& given) {
@@ -129,7 +120,7 @@ int run_transformer(const RunTransformerOptions& given) {
 
   if (options.check_finite) {
     for (const auto& name : inputs_file->names()) {
-      const std::string bad = non_finite(inputs_file->read(name));
+      const std::string bad = nn::non_finite(inputs_file->read(name));
       TORCH_CHECK(bad.empty(), inputs_file->path(), ": input '", name, "': ", bad, " (--check-finite)");
     }
   }
@@ -148,7 +139,7 @@ int run_transformer(const RunTransformerOptions& given) {
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {
-    const std::string bad = non_finite(sample);
+    const std::string bad = nn::non_finite(sample);
     TORCH_CHECK(bad.empty() || !options.check_finite, "the sample has non-finite values: ", bad,
                 "; the weights or inputs hold NaN/Inf, or the computation overflowed (", options.dtype,
                 "); nothing was written (--check-finite)");

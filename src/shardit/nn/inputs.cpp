@@ -84,4 +84,15 @@ std::optional<at::Tensor> optional_per_sample_values(const std::string& where, c
   return std::nullopt;
 }
 
+std::string non_finite(const at::Tensor& tensor) {
+  if (!tensor.defined() || !at::isFloatingType(tensor.scalar_type())) return "";
+  const at::Tensor bad = at::logical_not(at::isfinite(tensor)).flatten();
+  const int64_t count = bad.sum().item<int64_t>();
+  if (count == 0) return "";
+  const int64_t first = bad.nonzero().flatten()[0].item<int64_t>();
+  std::ostringstream out;
+  out << count << " of " << tensor.numel() << " values are NaN or infinite (first at flat index " << first << ")";
+  return out.str();
+}
+
 }  // namespace shardit::nn

@@ -49,4 +49,8 @@ std::optional<at::Tensor> optional_per_sample_values(const std::string& where, c
                                                      const std::optional<at::Tensor>& tensor, bool expected,
                                                      int64_t batch, at::Device device);
 
+/// The non-finite values of a floating tensor as a sentence ("3 of 1024 values are NaN or infinite
+/// (first at flat index 17)"), or "" when all are finite or the tensor is not floating.
+std::string non_finite(const at::Tensor& tensor);
+
 }  // namespace shardit::nn

@@ -16,6 +16,7 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
+#include "shardit/nn/inputs.h"
 #include "shardit/pipelines/pipeline_flux.h"
 #include "shardit/pipelines/pipeline_flux2_klein.h"
 #include "shardit/pipelines/pipeline_qwenimage.h"
@@ -145,10 +146,8 @@ void check_finite_scale(const char* what, const std::optional<double>& value) {
 }
 
 void check_finite_tensor(const std::string& what, const at::Tensor& tensor) {
-  if (!tensor.defined() || !at::isFloatingType(tensor.scalar_type())) return;
-  const int64_t bad = at::logical_not(at::isfinite(tensor)).sum().item<int64_t>();
-  TORCH_CHECK(bad == 0, what, " holds ", bad, " NaN or infinite values of ", tensor.numel(),
-              "; they would make the image NaN (black)");
+  const std::string bad = nn::non_finite(tensor);
+  TORCH_CHECK(bad.empty(), what, ": ", bad, "; they would make the image NaN (black)");
 }
 
 void check_finite_embeds(const std::optional<PromptEmbeds>& embeds, const std::string& what) {
