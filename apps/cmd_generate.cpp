@@ -124,6 +124,7 @@ int generate(const GenerateOptions& given) {
   request.num_images_per_prompt = options.num_images;
   request.max_sequence_length = options.max_sequence_length;
   request.seed = options.seed;
+  request.cache = options.pipeline.cache_config();
   if (!options.prompt_embeds.empty()) {
     request.prompt_embeds = pipelines::read_prompt_embeds(options.prompt_embeds);
     TORCH_CHECK(request.prompt_embeds.has_value(), options.prompt_embeds, ": holds no 'prompt_embeds' tensor");
@@ -164,7 +165,8 @@ int generate(const GenerateOptions& given) {
                           options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
                           options.seed, options.latents, options.pipeline.dtype,
                           fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
-                          options.pipeline.lora.fuse));
+                          options.pipeline.lora.fuse) +
+                  "|" + options.pipeline.cache);
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();
@@ -204,8 +206,11 @@ int generate(const GenerateOptions& given) {
     if (!options.out_tensors.empty()) {
       std::vector<std::pair<std::string, at::Tensor>> tensors = {{"image", result.image}, {"latents", result.latents}};
       tensors.insert(tensors.end(), step_latents.begin(), step_latents.end());
+      if (result.cache_computed.defined()) tensors.emplace_back("cache.computed", result.cache_computed);
+      if (result.cache_ratio.defined()) tensors.emplace_back("cache.ratio", result.cache_ratio);
       io::save_safetensors(options.out_tensors, tensors);
     }
+    if (result.cache) fmt::print(stderr, "{}\n", pipelines::cache_summary(result));
     const auto seconds = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
     const parallel::ParallelDims dims = pipeline->parallel_dims();
     fmt::print(

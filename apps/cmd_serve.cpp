@@ -56,11 +56,15 @@ int serve(ServeCommandOptions options) {
                           pipeline_options.dims().to_string(), pipeline_options.text_encoder_tp,
                           serve.limits.max_sequence_length, pipeline_options.tiled_vae, pipeline_options.vae_parallel,
                           fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
-                          pipeline_options.lora.fuse));
+                          pipeline_options.lora.fuse) +
+                  "|" + pipeline_options.cache);
 
   const auto load = pipeline_load_options(world, pipeline_options);
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
   serve.limits.size_multiple = 2 * pipeline->vae_scale_factor();
+  // Every request without a "cache" of its own gets --cache; checked against the model now.
+  serve.limits.cache = pipeline_options.cache_config();
+  if (serve.limits.cache) pipeline->joint_transformer().check_cache_config(*serve.limits.cache);
 
   serving::Server server(serve);
   const int port = server.listen();

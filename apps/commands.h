@@ -7,12 +7,14 @@
 #include <fmt/ranges.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/models/lora_formats.h"
+#include "shardit/models/step_cache.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/pipelines/pipeline.h"
@@ -72,8 +74,11 @@ struct PipelineCliOptions {
   bool tiled_vae = false;
   bool vae_parallel = false;
   LoraCliOptions lora;
+  std::string cache;  ///< --cache KIND:key=value,... as given; empty: no step cache
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
   parallel::ParallelDims dims() const;
+  /// --cache parsed (errors name the key); nullopt without.
+  std::optional<models::StepCacheConfig> cache_config() const;
 };
 
 /// The load options of `options`: the dtype on the world's device, the transformer on the
@@ -82,7 +87,7 @@ struct PipelineCliOptions {
 pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
 
 /// Adds --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp, --tiled-vae,
-/// --vae-parallel and the LoRA options to a pipeline command.
+/// --vae-parallel, --cache and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
 
 /// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the

@@ -66,7 +66,16 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
   command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
   command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
       ->excludes("--tiled-vae");
+  command->add_option("--cache", options.cache,
+                      "step caching, diffusers' configs: first_block_cache:threshold=0.12, or "
+                      "taylorseer_lite:cache_interval=5,disable_cache_before_step=3,max_order=1"
+                      "[,disable_cache_after_step=N] (see docs/step_caching.md)");
   add_lora_options(command, options.lora);
+}
+
+std::optional<models::StepCacheConfig> PipelineCliOptions::cache_config() const {
+  if (cache.empty()) return std::nullopt;
+  return models::StepCacheConfig::parse(cache);
 }
 
 models::LoraRequest parse_lora_request(const std::string& argument) {

@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -79,6 +80,7 @@ struct BenchOptions {
   int text_tokens = 512;
   int batch = 1;
   int warmup = 1;
+  std::string step_cache;  // forward: --cache KIND:key=value,...
   int repeats = 3;
   std::string load_path = "shard-on-load";
   std::string json_out;
@@ -385,7 +387,25 @@ int run_forward(const BenchOptions& options) {
   const auto reset_stats = [&] {
     for (auto* group : groups) group->stats().reset();
   };
-  for (int i = 0; i < options.warmup; ++i) model->forward(inputs);
+  // With a step cache, each step has its own timestep (1 -> 0 over warmup + repeats), so the
+  // transformer's residuals change from step to step as in a denoising loop and the cache has
+  // something to decide; the per-step decisions are recorded.
+  const int total_steps = options.warmup + options.repeats;
+  int step_index = 0;
+  const auto next_timestep = [&] {
+    if (options.step_cache.empty()) return;
+    const double t = 1.0 - static_cast<double>(step_index++) / total_steps;
+    inputs.timestep = at::full({b}, t, at::kFloat).to(dtype);
+  };
+  if (!options.step_cache.empty()) model->enable_cache(shardit::models::StepCacheConfig::parse(options.step_cache));
+  const auto last_forward_computed = [&] {
+    const auto* cache = model->step_cache();
+    return cache == nullptr || cache->records().at(0).computed.back();
+  };
+  for (int i = 0; i < options.warmup; ++i) {
+    next_timestep();
+    model->forward(inputs);
+  }
   world.group()->barrier();
   reset_stats();
   if (options.profile) {
@@ -396,11 +416,14 @@ int run_forward(const BenchOptions& options) {
   if (options.op_profile) op_profile.emplace();
   const int64_t faults_before = minor_page_faults();
   std::vector<double> step_seconds;
+  std::vector<double> computed_seconds, skipped_seconds;
   for (int i = 0; i < options.repeats; ++i) {
+    next_timestep();
     world.group()->barrier();
     const auto start = Clock::now();
     at::Tensor sample = model->forward(inputs);
     step_seconds.push_back(seconds_since(start));
+    (last_forward_computed() ? computed_seconds : skipped_seconds).push_back(step_seconds.back());
   }
   const double faults_per_step = static_cast<double>(minor_page_faults() - faults_before) / options.repeats;
   shardit::profile::enable(false);
@@ -476,6 +499,22 @@ int run_forward(const BenchOptions& options) {
       {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
       {"gemm", gemm_report()},
   };
+  if (const auto* cache = model->step_cache()) {
+    const auto median_of = [](std::vector<double> v) {
+      if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    result["step_cache"] = {{"config", cache->config().to_string()},
+                            {"computed_steps", computed_seconds.size()},
+                            {"skipped_steps", skipped_seconds.size()},
+                            {"computed_step_seconds_median", median_of(computed_seconds)},
+                            {"skipped_step_seconds_median", median_of(skipped_seconds)},
+                            {"state_bytes", cache->state_bytes()}};
+    std::printf("step cache %s: %zu computed steps (median %.3f s), %zu skipped (median %.3f s), %s of state\n",
+                cache->config().to_string().c_str(), computed_seconds.size(), median_of(computed_seconds),
+                skipped_seconds.size(), median_of(skipped_seconds), shardit::human_bytes(cache->state_bytes()).c_str());
+  }
   const std::string gemm_kernel = shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(
       at::kCPU, at::kFloat, options.batch * (image_tokens + options.text_tokens), config.inner_dim() * config.inner_dim()));
   char row[512];
@@ -745,6 +784,9 @@ int main(int argc, char** argv) {
   forward->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
       ->check(CLI::PositiveNumber);
   forward->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
+  forward->add_option("--cache", options.step_cache,
+                      "a step cache (first_block_cache:threshold=..., taylorseer_lite:...): each step gets its own "
+                      "timestep, and computed and skipped steps are timed apart");
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   forward->add_flag("--op-profile", options.op_profile,
                     "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");

@@ -15,38 +15,7 @@
 namespace {
 
 using shardit::testing::PipelineCase;
-
-/// A string or a list of strings of case.json `call` (empty when absent).
-std::vector<std::string> call_strings(const nlohmann::json& call, const std::string& key) {
-  if (!call.contains(key)) return {};
-  const nlohmann::json& value = call.at(key);
-  if (value.is_string()) return {value.get<std::string>()};
-  return value.get<std::vector<std::string>>();
-}
-
-/// The golden case with its prompts as text instead of the stored embeddings (API and CLI).
-PipelineCase read_prompt_case(const std::string& name) {
-  PipelineCase golden = shardit::testing::read_pipeline_case(shardit::testing::golden_path(name));
-  const nlohmann::json call = shardit::io::read_json_file(golden.dir + "/case.json").at("call");
-  golden.request.prompt = call_strings(call, "prompt");
-  golden.request.negative_prompt = call_strings(call, "negative_prompt");
-  golden.request.prompt_embeds.reset();
-  golden.request.negative_prompt_embeds.reset();
-  EXPECT_EQ(static_cast<int64_t>(golden.request.prompt.size()) * golden.request.num_images_per_prompt, golden.batch);
-
-  std::vector<std::string> args;
-  for (size_t i = 0; i < golden.cli_args.size(); ++i) {
-    if (golden.cli_args[i] == "--prompt-embeds") {
-      ++i;
-      continue;
-    }
-    args.push_back(golden.cli_args[i]);
-  }
-  for (const auto& prompt : golden.request.prompt) args.insert(args.end(), {"--prompt", prompt});
-  for (const auto& prompt : golden.request.negative_prompt) args.insert(args.end(), {"--negative-prompt", prompt});
-  golden.cli_args = args;
-  return golden;
-}
+using shardit::testing::read_prompt_case;
 
 class PipelinePromptParity : public ::testing::TestWithParam<std::string> {};
 

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "shardit/io/json.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
@@ -52,6 +54,49 @@ PipelineCase read_pipeline_case(const std::string& dir) {
   golden.steps = *request.num_inference_steps;
   golden.batch = request.prompt_embeds->num_prompts() * request.num_images_per_prompt;
   return golden;
+}
+
+namespace {
+
+/// A string or a list of strings of case.json `call` (empty when absent).
+std::vector<std::string> call_strings(const nlohmann::json& call, const std::string& key) {
+  if (!call.contains(key)) return {};
+  const nlohmann::json& value = call.at(key);
+  if (value.is_string()) return {value.get<std::string>()};
+  return value.get<std::vector<std::string>>();
+}
+
+}  // namespace
+
+PipelineCase read_prompt_case(const std::string& name) {
+  PipelineCase golden = read_pipeline_case(golden_path(name));
+  const nlohmann::json call = io::read_json_file(golden.dir + "/case.json").at("call");
+  golden.request.prompt = call_strings(call, "prompt");
+  golden.request.negative_prompt = call_strings(call, "negative_prompt");
+  golden.request.prompt_embeds.reset();
+  golden.request.negative_prompt_embeds.reset();
+  EXPECT_EQ(static_cast<int64_t>(golden.request.prompt.size()) * golden.request.num_images_per_prompt, golden.batch);
+
+  std::vector<std::string> args;
+  for (size_t i = 0; i < golden.cli_args.size(); ++i) {
+    if (golden.cli_args[i] == "--prompt-embeds") {
+      ++i;
+      continue;
+    }
+    args.push_back(golden.cli_args[i]);
+  }
+  for (const auto& prompt : golden.request.prompt) args.insert(args.end(), {"--prompt", prompt});
+  for (const auto& prompt : golden.request.negative_prompt) args.insert(args.end(), {"--negative-prompt", prompt});
+  golden.cli_args = args;
+  return golden;
+}
+
+void set_case_steps(PipelineCase& golden, int64_t steps) {
+  golden.steps = steps;
+  golden.request.num_inference_steps = steps;
+  const auto flag = std::find(golden.cli_args.begin(), golden.cli_args.end(), "--steps");
+  ASSERT_TRUE(flag != golden.cli_args.end() && flag + 1 != golden.cli_args.end());
+  *(flag + 1) = std::to_string(steps);
 }
 
 void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::Tensor>& step_latents,
@@ -105,6 +150,8 @@ GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& g
     run.step_latents.push_back(tensors->read("step" + std::to_string(k) + ".latents"));
   run.image = tensors->read("image");
   run.latents = tensors->read("latents");
+  if (tensors->contains("cache.computed")) run.cache_computed = tensors->read("cache.computed");
+  if (tensors->contains("cache.ratio")) run.cache_ratio = tensors->read("cache.ratio");
   run.pngs = pipelines::image_paths(dir + "/out.png", golden.batch);
   return run;
 }

@@ -23,6 +23,13 @@ struct PipelineCase {
 /// Reads `dir`'s case.json, inputs.safetensors and the embeddings in outputs.safetensors.
 PipelineCase read_pipeline_case(const std::string& dir);
 
+/// The golden case `name` with its prompts as text (case.json `call`: prompt, negative_prompt)
+/// instead of the stored embeddings, in the request and the CLI arguments alike.
+PipelineCase read_prompt_case(const std::string& name);
+
+/// The case with `steps` denoising steps instead of its own (request and CLI arguments).
+void set_case_steps(PipelineCase& golden, int64_t steps);
+
 // Tolerances from the golden README: every intermediate |a - b| <= 1e-4 + 1e-4 |b|, the image
 // <= 1e-4 absolute, PNG pixels +-1.
 constexpr double kPipelineAtol = 1e-4;
@@ -45,6 +52,8 @@ struct GenerateCliRun {
   at::Tensor latents;
   std::vector<std::string> pngs;
   std::string output;  ///< stdout + stderr
+  at::Tensor cache_computed;  ///< `cache.computed` when the run had a step cache
+  at::Tensor cache_ratio;     ///< `cache.ratio` (First-Block Cache)
 };
 
 /// Runs `shardit <global_options> generate` with the case's arguments and `options` (more

@@ -107,3 +107,31 @@ TEST(ServingApi, ErrorBodyHasOpenAiShape) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(ServingApi, StepCachePerRequestOverridesTheServersDefault) {
+  using shardit::models::StepCacheConfig;
+  RequestLimits limits;
+  // No server default: off unless the request asks.
+  EXPECT_FALSE(parse_image_request(R"({"prompt": "a"})", limits, "tiny").cache.has_value());
+  const ImageRequest asked = parse_image_request(
+      R"({"prompt": "a", "cache": {"kind": "first_block_cache", "threshold": 0.1}})", limits, "tiny");
+  ASSERT_TRUE(asked.cache.has_value());
+  EXPECT_EQ(asked.cache->to_string(), "first_block_cache:threshold=0.1");
+  // As the other ranks receive it, and as the pipeline runs it.
+  EXPECT_EQ(ImageRequest::from_json(asked.to_json()).cache->to_string(), asked.cache->to_string());
+  EXPECT_EQ(asked.to_generate().cache->to_string(), asked.cache->to_string());
+  // The server's default (serve --cache) for requests that do not say; null turns it off.
+  limits.cache = StepCacheConfig::parse("taylorseer_lite:cache_interval=4");
+  EXPECT_EQ(parse_image_request(R"({"prompt": "a"})", limits, "tiny").cache->to_string(), limits.cache->to_string());
+  EXPECT_FALSE(parse_image_request(R"({"prompt": "a", "cache": null})", limits, "tiny").cache.has_value());
+  // A bad config is a 400 naming the field and the key.
+  const auto [status, message] = refusal(R"({"prompt": "a", "cache": {"kind": "first_block_cache", "thresh": 1}})");
+  EXPECT_EQ(status, 400);
+  EXPECT_NE(message.find("'cache'"), std::string::npos) << message;
+  EXPECT_NE(message.find("thresh"), std::string::npos) << message;
+  EXPECT_EQ(refusal(R"({"prompt": "a", "cache": "first_block_cache"})").first, 400);
+}
+
+}  // namespace

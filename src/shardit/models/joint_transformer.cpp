@@ -49,15 +49,53 @@ parallel::ModelTraits JointTransformer2DModel::traits() const {
   return traits;
 }
 
+void JointTransformer2DModel::check_cache_config(const StepCacheConfig& config) const {
+  if (!std::holds_alternative<FirstBlockCacheConfig>(config.method)) return;
+  const BlockCounts blocks = block_counts();
+  TORCH_CHECK(blocks.double_stream >= 1 && blocks.double_stream + blocks.single_stream >= 2, type_name(),
+              ": --cache ", config.to_string(), " needs a double-stream head block (transformer_blocks.0) and at "
+              "least one block after it, but this model has ", blocks.double_stream, " transformer_blocks and ",
+              blocks.single_stream, " single_transformer_blocks; use taylorseer_lite, or no cache");
+}
+
+void JointTransformer2DModel::enable_cache(const StepCacheConfig& config) {
+  check_cache_config(config);
+  cache_ = std::make_unique<StepCache>(config);
+}
+
+std::optional<at::Tensor> JointTransformer2DModel::predicted_output(const at::Tensor& hidden_states) {
+  // A malformed input is left to JointForward's checks, which name it.
+  if (!cache_ || !hidden_states.defined() || hidden_states.dim() != 3) return std::nullopt;
+  return cache_->begin_forward(hidden_states.size(0), hidden_states.size(1));
+}
+
+bool JointTransformer2DModel::head_block_runs_stack(JointForward& joint, const at::Tensor& input,
+                                                    at::Tensor& output) {
+  if (!cache_ || !cache_->first_block()) return true;
+  // r, this rank's tokens: [B, N_local, D]
+  const at::Tensor residual = output - input;
+  at::Tensor sums = cache_->head_residual_sums(residual);  // [2, N_local], or none on the first forward
+  if (sums.defined()) {
+    // Sums over the whole sequence, not means of the ranks' means: [2].
+    sums = joint.cp.sum_over_sequence("hidden_states", sums);
+    // Replicated over the tensor-parallel ranks: the same in exact arithmetic, made the same bits.
+    agree(sums);
+  }
+  return cache_->head_decides(sums, residual, output);
+}
+
 at::Tensor JointTransformer2DModel::output_head(JointForward& joint, const at::Tensor& hidden_states,
                                                 const at::Tensor& temb) {
+  if (cache_ && cache_->first_block() && !joint.rest_of_stack_skipped) cache_->end_of_stack(hidden_states);
   // hidden_states [B, N, D], temb [B, D]
   at::Tensor norm_out_emb;
   const at::Tensor normed = norm_out->forward(hidden_states, temb, observed() ? &norm_out_emb : nullptr);
   emit("norm_out.linear", norm_out_emb);
   emit("norm_out", normed);
   // [B, N, patch^2 * out_channels]
-  return joint.cp.point("proj_out", proj_out->forward(normed));
+  at::Tensor sample = joint.cp.point("proj_out", proj_out->forward(normed));
+  if (cache_ && cache_->taylorseer()) cache_->computed_output(sample);
+  return sample;
 }
 
 void JointTransformer2DModel::emit_block_output(const nn::Module& block, const at::Tensor& encoder_hidden_states,

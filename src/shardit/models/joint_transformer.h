@@ -13,11 +13,15 @@
 //                        config.joint_attention_dim);
 //     at::Tensor hidden_states = x_embedder->forward(joint.to_model(joint.image_tokens));
 //     ...  encoder_hidden_states, temb, rope: the model's own ...
-//     run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
-//     run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
+//     run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
+//     run_single_transformer_blocks(joint, *single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
 //                                   encoder_hidden_states, temb, rope);
 //     return output_head(joint, hidden_states, temb);
 //   }
+//
+// The skeleton also runs the step caches (models/step_cache.h): a forward that starts with
+// `if (auto predicted = predicted_output(inputs.hidden_states)) return *predicted;` gets
+// TaylorSeer, and First-Block Cache decides after the first of run_transformer_blocks' blocks.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -27,6 +31,7 @@
 #include <tuple>
 #include <utility>
 
+#include "shardit/models/step_cache.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
 #include "shardit/nn/norms.h"
@@ -75,6 +80,9 @@ class JointForward {
   parallel::ContextParallelForward cp;
   at::Tensor image_tokens;  ///< this rank's share [B, N_local, in_channels], as given (dtype, device)
   at::Tensor text_tokens;   ///< this rank's share [B, L_local, joint_attention_dim], as given
+  /// First-Block Cache skipped the blocks after the head: the image stream already holds the
+  /// cached result, and the remaining block runs do nothing.
+  bool rest_of_stack_skipped = false;
 };
 
 /// How the reference returns a single-stream block's output, which names its observation.
@@ -91,6 +99,25 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
   /// Heads are the unit of the attention split: a rank must hold whole heads.
   parallel::ModelTraits traits() const override;
 
+  /// How many double-stream (transformer_blocks) and single-stream (single_transformer_blocks)
+  /// blocks the stack has, in that order.
+  struct BlockCounts {
+    int64_t double_stream = 0;
+    int64_t single_stream = 0;
+  };
+  virtual BlockCounts block_counts() const = 0;
+
+  /// Caches work between the forwards of one generation (diffusers' enable_cache); checked
+  /// against the model first (check_cache_config). Replaces a cache that was on.
+  void enable_cache(const StepCacheConfig& config);
+  void disable_cache() { cache_.reset(); }
+  /// The cache on, or null: the pipeline resets it per generation, sets its context per CFG
+  /// branch and reads its decisions.
+  StepCache* step_cache() const { return cache_.get(); }
+  /// Refuses a config this model cannot take, naming why: First-Block Cache needs a head block
+  /// that is a double-stream block and at least one block after it.
+  void check_cache_config(const StepCacheConfig& config) const;
+
   /// The dtype and device of the (loaded) parameters.
   at::ScalarType dtype() const { return proj_out->weight.scalar_type(); }
   at::Device device() const { return proj_out->weight.device(); }
@@ -101,17 +128,32 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
  protected:
   explicit JointTransformer2DModel(int64_t num_attention_heads) : num_attention_heads_(num_attention_heads) {}
 
+  /// With TaylorSeer on, at the start of a forward of image tokens `hidden_states` [B, N, C]: the
+  /// predicted output when this forward does not compute (return it; run nothing else), else
+  /// nullopt.
+  std::optional<at::Tensor> predicted_output(const at::Tensor& hidden_states);
+
   /// Runs the double-stream `blocks` in order, replacing both streams (hidden_states [B, N, D],
   /// encoder_hidden_states [B, L, D]) by each block's output: block.forward(hidden_states,
   /// encoder_hidden_states, conditioning...) returns {encoder_hidden_states, hidden_states}, as the
-  /// reference's blocks. Emits "block.<path>.encoder_hidden_states" and ".hidden_states".
+  /// reference's blocks. Emits "block.<path>.encoder_hidden_states" and ".hidden_states". The
+  /// first block is the stack's head: with First-Block Cache on, the rest of the stack may be
+  /// skipped after it (joint.rest_of_stack_skipped; the text stream is then the head's, which
+  /// nothing after the stack reads).
   template <class Block, class... Conditioning>
-  void run_transformer_blocks(nn::ModuleList<Block>& blocks, at::Tensor& hidden_states,
+  void run_transformer_blocks(JointForward& joint, nn::ModuleList<Block>& blocks, at::Tensor& hidden_states,
                               at::Tensor& encoder_hidden_states, const Conditioning&... conditioning) {
+    bool head = true;
     for (auto& block : blocks) {
+      const at::Tensor block_input = hidden_states;
       std::tie(encoder_hidden_states, hidden_states) =
           block->forward(hidden_states, encoder_hidden_states, conditioning...);
       emit_block_output(*block, encoder_hidden_states, hidden_states);
+      if (head && !head_block_runs_stack(joint, block_input, hidden_states)) {
+        joint.rest_of_stack_skipped = true;
+        return;
+      }
+      head = false;
     }
   }
 
@@ -120,9 +162,10 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
   /// block.forward(joint, conditioning...) returns the joint sequence; it is emitted per block as
   /// `output` says.
   template <class Block, class... Conditioning>
-  void run_single_transformer_blocks(nn::ModuleList<Block>& blocks, SingleBlockOutput output,
+  void run_single_transformer_blocks(JointForward& joint, nn::ModuleList<Block>& blocks, SingleBlockOutput output,
                                      at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                      const Conditioning&... conditioning) {
+    if (joint.rest_of_stack_skipped) return;
     const int64_t text_len = encoder_hidden_states.size(1);
     // [B, L + N, D]
     hidden_states = at::cat({encoder_hidden_states, hidden_states}, 1);
@@ -136,7 +179,8 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
 
   /// norm_out(hidden_states, temb) then proj_out, gathered at the cp point "proj_out": image
   /// tokens [B, N, D], temb [B, D] -> the sample [B, N, patch_size^2 * out_channels]. Emits
-  /// "norm_out.linear" and "norm_out".
+  /// "norm_out.linear" and "norm_out". `hidden_states` is the stack's output: First-Block Cache
+  /// keeps its tail residual, TaylorSeer its factors.
   at::Tensor output_head(JointForward& joint, const at::Tensor& hidden_states, const at::Tensor& temb);
 
  private:
@@ -144,6 +188,13 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
                          const at::Tensor& hidden_states) const;
   void emit_single_block_output(const nn::Module& block, SingleBlockOutput output, const at::Tensor& joint,
                                 int64_t text_len) const;
+  /// First-Block Cache's decision after the head block (input -> output, this rank's image
+  /// tokens [B, N_local, D]): the means reduced over the sequence and agreed over the
+  /// tensor-parallel group. True without First-Block Cache. On false, `output` holds the cached
+  /// stack output.
+  bool head_block_runs_stack(JointForward& joint, const at::Tensor& input, at::Tensor& output);
+
+  std::unique_ptr<StepCache> cache_;
 
   int64_t num_attention_heads_;
 };

@@ -243,6 +243,22 @@ at::Tensor ContextParallelForward::point(const std::string& name, const at::Tens
   return gathered.narrow(dim, 0, s.full);
 }
 
+at::Tensor ContextParallelForward::sum_over_sequence(const std::string& point, const at::Tensor& per_token) {
+  if (!enabled()) return per_token.sum(-1);
+  const CpPlanEntry& e = entry(point);
+  auto found = streams_.find(e.stream);
+  TORCH_CHECK(e.action == CpAction::Split && found != streams_.end(), model_, ": sum_over_sequence needs the split "
+              "point of a stream that was split in this forward; '", point, "' is not one");
+  const Stream& s = found->second;
+  TORCH_CHECK(per_token.dim() >= 1 && per_token.size(-1) == s.chunk, model_, ": sum_over_sequence over '", point,
+              "' takes [..., ", s.chunk, "] (this rank's tokens), got ", per_token.sizes());
+  // Padding tokens (past the end of the sequence) count for nothing.
+  at::Tensor sums = per_token.masked_fill(s.valid.logical_not(), 0).sum(-1).contiguous();
+  if (config_->ulysses_degree() > 1) config_->ulysses_group->all_reduce(sums);
+  if (config_->ring_degree() > 1) config_->ring_group->all_reduce(sums);
+  return sums;
+}
+
 std::optional<at::Tensor> ContextParallelForward::padding_validity(int64_t length) const {
   bool padded = false;
   for (const auto& [kind, s] : streams_) padded = padded || s.chunk * config_->cp_degree() != s.full;

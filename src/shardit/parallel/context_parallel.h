@@ -108,6 +108,12 @@ class ContextParallelForward : public nn::SequenceParallelAttention {
   /// (Gather), or `x` itself when context parallelism is off.
   at::Tensor point(const std::string& name, const at::Tensor& x);
 
+  /// Sums `per_token` ([..., tokens], this rank's values per token of the stream split at the
+  /// split point `point`) over the whole sequence: padding tokens left out, then summed over the
+  /// ulysses and ring groups. [...] on every rank of the sequence split; without context
+  /// parallelism, per_token.sum(-1).
+  at::Tensor sum_over_sequence(const std::string& point, const at::Tensor& per_token);
+
   at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& key_mask, double scale) override;
 

@@ -863,6 +863,12 @@ void TensorParallelModule::check_loaded(const std::string& where) {
   TORCH_CHECK(is_materialized(), where, ": forward called before the weights were loaded");
 }
 
+void TensorParallelModule::agree(at::Tensor& value) const {
+  if (!config_ || config_->group->size() == 1) return;
+  value = value.contiguous();
+  config_->group->broadcast(value, 0);
+}
+
 ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, TpPlanKind kind) {
   ResolvedPlan resolved = resolve_plan(*this, plan(kind), tp_degree, traits(), dtype);
   resolved.plan = kind;

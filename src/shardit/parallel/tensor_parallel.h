@@ -191,6 +191,10 @@ class TensorParallelModule : public nn::Module {
   void check_loaded(const std::string& where);
   /// The config it was sharded with; null when whole.
   const TensorParallelConfig* parallel_config() const { return config_ ? &*config_ : nullptr; }
+  /// Makes `value` the same on every rank of the tensor-parallel group (the first member's), for
+  /// a decision each rank computes from replicated activations: equal in exact arithmetic, it
+  /// must not depend on a last bit. No-op when whole.
+  void agree(at::Tensor& value) const;
 
   /// The model's context-parallel plan (diffusers' `_cp_plan`): the points of its forward that
   /// split the sequence and gather the output. Null: the model has none.

@@ -2,14 +2,18 @@
 #include "shardit/pipelines/prompt_encoders.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/ScopeExit.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <tuple>
 
+#include "shardit/core/units.h"
 #include "shardit/dist/mesh.h"
 #include "shardit/parallel/context_parallel.h"
 #include "shardit/dist/world.h"
@@ -158,6 +162,23 @@ void check_finite_embeds(const std::optional<PromptEmbeds>& embeds, const std::s
 
 }  // namespace
 
+std::string cache_summary(const GenerateResult& result) {
+  if (!result.cache || !result.cache_computed.defined()) return "";
+  const at::Tensor computed = result.cache_computed;  // [steps, contexts]
+  const int64_t steps = computed.size(0);
+  std::vector<std::string> per_context;
+  for (int64_t c = 0; c < computed.size(1); ++c) {
+    per_context.push_back(fmt::format("{} of {} ({})", computed.select(1, c).sum().item<int64_t>(), steps,
+                                      result.cache_contexts.at(static_cast<size_t>(c))));
+  }
+  const int64_t calls = computed.numel();
+  const int64_t skipped = calls - computed.sum().item<int64_t>();
+  return fmt::format("step cache {}: the whole stack ran in {} steps; {} of {} transformer calls skipped; {} of cache "
+                     "state per rank",
+                     result.cache->to_string(), fmt::join(per_context, ", "), skipped, calls,
+                     human_bytes(result.cache_state_bytes));
+}
+
 void check_request(const GenerateRequest& request) {
   if (request.num_inference_steps) {
     check_range("num_inference_steps (--steps)", *request.num_inference_steps, 1, kMaxInferenceSteps);
@@ -214,6 +235,8 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
                                scheduler_entry.at(1).get<std::string>())
           .config();
   transformer_ = models::create_transformer(transformer_folder);
+  TORCH_INTERNAL_ASSERT(dynamic_cast<models::JointTransformer2DModel*>(transformer_.get()) != nullptr, pipeline_class,
+                        ": ", transformer_class, " is not a joint-stream transformer");
 
   const parallel::ParallelLayout& layout = options_.parallel;
   TORCH_CHECK(layout.mesh || layout.dims.product() == 1, pipeline_class, ": PipelineLoadOptions::parallel has the "
@@ -222,6 +245,10 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
     transformer_parallel_ = parallel::TensorParallelConfig(*layout.mesh, "tp");
     if (layout.dims.cfg == 2) cfg_group_ = layout.mesh->group("cfg");
   }
+}
+
+models::JointTransformer2DModel& DiffusionPipeline::joint_transformer() const {
+  return static_cast<models::JointTransformer2DModel&>(*transformer_);
 }
 
 parallel::ParallelDims DiffusionPipeline::parallel_dims() const {
@@ -316,6 +343,7 @@ void DiffusionPipeline::load_lora_weights(const std::vector<models::LoraRequest>
 void DiffusionPipeline::check(const GenerateRequest& request) const {
   check_request(request);
   check_parallel();
+  if (request.cache) joint_transformer().check_cache_config(*request.cache);
   TORCH_CHECK(!cfg_group_ || runs_cfg(request), class_name(),
               ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
               "classifier-free guidance on the two halves of the mesh, but this request runs no CFG (",
@@ -348,7 +376,56 @@ GenerateResult DiffusionPipeline::generate(const GenerateRequest& request) {
   TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate()");
   check(request);
   PreparedRequest call = prepare(request);
-  return generate_prepared(call, request);
+  // The request's step cache for this call only; without one, the transformer's own (if any).
+  models::JointTransformer2DModel& model = joint_transformer();
+  std::optional<models::StepCacheConfig> standing;
+  if (model.step_cache() != nullptr) standing = model.step_cache()->config();
+  if (request.cache) model.enable_cache(*request.cache);
+  const auto restore = c10::make_scope_exit([&model, &standing, &request] {
+    if (!request.cache) return;
+    if (standing) {
+      model.enable_cache(*standing);
+    } else {
+      model.disable_cache();
+    }
+  });
+  if (model.step_cache() != nullptr) model.step_cache()->reset();
+  GenerateResult result = generate_prepared(call, request);
+  if (model.step_cache() != nullptr) report_cache(*model.step_cache(), call, result);
+  return result;
+}
+
+void DiffusionPipeline::report_cache(const models::StepCache& cache, const PreparedRequest& call,
+                                     GenerateResult& result) const {
+  const int64_t steps = call.num_inference_steps;
+  const std::vector<models::CacheContextRecord> records = cache.records();
+  // One forward per step in each context this rank ran: "cond", and "uncond" with CFG (under
+  // CFG-parallel, only this half's).
+  const size_t expected = call.do_cfg && !cfg_group_ ? 2 : 1;
+  TORCH_INTERNAL_ASSERT(records.size() == expected, class_name(), ": the step cache saw ", records.size(),
+                        " contexts, expected ", expected);
+  const auto columns = static_cast<int64_t>(records.size());
+  at::Tensor computed = at::zeros({steps, columns}, at::kLong);
+  at::Tensor ratio = at::full({steps, columns}, std::numeric_limits<double>::quiet_NaN(), at::kDouble);
+  for (int64_t c = 0; c < columns; ++c) {
+    const models::CacheContextRecord& record = records[static_cast<size_t>(c)];
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(record.computed.size()) == steps, class_name(), ": context ",
+                          record.context, " has ", record.computed.size(), " cache decisions for ", steps, " steps");
+    for (int64_t i = 0; i < steps; ++i) {
+      computed[i][c] = static_cast<int64_t>(record.computed[static_cast<size_t>(i)]);
+      if (!record.ratios.empty()) ratio[i][c] = record.ratios[static_cast<size_t>(i)];
+    }
+  }
+  if (cfg_group_) {
+    // Each half decided its own branch: [steps, 2], the conditional column first (cfg index 0).
+    computed = cfg_group_->all_gather(computed, 1);
+    ratio = cfg_group_->all_gather(ratio, 1);
+  }
+  result.cache = cache.config();
+  result.cache_contexts = call.do_cfg ? std::vector<std::string>{"cond", "uncond"} : std::vector<std::string>{"cond"};
+  result.cache_computed = computed;
+  if (cache.first_block()) result.cache_ratio = ratio;
+  result.cache_state_bytes = cache.state_bytes();
 }
 
 PreparedRequest DiffusionPipeline::prepare(const GenerateRequest& request) const {
@@ -491,7 +568,13 @@ at::Tensor DiffusionPipeline::denoise(PreparedRequest& call, const GenerateReque
                                     .to(latents.device());
     const at::Tensor noise_pred = guided(
         call.do_cfg,
-        [&](bool conditional) { return transformer(conditional ? call.cond : *call.uncond, latents, timestep); },
+        [&](bool conditional) {
+          // Each CFG branch has its own cache state, as diffusers' pipelines' cache_context.
+          if (models::StepCache* cache = joint_transformer().step_cache()) {
+            cache->set_context(conditional ? "cond" : "uncond");
+          }
+          return transformer(conditional ? call.cond : *call.uncond, latents, timestep);
+        },
         combine);
     latents = scheduler.step(noise_pred, t, latents);
     if (request.callback_on_step_end) request.callback_on_step_end(i, latents);

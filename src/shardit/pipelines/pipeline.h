@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "shardit/io/model_folder.h"
+#include "shardit/models/joint_transformer.h"
 #include "shardit/models/lora_formats.h"
+#include "shardit/models/step_cache.h"
 #include "shardit/models/vae/vae.h"
 #include "shardit/parallel/lora.h"
 #include "shardit/parallel/parallel_dims.h"
@@ -75,6 +77,9 @@ struct GenerateRequest {
   /// Whether generate() says on stderr (rank 0) where it does not take the request as given (a
   /// size rounded down, true_cfg_scale without a negative prompt).
   bool notes = true;
+  /// Step caching for this call (models/step_cache.h); none: whatever the transformer has on
+  /// (transformer's enable_cache), by default nothing. Checked against the model by check().
+  std::optional<models::StepCacheConfig> cache;
 };
 
 /// A pipeline family's values for what a request leaves unset (its diffusers __call__ defaults).
@@ -118,6 +123,15 @@ struct GenerateResult {
   int64_t num_inference_steps = 0;
   double guidance = 0;  ///< the guidance (or true-CFG) scale used
   bool cfg = false;     ///< whether a negative prediction was combined
+  /// With a step cache: its config, and per step and cache context ("cond", then "uncond" with
+  /// CFG), whether the transformer ran its whole stack (int64 [steps, contexts], 1 or 0), the
+  /// same on every rank; First-Block Cache also the ratio it compared (float64, NaN where there
+  /// was none). Undefined without a cache.
+  std::optional<models::StepCacheConfig> cache;
+  std::vector<std::string> cache_contexts;
+  at::Tensor cache_computed;
+  at::Tensor cache_ratio;
+  int64_t cache_state_bytes = 0;  ///< what the cache held at the end, on this rank
 };
 
 /// How a pipeline folder is loaded: each component gets its own parallel config.
@@ -220,6 +234,8 @@ class DiffusionPipeline {
   /// Uses `encoder` for GenerateRequest::prompt.
   void set_prompt_encoder(std::shared_ptr<PromptEncoder> encoder) { prompt_encoder_ = std::move(encoder); }
   const std::shared_ptr<parallel::TensorParallelModule>& transformer() const { return transformer_; }
+  /// The transformer as the joint-stream skeleton every pipeline's is (step caches live there).
+  models::JointTransformer2DModel& joint_transformer() const;
   /// Null on ranks that do not decode.
   const std::shared_ptr<models::AutoencoderModel>& vae() const { return vae_; }
   const io::ModelFolder& folder() const { return folder_; }
@@ -294,6 +310,9 @@ class DiffusionPipeline {
   /// final latents [B, N, C4].
   at::Tensor denoise(PreparedRequest& call, const GenerateRequest& request, const TransformerCall& transformer,
                      const CfgCombine& combine) const;
+  /// The step cache's decisions over the call into `result` (gathered over the cfg group under
+  /// CFG-parallel, so every rank has every context's).
+  void report_cache(const models::StepCache& cache, const PreparedRequest& call, GenerateResult& result) const;
   /// vae.decode(z) -> image float32 [B, H, W, 3] in [0, 1] (diffusers' postprocess, "np").
   at::Tensor decode_image(const at::Tensor& vae_latents) const;
   /// One step's prediction with classifier-free guidance: `branch(true)` runs the transformer on
@@ -369,6 +388,11 @@ std::vector<std::string> image_paths(const std::string& out, int64_t count);
 /// PNG with `text` chunks; returns the paths.
 std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
                                      const std::vector<std::pair<std::string, std::string>>& text = {});
+
+/// One line on what a call's step cache did, for people: "step cache first_block_cache:threshold=0.12:
+/// the whole stack ran in 7 of 10 steps (cond), 6 of 10 (uncond); 7 of 20 transformer calls
+/// skipped; 96 MiB of cache state". Empty without a cache.
+std::string cache_summary(const GenerateResult& result);
 
 /// The bounds of a request, checked before anything is allocated, for the command line and the
 /// server alike: far above any real use (FLUX.1 and Qwen-Image generate up to 2048 pixels a side

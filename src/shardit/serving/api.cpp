@@ -103,7 +103,7 @@ const std::vector<std::string>& request_fields() {
   static const std::vector<std::string> fields = {
       "prompt",         "model",          "n",          "size",           "response_format",
       "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-      "user"};
+      "cache",          "user"};
   return fields;
 }
 
@@ -193,6 +193,19 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   if (document.contains("true_cfg_scale")) {
     request.true_cfg_scale = number_field(document["true_cfg_scale"], "true_cfg_scale", 0, 100);
   }
+  request.cache = limits.cache;
+  if (document.contains("cache")) {
+    const json& cache = document["cache"];
+    if (cache.is_null() || cache == false) {
+      request.cache.reset();
+    } else {
+      try {
+        request.cache = models::StepCacheConfig::from_json(cache);
+      } catch (const std::exception& e) {
+        throw ApiError(400, "'cache': " + error_message(e), "cache");
+      }
+    }
+  }
   if (document.contains("user")) string_field(document["user"], "user");
   return request;
 }
@@ -217,6 +230,7 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.num_images_per_prompt = n;
   request.max_sequence_length = max_sequence_length;
   request.seed = seed;
+  request.cache = cache;
   request.notes = false;  // a server's stderr is its log, not the client's
   return request;
 }
@@ -230,6 +244,7 @@ nlohmann::json ImageRequest::to_json() const {
   if (num_inference_steps) out["num_inference_steps"] = *num_inference_steps;
   if (guidance_scale) out["guidance_scale"] = *guidance_scale;
   if (true_cfg_scale) out["true_cfg_scale"] = *true_cfg_scale;
+  if (cache) out["cache"] = cache->to_json();
   return out;
 }
 
@@ -246,6 +261,7 @@ ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   if (json.contains("num_inference_steps")) request.num_inference_steps = json["num_inference_steps"].get<int64_t>();
   if (json.contains("guidance_scale")) request.guidance_scale = json["guidance_scale"].get<double>();
   if (json.contains("true_cfg_scale")) request.true_cfg_scale = json["true_cfg_scale"].get<double>();
+  if (json.contains("cache")) request.cache = models::StepCacheConfig::from_json(json["cache"]);
   return request;
 }
 

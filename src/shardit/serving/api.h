@@ -44,6 +44,8 @@ struct RequestLimits {
   int64_t max_prompt_chars = 10000;  ///< longer prompts are refused before tokenizing
   int64_t max_sequence_length = 512; ///< tokens kept per prompt (longer prompts are truncated)
   bool url_output = false;           ///< whether response_format "url" is served (an output folder is set)
+  /// The step cache of requests that do not say (`serve --cache`); none: off.
+  std::optional<models::StepCacheConfig> cache;
 };
 
 /// One POST /v1/images/generations request, checked. `seed` is always set (drawn by the server
@@ -60,6 +62,8 @@ struct ImageRequest {
   std::optional<double> guidance_scale;
   std::optional<double> true_cfg_scale;
   int64_t max_sequence_length = 512;
+  /// Step caching: the body's "cache" ({"kind": ..., keys}; null or false: none), or the server's.
+  std::optional<models::StepCacheConfig> cache;
 
   /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;

@@ -313,6 +313,8 @@ const parallel::TpPlan* FluxTransformer2DModel::reference_tp_plan() const {
 
 at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("FluxTransformer2DModel");
+  // TaylorSeer: a forward it predicts runs nothing.
+  if (std::optional<at::Tensor> predicted = predicted_output(inputs.hidden_states)) return *predicted;
   // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
   JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
                      config.joint_attention_dim);
@@ -342,9 +344,9 @@ at::Tensor FluxTransformer2DModel::forward(const FluxTransformer2DModelInputs& i
   emit("rope.cos", rope.cos);
   emit("rope.sin", rope.sin);
 
-  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
+  run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, temb, rope);
   // The reference's single blocks take and return the two streams: observed as such.
-  run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Streams, hidden_states,
+  run_single_transformer_blocks(joint, *single_transformer_blocks, SingleBlockOutput::Streams, hidden_states,
                                 encoder_hidden_states, temb, rope);
   return output_head(joint, hidden_states, temb);
 }

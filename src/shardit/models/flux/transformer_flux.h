@@ -193,6 +193,9 @@ class FluxTransformer2DModel : public JointTransformer2DModel {
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their ids split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
+  BlockCounts block_counts() const override {
+    return {static_cast<int64_t>(transformer_blocks->size()), static_cast<int64_t>(single_transformer_blocks->size())};
+  }
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
   /// model's dtype. Intermediates go to Module::emit (x_embedder, temb.*, rope.*, block.*, and

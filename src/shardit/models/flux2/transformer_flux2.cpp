@@ -341,6 +341,8 @@ const parallel::TpPlan* Flux2Transformer2DModel::reference_tp_plan() const {
 
 at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("Flux2Transformer2DModel");
+  // TaylorSeer: a forward it predicts runs nothing.
+  if (std::optional<at::Tensor> predicted = predicted_output(inputs.hidden_states)) return *predicted;
   // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
   JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
                      config.joint_attention_dim);
@@ -380,8 +382,8 @@ at::Tensor Flux2Transformer2DModel::forward(const Flux2Transformer2DModelInputs&
   emit("rope.cos", rope.cos);
   emit("rope.sin", rope.sin);
 
-  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope);
-  run_single_transformer_blocks(*single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
+  run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, mod_img.sets, mod_txt.sets, rope);
+  run_single_transformer_blocks(joint, *single_transformer_blocks, SingleBlockOutput::Joint, hidden_states,
                                 encoder_hidden_states, mod_single.sets[0], rope);
   return output_head(joint, hidden_states, temb);
 }

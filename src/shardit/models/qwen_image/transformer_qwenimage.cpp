@@ -293,6 +293,8 @@ const parallel::TpPlan* QwenImageTransformer2DModel::reference_tp_plan() const {
 
 at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DModelInputs& inputs) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformer2DModel");
+  // TaylorSeer: a forward it predicts runs nothing.
+  if (std::optional<at::Tensor> predicted = predicted_output(inputs.hidden_states)) return *predicted;
   // Both token streams checked and, under context parallelism, split: [B, N_local, C], [B, L_local, C].
   JointForward joint(*this, inputs.hidden_states, config.in_channels, inputs.encoder_hidden_states,
                      config.joint_attention_dim);
@@ -356,7 +358,7 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   const nn::RotaryEmbedding img_rope = rotary_from_angles(joint.cp.point("rope.img", tables.img_angles));
   const nn::RotaryEmbedding txt_rope = rotary_from_angles(joint.cp.point("rope.txt", tables.txt_angles));
 
-  run_transformer_blocks(*transformer_blocks, hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
+  run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
   return output_head(joint, hidden_states, temb);
 }
 

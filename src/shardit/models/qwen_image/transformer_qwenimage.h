@@ -166,6 +166,7 @@ class QwenImageTransformer2DModel : public JointTransformer2DModel {
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
+  BlockCounts block_counts() const override { return {static_cast<int64_t>(transformer_blocks->size()), 0}; }
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the
   /// model's dtype. Intermediates go to Module::emit (img_in, txt_norm, txt_in, temb.*, rope.*,
