@@ -111,9 +111,9 @@ void register_check_backends(CLI::App& app, CommandBody& body) {
                       "case folder with inputs.safetensors, or the file; default: the model folder");
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
   command->add_option("--atol", options->atol, "absolute tolerance (default 1e-4 in f32, 2e-2 in bf16)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_in(0, 1e6));
   command->add_option("--rtol", options->rtol, "relative tolerance (default 1e-4 in f32, 2e-2 in bf16)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_in(0, 1e6));
   command->callback([&body, options] { body = [options] { return check_backends(*options); }; });
 }
 

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -146,6 +147,7 @@ int generate(const GenerateOptions& given) {
   if (!options.compare_to.empty()) {
     const std::string problem = io::regular_file_problem(options.compare_to);
     TORCH_CHECK(problem.empty(), "--compare-to ", options.compare_to, ": ", problem);
+    io::png_size(options.compare_to);  // a PNG within the bound, known before anything runs
   }
   pipelines::check_request(request);
   const int64_t num_prompts =
@@ -240,16 +242,17 @@ void register_generate(CLI::App& app, CommandBody& body) {
                       "instead of --prompt");
   command->add_option("--negative-prompt", options->negative_prompt, "negative prompt (one, or one per prompt)");
   command->add_option("--height", options->height, "image height in pixels (a multiple of 16)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, std::numeric_limits<int64_t>::max()));
   command->add_option("--width", options->width, "image width in pixels (a multiple of 16)")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--steps", options->steps, "num_inference_steps")->check(CLI::PositiveNumber);
+      ->check(integer_in(1, std::numeric_limits<int64_t>::max()));
+  command->add_option("--steps", options->steps, "num_inference_steps")->check(integer_in(1, std::numeric_limits<int64_t>::max()));
   command->add_option("--guidance", options->guidance, "guidance_scale (FLUX.1: embedded; FLUX.2 klein: CFG)");
   command->add_option("--true-cfg-scale", options->true_cfg_scale, "true_cfg_scale (FLUX.1, Qwen-Image)");
   command->add_option("--max-sequence-length", options->max_sequence_length, "max_sequence_length")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--num-images", options->num_images, "num_images_per_prompt")->check(CLI::PositiveNumber);
-  command->add_option("--seed", options->seed, "seed of the CPU generator drawing the initial latents");
+      ->check(integer_in(1, std::numeric_limits<int64_t>::max()));
+  command->add_option("--num-images", options->num_images, "num_images_per_prompt")->check(integer_in(1, std::numeric_limits<int64_t>::max()));
+  command->add_option("--seed", options->seed, "seed of the CPU generator drawing the initial latents")
+      ->check(unsigned_in(0, std::numeric_limits<uint64_t>::max()));
   command->add_option("--latents", options->latents, "safetensors holding `latents` (the pipeline's latents=)")
       ->excludes(command->get_option("--seed"));
   command->add_option("--out", options->out, "output PNG (out_0.png, out_1.png ... for several images)");

@@ -264,7 +264,7 @@ void register_inspect(CLI::App& app, CommandBody& body) {
                       "for a LoRA file: the transformer (component or pipeline folder) it is for; prints its format, "
                       "rank, alpha, targets and the bytes per rank at --tp (with --plan)");
   command->add_option("--tp", options->tp, "tensor-parallel degree for --plan (1 to 4096)")
-      ->check(CLI::Range(1, 4096))
+      ->check(integer_in(1, 4096))
       ->needs("--plan");
   command->add_option("--dtype", options->dtype,
                       "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
@@ -274,16 +274,16 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       ->needs("--plan");
   command->add_flag("--json", options->json, "with --plan: print only the memory summary, as JSON")->needs("--plan");
   command->add_option("--height", options->height, "with --plan: image height in pixels for the activation estimate")
-      ->check(CLI::Range(int64_t{16}, int64_t{1} << 16))
+      ->check(integer_in(16, int64_t{1} << 16))
       ->needs("--plan");
   command->add_option("--width", options->width, "with --plan: image width in pixels")
-      ->check(CLI::Range(int64_t{16}, int64_t{1} << 16))
+      ->check(integer_in(16, int64_t{1} << 16))
       ->needs("--plan");
   command->add_option("--batch", options->batch, "with --height/--width: batch size (1 to 1024)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->check(integer_in(1, 1024))
       ->needs("--plan");
   command->add_option("--text-tokens", options->text_tokens, "with --height/--width: text sequence length (default 512)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->check(integer_in(0, int64_t{1} << 16))
       ->needs("--plan");
   command->add_option("--attention", options->attention,
                       "with --height/--width: attention backend of the estimate, math or memory-efficient")
@@ -291,7 +291,7 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       ->needs("--plan");
   command->add_option("--device-memory", options->device_memory,
                       "with --plan: device memory in GiB; prints whether each TP degree fits, and the headroom")
-      ->check(CLI::Range(0.001, 1.0e6))
+      ->check(number_in(0.001, 1.0e6))
       ->needs("--plan");
   command->callback([&body, options] {
     body = [options] {

@@ -89,7 +89,7 @@ void register_run_encoder(CLI::App& app, CommandBody& body) {
   command->add_option("--tp", options->tp,
                       "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
                       "ranks hold replicas")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxParallelDegree));
   command->callback([&body, options] { body = [options] { return run_encoder(*options); }; });
 }
 

@@ -40,30 +40,6 @@ struct RunTransformerOptions {
   LoraCliOptions lora;
 };
 
-bool is_floating(io::StDtype dtype) {
-  switch (dtype) {
-    case io::StDtype::F64:
-    case io::StDtype::F32:
-    case io::StDtype::F16:
-    case io::StDtype::BF16:
-    case io::StDtype::F8_E4M3:
-    case io::StDtype::F8_E5M2: return true;
-    default: return false;
-  }
-}
-
-/// Every parameter of `model` is floating point: an integer or boolean tensor under a
-/// parameter's name is not a weight (and would be cast silently, or fail deep in the forward).
-void check_weight_dtypes(nn::Module& model, const io::Checkpoint& weights) {
-  for (const auto& slot : model.named_parameters()) {
-    if (!weights.contains(slot.name)) continue;
-    const io::StDtype dtype = weights.info(slot.name).dtype;
-    TORCH_CHECK(is_floating(dtype), weights.file_of(slot.name).path(), ": tensor '", slot.name, "' is ",
-                io::st_dtype_name(dtype), ", but it is a weight of ", model.type_name(),
-                " and weights are floating point (F32, BF16, F16, F64); the file is not this model's checkpoint");
-  }
-}
-
 int run_transformer(const RunTransformerOptions& given) {
   dist::World& world = dist::World::get();
   RunTransformerOptions options = given;
@@ -105,7 +81,6 @@ int run_transformer(const RunTransformerOptions& given) {
     io::check_output_path(options.out, inputs);
   }
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
-  check_weight_dtypes(*model, weights);
   const std::vector<models::LoraFile> adapter_files = models::open_lora_files(loras, *model);
 
   // Ranks given different work would meet in a collective with different shapes (a transport
@@ -172,7 +147,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
   command->add_option("--tp", options->tp,
                       "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
                       "ranks hold replicas")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxParallelDegree));
   command->add_flag("--check-finite", options->check_finite,
                     "fail (writing nothing) when an input or the sample holds NaN or Inf; without it, a warning");
   add_lora_options(command, options->lora);

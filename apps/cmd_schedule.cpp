@@ -106,9 +106,16 @@ void register_schedule(CLI::App& app, CommandBody& body) {
       "schedule", "print a pipeline's scheduler schedule (mu, sigmas, timesteps, transformer timestep) as JSON");
   command->add_option("--model", options->model, "folder with scheduler_config.json, or a pipeline folder")
       ->required();
-  command->add_option("--steps", options->steps, "num_inference_steps")->required();
-  command->add_option("--height", options->height, "image height in pixels")->required();
-  command->add_option("--width", options->width, "image width in pixels")->required();
+  // The bounds generate and serve apply (pipelines::check_request).
+  command->add_option("--steps", options->steps, "num_inference_steps")
+      ->required()
+      ->check(integer_in(1, pipelines::kMaxInferenceSteps));
+  command->add_option("--height", options->height, "image height in pixels")
+      ->required()
+      ->check(integer_in(1, pipelines::kMaxImageSide));
+  command->add_option("--width", options->width, "image width in pixels")
+      ->required()
+      ->check(integer_in(1, pipelines::kMaxImageSide));
   command->add_option("--family", options->family,
                       "flux1, flux2 or qwenimage (how mu is computed); inferred from a pipeline folder");
   command->callback([&body, options] { body = [options] { return run_schedule(*options); }; });

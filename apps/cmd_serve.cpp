@@ -94,21 +94,32 @@ void register_serve(CLI::App& app, CommandBody& body) {
                       "the name clients give as `model` (default: the folder's name)");
   command->add_option("--host", options->serve.host, "address to listen on (default 127.0.0.1: this host only)");
   command->add_option("--port", options->serve.port, "port to listen on; 0: any free port (printed)")
-      ->check(CLI::Range(0, 65535));
+      ->check(integer_in(0, 65535));
   command->add_option("--queue-depth", options->serve.queue_depth,
                       "generation requests that may wait behind the running one; more get 429")
-      ->check(CLI::Range(1, 4096));
+      ->check(integer_in(1, 4096));
   command->add_option("--output-dir", options->serve.output_dir,
                       "folder for response_format \"url\" (images served under /images/); default: url refused");
   command->add_option("--max-images", options->serve.limits.max_images, "largest `n` per request")
-      ->check(CLI::Range(1, 64));
+      ->check(integer_in(1, 64));
   command->add_option("--max-steps", options->serve.limits.max_steps, "largest num_inference_steps")
-      ->check(CLI::Range(1, 10000));
+      ->check(integer_in(1, pipelines::kMaxInferenceSteps));
   command->add_option("--max-image-size", options->serve.limits.max_side, "largest width or height in pixels")
-      ->check(CLI::Range(16, 16384));
+      ->check(integer_in(16, pipelines::kMaxImageSide));
   command->add_option("--max-sequence-length", options->serve.limits.max_sequence_length,
                       "prompt tokens kept (longer prompts are truncated)")
-      ->check(CLI::Range(int64_t{1}, pipelines::kMaxSequenceLength));
+      ->check(integer_in(1, pipelines::kMaxSequenceLength));
+  command->add_option("--max-connections", options->serve.http.max_connections,
+                      "connections served at once (each on its own thread); one more is answered 503")
+      ->check(integer_in(4, 4096));
+  command->add_option_function<double>(
+             "--request-timeout",
+             [options](double seconds) {
+               options->serve.http.request_deadline =
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+             },
+             "seconds a request's head and body may take to arrive (default 10); slower clients get 408")
+      ->check(number_in(0.1, 3600.0));
   add_pipeline_options(command, options->pipeline);
   command->callback([&body, options] { body = [options] { return serve(*options); }; });
 }

@@ -33,7 +33,7 @@ int run_tokenize(const TokenizeOptions& options) {
   if (!options.cases.empty()) {
     // Cases files (tens of thousands of ids) are larger than configs but still bounded.
     const nlohmann::json cases = io::read_json_file(options.cases, io::JsonLimits{256ull << 20});
-    const CasesReport report = check_cases(cases, *tokenizer, parse_tokenizer_kind(options.kind));
+    const CasesReport report = check_cases(cases, *tokenizer, parse_tokenizer_kind(options.kind), options.cases);
     for (const auto& check : report.checks) {
       if (!check.passed) std::printf("MISMATCH %s: %s\n", check.name.c_str(), check.detail.c_str());
     }
@@ -88,7 +88,7 @@ void register_tokenize(CLI::App& app, CommandBody& body) {
   command->add_option("--template", options->prompt_template, "pipeline prompt template: qwenimage | flux2_klein")
       ->check(CLI::IsMember({"qwenimage", "flux2_klein"}));
   command->add_option("--max-length", options->max_length, "truncate and pad to N tokens (padding='max_length')")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, pipelines::kMaxSequenceLength));
   auto* text = command->add_option("--text", options->text, "the prompt (UTF-8)");
   auto* cases = command->add_option("--cases", options->cases, "a cases.json to check; exits 1 on any mismatch");
   text->excludes(cases);

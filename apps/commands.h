@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -23,6 +24,21 @@ namespace shardit::apps {
 
 /// A subcommand's body: runs after parsing; returns the process exit code.
 using CommandBody = std::function<int()>;
+
+// Checks of numeric options (apps/option_checks.cpp), on the text as given: every integer and
+// number option goes through one of these instead of CLI11's own ranges.
+
+/// A plain decimal integer (no '+', no leading zero or hex prefix) within [low, high]: "--steps: must be
+/// an integer from 1 to 10000, got '0'".
+CLI::Validator integer_in(int64_t low, int64_t high);
+/// As integer_in for an unsigned 64-bit option (a seed): "-1" and 2^64 are refused, not wrapped.
+CLI::Validator unsigned_in(uint64_t low, uint64_t high);
+/// A finite number within [low, high].
+CLI::Validator number_in(double low, double high);
+
+/// The largest parallel degree an option accepts (--tp, --ulysses, --ring, --text-encoder-tp):
+/// far beyond any world, small enough that products of degrees cannot overflow.
+constexpr int64_t kMaxParallelDegree = 65536;
 
 /// The inputs.safetensors of a golden-style case (`inputs`: the case folder or the file), checked
 /// against the case's inputs.json `model_class` when there is one.

@@ -102,12 +102,12 @@ int main(int argc, char** argv) {
   app.fallthrough();
   int nproc_per_node = 1;
   app.add_option("--nproc-per-node", nproc_per_node, "run the command as N ranks on this host")
-      ->check(CLI::Range(1, shardit::dist::kMaxLocalRanks));
+      ->check(shardit::apps::integer_in(1, shardit::dist::kMaxLocalRanks));
   double timeout_seconds = 0;
   app.add_option("--timeout", timeout_seconds,
                  "seconds to wait for another rank (rendezvous, agreement, each collective) before failing; "
                  "default 120, or SHARDIT_DIST_TIMEOUT_MS")
-      ->check(CLI::Range(0.001, 86400.0));
+      ->check(shardit::apps::number_in(0.001, 86400.0));
   std::string attention_backend;
   app.add_option("--attention-backend", attention_backend,
                  "attention backend: auto (the device's default), math, memory_efficient, or sdpa where "

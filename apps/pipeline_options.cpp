@@ -52,17 +52,17 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
       ->add_option("--tp", options.tp,
                    "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
                    "leave); cfg x ulysses x ring x tp must divide the number of ranks")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxParallelDegree));
   command->add_option("--ulysses", options.ulysses, "Ulysses (all-to-all) context-parallel degree")
-      ->check(CLI::PositiveNumber);
-  command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxParallelDegree));
+  command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(integer_in(1, kMaxParallelDegree));
   command->add_flag("--cfg-parallel", options.cfg_parallel,
                     "run the conditional and unconditional CFG branches on the two halves of the ranks");
   command
       ->add_option("--text-encoder-tp", options.text_encoder_tp,
                    "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
                    "such degree their heads allow)")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxParallelDegree));
   command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
   command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
       ->excludes("--tiled-vae");

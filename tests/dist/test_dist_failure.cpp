@@ -61,7 +61,9 @@ std::string read_file(const std::string& path) {
 // Survivor side: runs collectives until one throws, then records when and what, and exits 1.
 // SIGTERM from the launcher (sent as soon as the dying rank exits) is ignored, so what is measured
 // is the runtime's own detection, not the launcher's.
-[[noreturn]] void run_until_failure(const std::string& dir) {
+// Collectives until one throws (or four timeouts pass); writes "<when>\n<message>" to the rank's
+// report file.
+void collect_until_failure(const std::string& dir) {
   ::signal(SIGTERM, SIG_IGN);
   World& world = World::get();
   const int64_t give_up = now_ms() + 4 * kTimeoutMs;
@@ -79,21 +81,26 @@ std::string read_file(const std::string& path) {
   const int64_t failed_at = now_ms();
   write_file(dir + "/rank" + std::to_string(world.rank()),
              std::to_string(failed_at) + "\n" + message);
+}
+
+[[noreturn]] void run_until_failure(const std::string& dir) {
+  collect_until_failure(dir);
   // Keep this process (and rank 0's store) up while the other survivors probe for the lost rank.
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   std::_Exit(1);
 }
 
-// Dying side: a few good collectives, then the timestamp, then death.
-void die_after_collectives(const std::string& dir, bool by_sigkill) {
+// Dying side: a few good collectives, then the timestamp, then death (or a stop: `signal` SIGSTOP).
+void die_after_collectives(const std::string& dir, int signal) {
   World& world = World::get();
   for (int i = 0; i < 5; ++i) {  // the same sequence as run_until_failure's
     at::Tensor x = at::ones({64, 64});
     world.group()->all_reduce(x);
     world.group()->all_gather(x, 0);
   }
+  write_file(dir + "/dying_pid", std::to_string(::getpid()));
   write_file(dir + "/death", std::to_string(now_ms()));
-  if (by_sigkill) ::raise(SIGKILL);
+  if (signal != 0) ::raise(signal);
   std::_Exit(0);  // a silent exit with success: the others must still fail
 }
 
@@ -115,7 +122,7 @@ TEST(DistFailure, RankKilledMidSequence) {
   if (is_worker()) {
     const std::string dir = env_or("SHARDIT_TEST_DIR");
     World& world = World::init();
-    if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/true);
+    if (world.rank() == 1) die_after_collectives(dir, SIGKILL);
     run_until_failure(dir);
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-kill");
@@ -133,7 +140,7 @@ TEST(DistFailure, RankExitsSilentlyMidSequence) {
   if (is_worker()) {
     const std::string dir = env_or("SHARDIT_TEST_DIR");
     World& world = World::init();
-    if (world.rank() == 1) die_after_collectives(dir, /*by_sigkill=*/false);
+    if (world.rank() == 1) die_after_collectives(dir, 0);
     run_until_failure(dir);
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-exit");
@@ -144,6 +151,27 @@ TEST(DistFailure, RankExitsSilentlyMidSequence) {
   EXPECT_NE(code, 0) << "rank 0 should have failed after rank 1 left";
   EXPECT_LT(seconds, 20.0);
   expect_survivor_report(dir, 0, 1);
+}
+
+// A rank stopped by SIGSTOP is not dead: the survivor fails after the timeout and says that the
+// process is stopped (it runs on the same host), not that it exited. The survivor then kills it.
+TEST(DistFailure, StoppedRankIsReportedAsStopped) {
+  if (is_worker()) {
+    const std::string dir = env_or("SHARDIT_TEST_DIR");
+    World& world = World::init();
+    if (world.rank() == 1) die_after_collectives(dir, SIGSTOP);
+    collect_until_failure(dir);
+    ::kill(static_cast<pid_t>(std::stoll(read_file(dir + "/dying_pid"))), SIGKILL);
+    std::_Exit(1);
+  }
+  const std::string dir = shardit::testing::make_temp_dir("dist-stop");
+  const int code =
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+  EXPECT_NE(code, 0);
+  const std::string report = read_file(dir + "/rank0");
+  ASSERT_FALSE(report.empty()) << "rank 0 wrote no report";
+  EXPECT_THAT(report, HasSubstr("lost rank 1 (its process is stopped, by SIGSTOP or a debugger; SIGCONT resumes it)"));
+  EXPECT_THAT(report, ::testing::Not(HasSubstr("exited, crashed or was killed")));
 }
 
 TEST(DistFailure, RankThatNeverArrivesTimesOut) {

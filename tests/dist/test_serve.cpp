@@ -10,12 +10,15 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <future>
@@ -53,6 +56,10 @@ std::string served_model() {
   return path;
 }
 const std::string kMaxSequenceLength = "64";
+
+// A write to a connection the server closed is an error for the client, not a death by SIGPIPE
+// (httplib's client sends without MSG_NOSIGNAL).
+[[maybe_unused]] const bool kSigpipeIgnored = std::signal(SIGPIPE, SIG_IGN) != SIG_ERR;
 
 // A tiny, quick request: 2 steps at 64x48.
 const json kValid = {{"prompt", "A cat holding a sign that says hello world"},
@@ -151,9 +158,10 @@ class Process {
   std::optional<int> status_;
 };
 
-// `shardit --nproc-per-node 2 --timeout 20 serve --model <model> --port 0 <extra>`.
-std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<std::string>& extra) {
-  std::vector<std::string> argv = {cli_path(), "--nproc-per-node", "2", "--timeout", "20", "serve",
+// `shardit --nproc-per-node <ranks> --timeout 20 serve --model <model> --port 0 <extra>`.
+std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<std::string>& extra,
+                                      const std::string& ranks = "2") {
+  std::vector<std::string> argv = {cli_path(), "--nproc-per-node", ranks, "--timeout", "20", "serve",
                                    "--model", served_model(), "--port", "0",
                                    "--max-sequence-length", kMaxSequenceLength};
   argv.insert(argv.end(), extra.begin(), extra.end());
@@ -171,12 +179,92 @@ httplib::Result post(int port, const std::string& body, const std::string& path 
   return client(port)->Post(path.c_str(), body, "application/json");
 }
 
+// A connection to the server on loopback written to byte by byte, as a hostile client does.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawConnection() { ::close(fd_); }
+  bool connected() const { return connected_; }
+  /// Sends all of `bytes`; false once the server closed the connection.
+  bool send(const std::string& bytes) {
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      sent += static_cast<size_t>(n);
+    }
+    return true;
+  }
+  /// What the server sends until it closes the connection or `limit` passes.
+  std::string read_until_closed(std::chrono::milliseconds limit) {
+    std::string text;
+    const auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      char buffer[65536];
+      const ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
+      if (n <= 0) break;
+      text.append(buffer, static_cast<size_t>(n));
+    }
+    return text;
+  }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+};
+
+std::string fmt_hex(size_t value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%zx", value);
+  return text;
+}
+
+// The status of a raw answer ("HTTP/1.1 413 ..."), 0 when there is none.
+int raw_status(const std::string& answer) {
+  std::smatch match;
+  static const std::regex status_re("^HTTP/1\\.1 ([0-9]{3}) ");
+  return std::regex_search(answer, match, status_re) ? std::stoi(match[1]) : 0;
+}
+
+// The error message of a raw answer's JSON body.
+std::string raw_message(const std::string& answer) {
+  const size_t body = answer.find("\r\n\r\n");
+  if (body == std::string::npos) return "";
+  const json parsed = json::parse(answer.substr(body + 4), nullptr, false);
+  return parsed.is_discarded() ? "" : parsed["error"].value("message", "");
+}
+
 // The pixels of the base64 PNG of a 200 answer.
 at::Tensor png_pixels(const std::string& b64, const std::string& dir, const std::string& name) {
   const auto bytes = shardit::serving::base64_decode(b64);
   EXPECT_TRUE(bytes.has_value()) << "b64_json is not base64";
   write_text(dir + "/" + name, bytes.value_or(""));
   return shardit::io::read_png(dir + "/" + name);
+}
+
+// Starts a long request (256x256, `steps` steps) and waits until /health says it runs; its answer
+// is the future's. False in `started` when it never started within 30 s.
+std::future<httplib::Result> start_long_request(int port, int steps, bool* started) {
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = steps;
+  auto answer = std::async(std::launch::async, [port, body = slow.dump()] { return post(port, body); });
+  const auto begin = Clock::now();
+  *started = false;
+  while (!*started && Clock::now() - begin < std::chrono::seconds(30)) {
+    auto h = client(port)->Get("/health");
+    *started = h && json::parse(h->body)["queue"]["running"].get<bool>();
+    if (!*started) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return answer;
 }
 
 TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
@@ -363,6 +451,9 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
       {with({{"model", "dall-e-3"}}), 404,
        "the model \"dall-e-3\" does not exist; this server serves '" + kModelId + "'", "model"},
       {with({{"quality", "hd"}}), 400, "unknown field \"quality\" (fields: " + fields + ")", "quality"},
+      {"{\"prompt\": \"a cat \xff\xfe\", \"n\": 1}", 400, "'prompt' is not valid UTF-8; send text as UTF-8", "prompt"},
+      {"{\"pro\xc3mpt\": \"a cat\"}", 400,
+       "the request body is not valid UTF-8 (in a field name); send text as UTF-8", ""},
   };
   ASSERT_GE(cases.size(), 20u);
   for (const auto& c : cases) {
@@ -392,7 +483,8 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   auto huge = post(port, std::string(2 << 20, ' '));
   ASSERT_TRUE(huge);
   EXPECT_EQ(huge->status, 413);
-  EXPECT_EQ(json::parse(huge->body)["error"]["message"], "the request body is too large");
+  EXPECT_EQ(json::parse(huge->body)["error"]["message"],
+            "the request body is too large: 2097152 bytes, at most 1048576 are accepted");
 
   // A second server on the same port is refused (not bound beside the first).
   std::string output;
@@ -406,6 +498,149 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   auto health = client(port)->Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+}
+
+// What a careless or hostile HTTP client does (bad or missing lengths, encoded or endless chunked
+// bodies, connections trickling a byte a second, more connections than the cap) is answered at
+// once or within the request deadline, and the server keeps answering /health and generating.
+TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
+  const std::string dir = make_temp_dir("serve_hostile_http");
+  auto server = start_server(dir, {"--request-timeout", "6", "--max-connections", "60"}, "1");
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  const std::string head = "POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+  const std::string body = kValid.dump();
+  // "At once": well inside the 6 s deadline and httplib's 5 s read timeout, which answered before.
+  const auto at_once = std::chrono::seconds(3);
+  struct Case {
+    std::string request;
+    int status;
+    std::string message;
+  };
+  std::string many_headers;  // each line within httplib's 8 KiB, 80 KB in all
+  for (int i = 0; i < 20; ++i) many_headers += "X-Filler-" + std::to_string(i) + ": " + std::string(4000, 'a') + "\r\n";
+  const std::vector<Case> cases = {
+      {head + "Content-Length: -5\r\n\r\n", 400, "'Content-Length: -5' is not a number of bytes"},
+      {head + many_headers + "\r\n", 431, "the request head is larger than 65536 bytes"},
+      {head + "Content-Length: 99999999999999999999\r\n\r\n", 400,
+       "'Content-Length: 99999999999999999999' is not a number of bytes"},
+      {head + "Content-Length: 5000000\r\n\r\n", 413,
+       "the request body is too large: 5000000 bytes, at most 1048576 are accepted"},
+      {head + "Content-Type: application/json\r\n\r\n" + body, 411,
+       "a POST needs a Content-Length header (or a chunked body)"},
+      {head + "Content-Encoding: gzip\r\nContent-Length: 20\r\n\r\n", 415,
+       "the request body is encoded ('Content-Encoding: gzip'); send it unencoded"},
+      {head + "Transfer-Encoding: gzip, chunked\r\n\r\n", 501,
+       "'Transfer-Encoding: gzip, chunked' is not supported; send the body with a Content-Length or chunked"},
+      {head + "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n", 400,
+       "the request has both a Content-Length and 'Transfer-Encoding: chunked'"},
+      {"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 404, "no route POST /v1/nothing"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.request.substr(0, 160));
+    RawConnection connection(port);
+    ASSERT_TRUE(connection.connected());
+    const auto start = Clock::now();
+    connection.send(c.request);
+    const std::string answer = connection.read_until_closed(std::chrono::seconds(15));
+    EXPECT_LT(Clock::now() - start, at_once) << "not answered at once";
+    EXPECT_EQ(raw_status(answer), c.status) << answer;
+    EXPECT_EQ(raw_message(answer), c.message) << answer;
+  }
+
+  // A chunked body is bounded while it is read: 1.5 MiB in 64 KiB chunks is refused once it
+  // passes 1 MiB, and a small chunked body is served.
+  {
+    RawConnection connection(port);
+    ASSERT_TRUE(connection.connected());
+    connection.send(head + "Transfer-Encoding: chunked\r\n\r\n");
+    const std::string chunk = "10000\r\n" + std::string(0x10000, ' ') + "\r\n";
+    for (int i = 0; i < 24 && connection.send(chunk); ++i) {
+    }
+    const std::string answer = connection.read_until_closed(std::chrono::seconds(15));
+    EXPECT_EQ(raw_status(answer), 413) << answer.substr(0, 300);
+    EXPECT_EQ(raw_message(answer), "the request body is too large: more than 1048576 bytes (chunked)");
+  }
+  {
+    RawConnection connection(port);
+    ASSERT_TRUE(connection.connected());
+    const std::string half = body.substr(0, body.size() / 2), rest = body.substr(body.size() / 2);
+    connection.send(head + "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" +
+                    fmt_hex(half.size()) + "\r\n" + half + "\r\n" + fmt_hex(rest.size()) + "\r\n" + rest +
+                    "\r\n0\r\n\r\n");
+    const std::string answer = connection.read_until_closed(std::chrono::seconds(120));
+    EXPECT_EQ(raw_status(answer), 200) << answer.substr(0, 300);
+  }
+
+  // Slowloris: 50 connections trickling one byte a second hold no thread that /health or a
+  // generation needs, and each is answered 408 and closed once the deadline passes.
+  std::vector<std::unique_ptr<RawConnection>> slow;
+  for (int i = 0; i < 50; ++i) {
+    slow.push_back(std::make_unique<RawConnection>(port));
+    ASSERT_TRUE(slow.back()->connected());
+    slow.back()->send("P");
+  }
+  const auto trickle_start = Clock::now();
+  std::atomic<bool> trickling{true};
+  // Four bytes over four seconds, then silence until the deadline (a byte sent to a connection
+  // the server has closed would make it reset the connection before its 408 is read).
+  std::thread trickler([&] {
+    const std::string rest = head.substr(1);
+    for (size_t i = 0; trickling && i < 4; ++i) {
+      for (auto& connection : slow) connection->send(rest.substr(i, 1));
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+  });
+  for (int i = 0; i < 3; ++i) {
+    const auto start = Clock::now();
+    auto health = client(port)->Get("/health");
+    ASSERT_TRUE(health) << "no answer to /health under slowloris";
+    EXPECT_EQ(health->status, 200);
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(2)) << "/health waited behind the slow connections";
+  }
+  const auto generation_start = Clock::now();
+  auto generated = post(port, kValid.dump());
+  ASSERT_TRUE(generated);
+  EXPECT_EQ(generated->status, 200) << generated->body;
+  EXPECT_LT(Clock::now() - generation_start, std::chrono::seconds(10)) << "the generation waited behind them";
+  int timed_out = 0;
+  for (auto& connection : slow) {
+    const std::string answer = connection->read_until_closed(std::chrono::seconds(20));
+    if (raw_status(answer) == 408) ++timed_out;
+  }
+  trickling = false;
+  trickler.join();
+  EXPECT_EQ(timed_out, 50) << "every trickling connection is answered 408";
+  EXPECT_LT(Clock::now() - trickle_start, std::chrono::seconds(20)) << "deadline 6 s";
+
+  // More connections than the cap: those beyond it are answered 503 at once and closed; the
+  // others are closed when idle long enough, and then the server answers again.
+  std::vector<std::unique_ptr<RawConnection>> idle;
+  for (int i = 0; i < 70; ++i) {
+    idle.push_back(std::make_unique<RawConnection>(port));
+    ASSERT_TRUE(idle.back()->connected());
+  }
+  int refused = 0;  // each answered within the 100 ms its read waits, or before
+  for (auto& connection : idle) {
+    const std::string answer = connection->read_until_closed(std::chrono::milliseconds(100));
+    if (raw_status(answer) != 503) continue;
+    ++refused;
+    EXPECT_EQ(raw_message(answer), "the server has 60 connections open, its most; retry later");
+  }
+  EXPECT_GE(refused, 10) << "70 connections, at most 60";
+  EXPECT_LT(refused, 70);
+  idle.clear();
+  const auto recovered_by = Clock::now() + std::chrono::seconds(20);
+  bool recovered = false;
+  while (!recovered && Clock::now() < recovered_by) {
+    auto health = client(port)->Get("/health");
+    recovered = health && health->status == 200;
+    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(recovered) << "the server did not answer again after the idle connections left";
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
 TEST(Serve, FullQueueAnswers429) {
@@ -467,6 +702,55 @@ std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir) {
   return ranks;
 }
 
+// SIGTERM while a generation runs and others wait: /health and new requests answer 503 at once,
+// the waiting requests are answered 503 at once, the running one finishes, and the server exits 0.
+TEST(Serve, SigtermAnswersWaitingAndNewRequestsAtOnce) {
+  const std::string dir = make_temp_dir("serve_sigterm");
+  // Ranks started by hand: the --nproc-per-node launcher would SIGKILL them 5 s after forwarding
+  // the signal, cutting the running generation (documented).
+  auto ranks = start_ranks(dir);
+  const int port = ranks[0]->wait_listening();
+  ASSERT_GT(port, 0);
+  bool is_running = false;
+  auto running = start_long_request(port, 30, &is_running);
+  ASSERT_TRUE(is_running) << "the request never started";
+  const auto started = Clock::now();
+  std::vector<std::future<httplib::Result>> waiting;
+  for (int i = 0; i < 2; ++i) waiting.push_back(std::async(std::launch::async, [&] { return post(port, kValid.dump()); }));
+  bool queued = false;
+  while (!queued && Clock::now() - started < std::chrono::seconds(30)) {
+    auto h = client(port)->Get("/health");
+    queued = h && json::parse(h->body)["queue"]["waiting"].get<int>() == 2;
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(queued) << "the two requests were not queued";
+
+  ::kill(ranks[0]->pid(), SIGTERM);
+  const auto signalled = Clock::now();
+  for (auto& w : waiting) {
+    auto answer = w.get();
+    ASSERT_TRUE(answer) << "a waiting request got no answer";
+    EXPECT_EQ(answer->status, 503) << answer->body;
+    EXPECT_EQ(json::parse(answer->body)["error"]["message"], "the server is shutting down");
+  }
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(2)) << "the waiting requests were not answered at once";
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  EXPECT_EQ(json::parse(health->body)["status"], "stopping");
+  auto refused = post(port, kValid.dump());
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 503) << refused->body;
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(3)) << "/health or a new request waited";
+  auto first = running.get();
+  ASSERT_TRUE(first) << "the running request got no answer";
+  EXPECT_EQ(first->status, 200) << first->body;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(120))) << "rank " << r << ":\n" << ranks[r]->log();
+    EXPECT_EQ(ranks[r]->exit_code(), 0) << "rank " << r << ":\n" << ranks[r]->log();
+  }
+}
+
 // SIGTERM to rank 0 alone: rank 0 tells the other ranks to stop, and every rank exits 0.
 TEST(Serve, SigtermToRankZeroStopsEveryRank) {
   const std::string dir = make_temp_dir("serve_stop");
@@ -495,17 +779,8 @@ TEST(Serve, LostRankFailsHealthAndExitsNamingIt) {
   EXPECT_EQ(listed[1]["pid"].get<int64_t>(), ranks[1]->pid());
 
   // A long request (many steps), running when rank 1 is killed.
-  json slow = kValid;
-  slow["size"] = "256x256";
-  slow["num_inference_steps"] = 100;
-  auto in_flight = std::async(std::launch::async, [&] { return post(port, slow.dump()); });
-  const auto started = Clock::now();
   bool running = false;
-  while (!running && Clock::now() - started < std::chrono::seconds(30)) {
-    auto h = client(port)->Get("/health");
-    running = h && json::parse(h->body)["queue"]["running"].get<bool>();
-    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  auto in_flight = start_long_request(port, 100, &running);
   ASSERT_TRUE(running) << "the request never started";
 
   const auto killed_at = Clock::now();

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -411,6 +412,7 @@ TEST_F(Hostile, GenerateBoundsAndNonFiniteScalesAreRefusedBeforeLoading) {
       {{"--max-sequence-length", "100000000"}, "max_sequence_length (--max-sequence-length) is 100000000"},
       {{"--guidance", "nan"}, "guidance_scale (--guidance) is nan; it must be a finite number"},
       {{"--true-cfg-scale", "inf"}, "true_cfg_scale (--true-cfg-scale) is inf"},
+      {{"--guidance", "-1e308"}, "guidance_scale (--guidance) is -1e+308; it must be a finite number from -10000 to 10000"},
   };
   for (const auto& [options, message] : cases) {
     std::vector<std::string> args = {"generate", "--model", model_, "--prompt", "a fox", "--out", out_path("x.png")};
@@ -419,6 +421,38 @@ TEST_F(Hostile, GenerateBoundsAndNonFiniteScalesAreRefusedBeforeLoading) {
     expect_refused(outcome, {message});
     EXPECT_LT(outcome.seconds, 10) << message;
   }
+}
+
+// A PNG's IHDR declaring `width` x `height` (a valid header, a small file): what a 2.6 MB PNG of
+// zeros decoding to 30000x30000 looks like before decoding.
+std::string png_declaring(uint32_t width, uint32_t height) {
+  const auto crc32 = [](const std::string& bytes) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (unsigned char byte : bytes) {
+      crc ^= byte;
+      for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+    return crc ^ 0xFFFFFFFFu;
+  };
+  const auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  const auto chunk = [&](const std::string& type, const std::string& data) {
+    return be32(static_cast<uint32_t>(data.size())) + type + data + be32(crc32(type + data));
+  };
+  const std::string ihdr = be32(width) + be32(height) + std::string{8, 2, 0, 0, 0};  // 8-bit RGB
+  return std::string("\x89PNG\r\n\x1a\n", 8) + chunk("IHDR", ihdr) + chunk("IDAT", "") + chunk("IEND", "");
+}
+
+TEST_F(Hostile, HugePngForCompareToIsRefusedFromItsHeader) {
+  const std::string png = (fs::path(root_) / "huge.png").string();
+  std::ofstream(png, std::ios::binary) << png_declaring(30000, 30000);
+  const Outcome outcome = run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--compare-to", png,
+                                "--out", out_path("fox.png")}},
+                              20);
+  expect_refused(outcome, {png + ": not a readable PNG: it is 30000x30000 pixels; at most 16384 per side are read"});
+  EXPECT_LT(outcome.seconds, 10);
 }
 
 // generate reads the whole model folder: an output onto any file under it (weights, configs,
@@ -565,6 +599,110 @@ TEST_F(Hostile, CommandLineMistakesNameTheMistake) {
   EXPECT_THAT(tp_alone.err, HasSubstr("--plan"));
 }
 
+// Numeric options are checked on their text with one readable range (CLI11's own wrapped "-1" to
+// 2^64-1 and printed 309-digit bounds), before anything loads.
+TEST_F(Hostile, NumericOptionsAreCheckedAsWritten) {
+  const std::string tokenizer = (fs::path(model_) / "tokenizer").string();
+  const std::vector<std::string> generate = {"generate", "--model", model_, "--prompt", "a fox", "--out",
+                                             out_path("x.png")};
+  const std::vector<std::string> schedule = {"schedule", "--model", model_, "--height", "64", "--width", "64",
+                                             "--steps", "4"};
+  const auto with = [](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {with(generate, {"--seed", "-1"}), "--seed: must be an integer from 0 to 18446744073709551615, got '-1'"},
+      {with(generate, {"--seed", "18446744073709551616"}),
+       "--seed: must be an integer from 0 to 18446744073709551615, got '18446744073709551616'"},
+      {with(generate, {"--steps", "0"}), "--steps: must be an integer from 1 to 9223372036854775807, got '0'"},
+      {with(generate, {"--steps", "010"}), "--steps: must be an integer from 1 to 9223372036854775807, got '010'"},
+      {with(generate, {"--steps", "0x10"}), "--steps: must be an integer from 1 to 9223372036854775807, got '0x10'"},
+      {with(generate, {"--tp", "0"}), "--tp: must be an integer from 1 to 65536, got '0'"},
+      {with(generate, {"--height", "9223372036854775808"}),
+       "--height: must be an integer from 1 to 9223372036854775807, got '9223372036854775808'"},
+      {{"tokenize", "--tokenizer", tokenizer, "--kind", "clip", "--text", "a", "--max-length", "2000000000"},
+       "--max-length: must be an integer from 1 to 4096, got '2000000000'"},
+      {with(schedule, {"--steps", "2000000000"}), "--steps: must be an integer from 1 to 10000, got '2000000000'"},
+      {with(schedule, {"--height", "9223372036854775807"}),
+       "--height: must be an integer from 1 to 16384, got '9223372036854775807'"},
+      {{"--timeout", "0", "inspect", model_}, "--timeout: must be a number from 0.001 to 86400, got '0'"},
+  };
+  for (const auto& [args, message] : cases) {
+    const Outcome outcome = run({args}, 20);
+    expect_refused(outcome, {message}, 2);
+    EXPECT_LT(outcome.err.size(), 400u) << "an unreadable message:\n" << outcome.err;
+    EXPECT_LT(outcome.seconds, 10) << message;
+  }
+}
+
+// The built-in model is written under TMPDIR: a TMPDIR that is not a folder is named with what to
+// do.
+TEST_F(Hostile, UnusableTmpdirIsNamed) {
+  const std::string file = (fs::path(root_) / "not-a-folder").string();
+  std::ofstream(file) << "x";
+  const Outcome not_folder = run({{"inspect"}, {{"TMPDIR", file}}}, 20);
+  expect_refused(not_folder, {"the built-in model has no folder: ", "TMPDIR (\"" + file + "\"); set TMPDIR to a writable folder"});
+}
+
+TEST_F(Hostile, MalformedCasesFileIsNamed) {
+  const std::string cases = (fs::path(root_) / "cases.json").string();
+  std::ofstream(cases) << R"({"fast_vs_slow_differences": [{"text": "a"}]})";
+  const Outcome outcome = run({{"tokenize", "--tokenizer", (fs::path(model_) / "tokenizer_2").string(), "--kind",
+                                "t5", "--cases", cases}},
+                              20);
+  expect_refused(outcome, {cases + ": not a cases file of the expected layout for this tokenizer ("});
+  std::ofstream(cases, std::ios::trunc) << R"({"cases": [{"text": "a", "ids": [1, "x"]}]})";
+  expect_refused(run({{"tokenize", "--tokenizer", (fs::path(model_) / "tokenizer").string(), "--kind", "clip",
+                       "--cases", cases}},
+                     20),
+                 {cases + ": cases[0].ids: expected integer ids"});
+}
+
+// A scheduler config whose shift is 0 or whose dynamic shift overflows would give NaN sigmas (and
+// a black image, or `-nan` in schedule's JSON): refused, naming the key or the sigma.
+TEST_F(Hostile, SchedulerConfigsGivingNonFiniteSigmasAreRefused) {
+  const fs::path config = fs::path(model_) / "scheduler" / "scheduler_config.json";
+  auto json = nlohmann::json::parse(read_text(config));
+  const std::vector<std::string> schedule = {"schedule", "--model", model_, "--height", "64", "--width", "64",
+                                             "--steps", "4"};
+  json["use_dynamic_shifting"] = false;
+  json["shift"] = 0;
+  write_text(config, json.dump());
+  expect_refused(run({schedule}), {config.string() + ": shift must be positive, got 0"});
+  json["use_dynamic_shifting"] = true;
+  json["shift"] = 1;
+  json["base_shift"] = 1000;
+  json["max_shift"] = 1000;
+  write_text(config, json.dump());
+  const Outcome outcome = run({schedule});
+  expect_refused(outcome, {"FlowMatchEulerDiscreteScheduler: sigma 0 of 4 is", "outside [0, 1]"});
+  EXPECT_THAT(outcome.out, Not(HasSubstr("nan")));
+}
+
+// NaN weights in the transformer make every latent NaN: generate fails naming the cause instead of
+// writing a black image with exit 0.
+TEST_F(Hostile, NonFiniteImageIsRefused) {
+  const fs::path folder = fs::path(model_) / "transformer";
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    auto file = shardit::io::SafetensorsFile::open(entry.path().string());
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& name : file->names()) {
+      at::Tensor tensor = file->read(name);
+      if (name.find("proj_out.weight") != std::string::npos) tensor.fill_(std::numeric_limits<float>::quiet_NaN());
+      tensors.emplace_back(name, tensor);
+    }
+    file.reset();
+    shardit::io::save_safetensors(entry.path().string(), tensors);
+  }
+  const Outcome outcome = run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--width", "32",
+                                "--height", "32", "--out", out_path("fox.png")}},
+                              120);
+  expect_refused(outcome, {"the decoded image is not finite", "NaN or infinite"});
+  EXPECT_FALSE(fs::exists(out_path("fox.png")));
+}
+
 TEST_F(Hostile, GlobalOptionsWorkAfterTheSubcommand) {
   auto args = run_args(out_path());
   args.insert(args.end(), {"--nproc-per-node", "2", "--timeout", "60"});
@@ -601,6 +739,29 @@ TEST_F(Hostile, IntegerWeightsAreRefusedNamingTheTensor) {
   ASSERT_FALSE(changed.empty());
   shardit::io::save_safetensors(shard.string(), tensors);
   expect_refused(run({run_args(out_path())}), {"'" + changed + "'", "I64"});
+  // The pipelines load through the same loader: named before any weight is read.
+  expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--out",
+                       out_path("fox.png")}},
+                     60),
+                 {shard.string() + ": tensor '" + changed + "' is I64, but it is a weight of FluxTransformer2DModel"});
+}
+
+TEST_F(Hostile, IntegerLoraFactorIsRefusedNamingTheTensor) {
+  const std::string lora = (fs::path(root_) / "int.safetensors").string();
+  const std::string key = "transformer.transformer_blocks.0.attn.to_q";
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::ones({4, 192}, at::kInt)},
+                                       {key + ".lora_B.weight", at::randn({192, 4})}});
+  expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora, "--out",
+                       out_path("fox.png")}},
+                     60),
+                 {lora + ": tensor '" + key + ".lora_A.weight' is I32, expected a floating-point LoRA factor"});
+  // A weight beyond float's range is named, not left to LibTorch's conversion error.
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::randn({4, 192})},
+                                       {key + ".lora_B.weight", at::randn({192, 4})}});
+  expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora + ":1e308",
+                       "--out", out_path("fox.png")}},
+                     60),
+                 {"the weight of LoRA adapter 'int' is 1e+308; it must be a finite number from -10000 to 10000"});
 }
 
 TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
@@ -643,6 +804,28 @@ TEST_F(Hostile, NonFiniteInputsWarnOrFailWithCheckFinite) {
   const Outcome warned = run({run_args(out_path())}, 30, /*files_may_change=*/true);
   EXPECT_EQ(warned.exit_code, 0) << warned.err;
   EXPECT_THAT(warned.err, HasSubstr("warning: the sample has non-finite values"));
+}
+
+// A model_index.json key is a component folder's name: a path there would make inspect (and every
+// reader) leave the pipeline folder.
+TEST_F(Hostile, ComponentKeysThatArePathsAreRefused) {
+  const fs::path index = fs::path(model_) / "model_index.json";
+  const auto original = nlohmann::json::parse(read_text(index));
+  for (const std::string key : {"../../x", "/etc", "..", "a/b"}) {
+    auto json = original;
+    json[key] = {"diffusers", "AutoencoderKL"};
+    write_text(index, json.dump());
+    const Outcome outcome = run({{"inspect", model_}}, 10);
+    expect_refused(outcome, {index.string() + ": component \"" + key + "\" is not a folder name"});
+  }
+}
+
+// A folder that is a symbolic link loop is named as one, path first.
+TEST_F(Hostile, SymbolicLinkLoopIsNamed) {
+  const fs::path loop = fs::path(root_) / "loop";
+  fs::create_symlink(loop, loop);
+  expect_refused(run({{"inspect", loop.string()}}, 10),
+                 {"shardit: error: " + loop.string() + ": Too many levels of symbolic links (a symbolic link loop)"});
 }
 
 TEST_F(Hostile, IndexPointingOutsideTheFolderIsRefused) {

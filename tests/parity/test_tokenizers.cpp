@@ -130,7 +130,7 @@ TEST(TokenizerParity, CasesCheckerAgrees) {
                         File{"tokenizer_qwen", "tokenizer", TokenizerKind::Qwen, 222 + 2 + 5 * 2 + 2 * 2 + 5 * 4},
                         File{"tokenizer_mistral3", "tokenizer", TokenizerKind::Qwen, 233 + 7}}) {
     const auto tok = load_tokenizer(golden_path(std::string("text/") + f.folder + "/" + f.tokenizer), f.kind);
-    const CasesReport report = check_cases(cases_file(f.folder), *tok, f.kind);
+    const CasesReport report = check_cases(cases_file(f.folder), *tok, f.kind, f.folder);
     EXPECT_EQ(report.checks.size(), f.checks) << f.folder << "/" << f.tokenizer;
     EXPECT_EQ(report.failures(), 0u) << f.folder << "/" << f.tokenizer;
   }

@@ -72,6 +72,17 @@ TEST(EncoderInputs, ClipRefusesMoreTokensThanPositions) {
   EXPECT_THAT(error_of([&] { model.forward(at::full({1, 4}, 50, at::kLong)); }), HasSubstr("token ids must be in [0, 50)"));
 }
 
+// T5 has no position table: its length is bounded before the [heads, S, S] position bias exists.
+TEST(EncoderInputs, T5RefusesMoreTokensThanTheBound) {
+  const nlohmann::json config = {{"vocab_size", 32}, {"d_model", 16}, {"d_kv", 4}, {"d_ff", 24}, {"num_layers", 1},
+                                 {"num_heads", 4}};
+  models::T5EncoderModel model(models::T5Config::from_json(config, "t5/config.json"));
+  nn::init_random(model, 1);
+  EXPECT_THAT(error_of([&] { model.forward(at::zeros({1, models::kMaxT5Tokens + 1}, at::kLong)); }),
+              HasSubstr("T5EncoderModel: input_ids has 4097 tokens; at most 4096 are encoded"));
+  EXPECT_EQ(model.forward(at::zeros({1, 5}, at::kLong)).size(1), 5);
+}
+
 TEST(EncoderInputs, QwenRefusesHiddenStatesBeyondTheLastLayer) {
   models::Qwen3ForCausalLM model(models::Qwen3Config::from_json(tiny_qwen3(), "qwen/config.json"));
   nn::init_random(model, 1);

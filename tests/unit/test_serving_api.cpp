@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "shardit/serving/api.h"
 #include "shardit/serving/base64.h"
+#include "shardit/serving/http_server.h"
 
 namespace {
 
@@ -132,6 +135,56 @@ TEST(ServingApi, StepCachePerRequestOverridesTheServersDefault) {
   EXPECT_NE(message.find("'cache'"), std::string::npos) << message;
   EXPECT_NE(message.find("thresh"), std::string::npos) << message;
   EXPECT_EQ(refusal(R"({"prompt": "a", "cache": "first_block_cache"})").first, 400);
+}
+
+// check_request_head's status for a request with `headers` (method, path as given).
+int head_status(const std::string& method, const std::string& path,
+                const std::vector<std::pair<std::string, std::string>>& headers, bool takes_body = true) {
+  httplib::Request request;
+  request.method = method;
+  request.path = path;
+  for (const auto& [key, value] : headers) request.headers.emplace(key, value);
+  return shardit::serving::check_request_head(request, 1 << 20, takes_body).status;
+}
+
+TEST(ServingApi, RequestHeadsAreCheckedBeforeTheirBody) {
+  const std::string post = "POST", path = "/v1/images/generations";
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "10"}}), 0);
+  EXPECT_EQ(head_status(post, path, {{"Transfer-Encoding", "chunked"}}), 0);
+  EXPECT_EQ(head_status(post, path, {{"Transfer-Encoding", "CHUNKED"}}), 0);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "1048576"}}), 0);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "10"}, {"Content-Encoding", "identity"}}), 0);
+  EXPECT_EQ(head_status("GET", "/health", {}, false), 0);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "1048577"}}), 413);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "-5"}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "+5"}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", " 5"}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", ""}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "18446744073709551616"}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "5"}, {"Content-Length", "5"}}), 400);
+  EXPECT_EQ(head_status(post, path, {}), 411);
+  EXPECT_EQ(head_status("PUT", path, {}, false), 411);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "5"}, {"Content-Encoding", "gzip"}}), 415);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "5"}, {"Content-Encoding", "br"}}), 415);
+  EXPECT_EQ(head_status(post, path, {{"Transfer-Encoding", "gzip"}}), 501);
+  EXPECT_EQ(head_status(post, path, {{"Transfer-Encoding", "chunked"}, {"Content-Length", "5"}}), 400);
+  EXPECT_EQ(head_status(post, path, {{"Content-Length", "5"}, {"Content-Type", "multipart/form-data; boundary=x"}}),
+            415);
+  EXPECT_EQ(head_status(post, "/v1/other", {{"Content-Length", "5"}}, false), 404);
+  EXPECT_EQ(head_status("GET", "/health", {{"Transfer-Encoding", "chunked"}}, false), 400);
+  EXPECT_EQ(head_status("GET", "/health", {{"Content-Length", "0"}}, false), 0);
+}
+
+TEST(ServingApi, InvalidUtf8IsNamedByItsField) {
+  EXPECT_EQ(refusal("{\"prompt\": \"a \xff\"}"),
+            std::make_pair(400, std::string("'prompt' is not valid UTF-8; send text as UTF-8")));
+  EXPECT_EQ(refusal("{\"prompt\": \"a\", \"negative_prompt\": [\"\xc3\"]}"),
+            std::make_pair(400, std::string("'negative_prompt' is not valid UTF-8; send text as UTF-8")));
+  EXPECT_EQ(refusal("{\"pro\xffmpt\": \"a\"}"),
+            std::make_pair(400, std::string("the request body is not valid UTF-8 (in a field name); send text as UTF-8")));
+  // The error body can always be written, whatever bytes its message quotes.
+  const ApiError error(400, "bad \xff bytes", "\xfe");
+  EXPECT_NO_THROW(error.body().dump());
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "shardit/tokenizers/prompt_templates.h"
+#include "shardit/tokenizers/regex.h"
 #include "shardit/tokenizers/tokenizer.h"
 #include "support/test_support.h"
 
@@ -52,6 +53,26 @@ TEST(GoldenTokenizersErrors, BrokenFilesAreNamed) {
   std::ofstream(t5 + "/spiece.model") << "not a model";
   const std::string model = error_of([&] { load_tokenizer(t5, TokenizerKind::T5); });
   EXPECT_NE(model.find("spiece.model: not a SentencePiece model"), std::string::npos) << model;
+}
+
+TEST(GoldenTokenizersErrors, EmptyMergesAreRefused) {
+  const std::string dir = copy_without("text/tokenizer_flux1/tokenizer", "", "tok_empty_merges");
+  std::ofstream(dir + "/merges.txt", std::ios::trunc) << "#version: 0.2\n";
+  const std::string error = error_of([&] { load_tokenizer(dir, TokenizerKind::Clip); });
+  EXPECT_NE(error.find("merges.txt: holds no merges"), std::string::npos) << error;
+  std::ofstream(dir + "/merges.txt", std::ios::trunc) << "";
+  EXPECT_NE(error_of([&] { load_tokenizer(dir, TokenizerKind::Clip); }).find("holds no merges"), std::string::npos);
+}
+
+// A pattern that backtracks catastrophically hits PCRE2's match limit: the error names the file,
+// PCRE2's reason and the pattern, not only a code.
+TEST(TokenizerRegexErrors, MatchLimitNamesTheSourceAndPattern) {
+  const Regex catastrophic("(a+)+$", "evil/tokenizer.json");
+  const std::string error = error_of([&] { catastrophic.find_all(std::string(40, 'a') + "!"); });
+  EXPECT_NE(error.find("evil/tokenizer.json: pre-tokenizer regex failed on a text of 41 bytes ("), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("PCRE2 code -"), std::string::npos) << error;
+  EXPECT_NE(error.find("(a+)+$"), std::string::npos) << error;
 }
 
 TEST(GoldenTokenizersErrors, UnknownNamesAndBadLengths) {

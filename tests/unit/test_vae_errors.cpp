@@ -49,6 +49,16 @@ TEST(VaeErrors, WrongLatentChannelsAreNamed) {
             std::string::npos);
 }
 
+TEST(VaeErrors, EmptyLatentsAreNamed) {
+  models::AutoencoderKL vae(models::AutoencoderKLConfig::from_json(kl_config(), "config.json"));
+  nn::init_random(vae, 1);
+  for (const auto& shape : {std::vector<int64_t>{1, 16, 0, 4}, std::vector<int64_t>{0, 16, 4, 4}}) {
+    const std::string message = error_of([&] { vae.decode(at::zeros(shape)); });
+    EXPECT_NE(message.find("AutoencoderKL: latents have shape"), std::string::npos) << message;
+    EXPECT_NE(message.find("with no element along dimension"), std::string::npos) << message;
+  }
+}
+
 TEST(VaeErrors, QwenImageTakesOneFrameOfFiveDimensionalLatents) {
   models::AutoencoderKLQwenImage vae(models::AutoencoderKLQwenImageConfig::from_json(qwen_config(), "config.json"));
   nn::init_random(vae, 1);

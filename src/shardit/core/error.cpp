@@ -1,10 +1,22 @@
 #include "shardit/core/error.h"
 
+#include <filesystem>
+#include <system_error>
+
 namespace shardit {
 
 std::string error_message(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     return c10_error->what_without_backtrace();
+  }
+  // std::filesystem's own words ("filesystem error: status: Too many levels of symbolic links
+  // [x]") put the path last: the path first, as every other message does.
+  if (const auto* fs_error = dynamic_cast<const std::filesystem::filesystem_error*>(&e)) {
+    std::string text = fs_error->path1().empty() ? std::string("a file") : fs_error->path1().string();
+    if (!fs_error->path2().empty()) text += " -> " + fs_error->path2().string();
+    text += ": " + fs_error->code().message();
+    if (fs_error->code() == std::errc::too_many_symbolic_link_levels) text += " (a symbolic link loop)";
+    return text;
   }
   return e.what();
 }

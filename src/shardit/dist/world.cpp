@@ -26,6 +26,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -54,11 +56,42 @@ constexpr auto kHeartbeatPeriod = std::chrono::milliseconds(200);
 constexpr auto kProbeWindow = std::chrono::milliseconds(1000);
 
 std::string heartbeat_key(int rank) { return "shardit/heartbeat/" + std::to_string(rank); }
+// "<host> <pid>" of a rank, so that a rank on the same host can tell a stopped process from a gone one.
+std::string process_key(int rank) { return "shardit/process/" + std::to_string(rank); }
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+// What became of a process of this host whose heartbeat stands still, from /proc/<pid>/stat's
+// state: stopped (SIGSTOP, a debugger), gone (no process, or a zombie), or alive but silent.
+enum class ProcessState { Gone, Stopped, Silent };
+ProcessState process_state(int64_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');  // the command name may hold spaces and parentheses
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return ProcessState::Gone;
+  const char state = stat[paren + 2];
+  if (state == 'T' || state == 't') return ProcessState::Stopped;
+  if (state == 'Z' || state == 'X' || state == 'x') return ProcessState::Gone;
+  return ProcessState::Silent;
+}
 
 std::string join_ranks(const std::vector<int>& ranks) {
   std::ostringstream out;
   for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
   return out.str();
+}
+
+// The ranks for a message: all of them when few, else the first and last few around a count, so
+// that a message stays one readable line (WORLD_SIZE=100000 would list 100000 missing ranks).
+std::string list_ranks(const std::vector<int>& ranks) {
+  constexpr size_t kHead = 8, kTail = 2;
+  if (ranks.size() <= kHead + kTail + 1) return join_ranks(ranks);
+  const std::vector<int> head(ranks.begin(), ranks.begin() + kHead), tail(ranks.end() - kTail, ranks.end());
+  return join_ranks(head) + ", ... (" + std::to_string(ranks.size() - kHead - kTail) + " more), " + join_ranks(tail);
 }
 
 // Each rank increments its counter in the store every kHeartbeatPeriod from its own thread (and
@@ -90,22 +123,30 @@ class Heartbeat {
       std::vector<int64_t> before = read(others);
       std::this_thread::sleep_for(kProbeWindow);
       std::vector<int64_t> after = read(others);
-      std::vector<int> lost, never_joined;
+      std::vector<int> lost, stopped, silent, never_joined;
       for (size_t i = 0; i < others.size(); ++i) {
         if (after[i] == 0) {
           never_joined.push_back(others[i]);
         } else if (after[i] == before[i]) {
-          lost.push_back(others[i]);
+          switch (local_state(others[i])) {
+            case ProcessState::Stopped: stopped.push_back(others[i]); break;
+            case ProcessState::Silent: silent.push_back(others[i]); break;
+            case ProcessState::Gone: lost.push_back(others[i]); break;
+          }
         }
       }
       std::string text;
-      if (!lost.empty()) {
-        text = (lost.size() == 1 ? "lost rank " : "lost ranks ") + join_ranks(lost) +
-               " (exited, crashed or was killed)";
-      }
+      const auto add = [&text](const std::vector<int>& ranks, const std::string& what) {
+        if (ranks.empty()) return;
+        text += (text.empty() ? "" : "; ") + std::string(ranks.size() == 1 ? "lost rank " : "lost ranks ") +
+                list_ranks(ranks) + " (" + what + ")";
+      };
+      add(lost, "exited, crashed or was killed");
+      add(stopped, "its process is stopped, by SIGSTOP or a debugger; SIGCONT resumes it");
+      add(silent, "its process is alive but stopped answering");
       if (!never_joined.empty()) {
         text += (text.empty() ? "" : "; ") + std::string(never_joined.size() == 1 ? "rank " : "ranks ") +
-                join_ranks(never_joined) + " never joined";
+                list_ranks(never_joined) + " never joined";
       }
       return text.empty() ? "every other member is still alive" : text;
     } catch (const std::exception& e) {
@@ -122,7 +163,30 @@ class Heartbeat {
     return values;
   }
 
+  // How a rank whose heartbeat stands still is doing, when it runs on this host (known from the
+  // host and pid it published); Gone otherwise (no process to look at).
+  ProcessState local_state(int rank) {
+    try {
+      std::lock_guard<std::mutex> store_lock(store_mutex_);
+      if (!store_->check({process_key(rank)})) return ProcessState::Gone;
+      const std::vector<uint8_t> value = store_->get(process_key(rank));
+      const std::string text(value.begin(), value.end());
+      const size_t space = text.rfind(' ');
+      if (space == std::string::npos || text.substr(0, space) != host_name()) return ProcessState::Gone;
+      return process_state(std::stoll(text.substr(space + 1)));
+    } catch (const std::exception&) {
+      return ProcessState::Gone;
+    }
+  }
+
   void run() {
+    try {
+      const std::string me = host_name() + " " + std::to_string(::getpid());
+      std::lock_guard<std::mutex> store_lock(store_mutex_);
+      store_->set(process_key(rank_), std::vector<uint8_t>(me.begin(), me.end()));
+    } catch (const std::exception&) {
+      return;  // the store is gone (rank 0 exited): nothing left to report to
+    }
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_) {
       lock.unlock();
@@ -346,7 +410,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
     } catch (const std::exception& e) {
       const std::string cause = error_message(e);
       const std::string lost = lost_ranks_ ? lost_ranks_(global_ranks_) : "";
-      TORCH_CHECK(false, op, " on group '", name_, "' (global ranks ", join_ranks(global_ranks_),
+      TORCH_CHECK(false, op, " on group '", name_, "' (global ranks ", list_ranks(global_ranks_),
                   ") failed on rank ", global_ranks_[rank_], ": ", cause,
                   lost.empty() ? "" : "; ", lost);
     }
@@ -518,7 +582,7 @@ void exchange(c10d::Store& store, const std::string& prefix, int rank, int world
       for (int r = 0; r < world_size; ++r) {
         if (!seen[r]) missing.push_back(r);
       }
-      throw std::runtime_error((missing.size() == 1 ? "rank " : "ranks ") + join_ranks(missing) + " " + step);
+      throw std::runtime_error((missing.size() == 1 ? "rank " : "ranks ") + list_ranks(missing) + " " + step);
     }
     std::this_thread::sleep_for(kPollPeriod);
   }
@@ -745,13 +809,13 @@ std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
   std::set<int> seen;
   for (int r : ranks) {
     TORCH_CHECK(r >= 0 && r < size(), "new_group: rank ", r, " is out of range for a world of size ",
-                size(), " (ranks [", join_ranks(ranks), "])");
+                size(), " (ranks [", list_ranks(ranks), "])");
     TORCH_CHECK(seen.insert(r).second, "new_group: rank ", r, " appears twice in [",
-                join_ranks(ranks), "]");
+                list_ranks(ranks), "]");
   }
   // Every rank counts every call, members or not, so the store prefixes agree.
   const int index = impl_->groups_made++;
-  const std::string name = "group" + std::to_string(index) + "[" + join_ranks(ranks) + "]";
+  const std::string name = "group" + std::to_string(index) + "[" + list_ranks(ranks) + "]";
   const auto it = std::find(ranks.begin(), ranks.end(), rank());
   if (it == ranks.end()) return nullptr;
   const int group_rank = static_cast<int>(it - ranks.begin());

@@ -79,6 +79,17 @@ ModelFolder ModelFolder::open(const std::string& path) {
                 folder.model_index_.type_name());
     TORCH_CHECK(!folder.components().empty(), index_path.string(),
                 ": lists no components (entries like \"transformer\": [\"diffusers\", \"FluxTransformer2DModel\"])");
+    // A component is the folder of that name beside model_index.json: a key that is a path
+    // ("../../x", "/etc") would make every reader leave the pipeline folder.
+    for (const std::string& name : folder.components()) {
+      const bool plain = !name.empty() && name != "." && name != ".." &&
+                         std::none_of(name.begin(), name.end(), [](char c) {
+                           return c == '/' || c == '\\' || static_cast<unsigned char>(c) < 0x20;
+                         });
+      TORCH_CHECK(plain, index_path.string(), ": component ", quoted(name),
+                  " is not a folder name (a component is the folder of that name beside model_index.json); "
+                  "rename the key");
+    }
     return folder;
   }
   TORCH_CHECK(fs::exists(fs::symlink_status(fs::path(path) / "config.json")), path,

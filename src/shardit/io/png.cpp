@@ -47,11 +47,21 @@ bool encode_rows(png_structp png, png_infop info, std::string* out, png_text* ch
   return true;
 }
 
-/// libpng's part of a read into `pixels` (allocated by `allocate` once the size is known).
-bool decode_png(png_structp png, png_infop info, FILE* stream, at::Tensor* pixels) {
+/// libpng's part of a read into `pixels`, allocated once the header's size is known and checked
+/// (`pixels` null: the header only, its size in `size`).
+bool decode_png(png_structp png, png_infop info, FILE* stream, at::Tensor* pixels, std::pair<int64_t, int64_t>* size,
+                std::string* error) {
   if (setjmp(png_jmpbuf(png))) return false;
   png_init_io(png, stream);
   png_read_info(png, info);
+  *size = {png_get_image_height(png, info), png_get_image_width(png, info)};
+  if (size->first > kMaxPngSide || size->second > kMaxPngSide) {
+    // A small file can declare a huge image (2.6 MB of zeros decode to 30000x30000).
+    *error = "it is " + std::to_string(size->second) + "x" + std::to_string(size->first) +
+             " pixels; at most " + std::to_string(kMaxPngSide) + " per side are read";
+    return false;
+  }
+  if (pixels == nullptr) return true;
   png_set_expand(png);
   png_set_strip_16(png);
   png_set_strip_alpha(png);
@@ -112,7 +122,10 @@ void write_png(const std::string& path, const at::Tensor& pixels,
   file.commit();
 }
 
-at::Tensor read_png(const std::string& path) {
+namespace {
+
+/// Reads `path`'s header, and its pixels unless `pixels` is null.
+std::pair<int64_t, int64_t> read_png_file(const std::string& path, at::Tensor* pixels) {
   UniqueFd fd = open_regular_file(path);
   FILE* stream = ::fdopen(fd.get(), "rb");
   TORCH_CHECK(stream != nullptr, path, ": cannot be read");
@@ -120,12 +133,22 @@ at::Tensor read_png(const std::string& path) {
   std::string error;
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
   png_infop info = png != nullptr ? png_create_info_struct(png) : nullptr;
-  at::Tensor pixels;
-  const bool ok = info != nullptr && decode_png(png, info, stream, &pixels);
+  std::pair<int64_t, int64_t> size{0, 0};
+  const bool ok = info != nullptr && decode_png(png, info, stream, pixels, &size, &error);
   png_destroy_read_struct(&png, &info, nullptr);
   std::fclose(stream);
   TORCH_CHECK(ok, path, ": not a readable PNG: ", error);
+  return size;
+}
+
+}  // namespace
+
+at::Tensor read_png(const std::string& path) {
+  at::Tensor pixels;
+  read_png_file(path, &pixels);
   return pixels;
 }
+
+std::pair<int64_t, int64_t> png_size(const std::string& path) { return read_png_file(path, nullptr); }
 
 }  // namespace shardit::io

@@ -24,7 +24,15 @@ void write_png(const std::string& path, const at::Tensor& pixels,
 std::string encode_png(const at::Tensor& pixels, const std::vector<std::pair<std::string, std::string>>& text = {},
                        const std::string& what = "image");
 
-/// Reads an 8-bit RGB or RGBA PNG as uint8 [H, W, 3] (alpha dropped). Errors name the path.
+/// The largest side a PNG may declare to be read: shardit writes none larger (the pipelines'
+/// kMaxImageSide), and a small file can declare a huge image.
+constexpr int64_t kMaxPngSide = 16384;
+
+/// Reads an 8-bit RGB or RGBA PNG as uint8 [H, W, 3] (alpha dropped). Errors name the path; a
+/// side above kMaxPngSide is refused from the header, before anything is allocated.
 at::Tensor read_png(const std::string& path);
+
+/// {height, width} from the PNG's header (checked as read_png checks it), without decoding.
+std::pair<int64_t, int64_t> png_size(const std::string& path);
 
 }  // namespace shardit::io

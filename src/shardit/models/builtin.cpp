@@ -4,12 +4,14 @@
 #include <nlohmann/json.hpp>
 
 #include <cctype>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <unistd.h>
 
+#include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/clip/modeling_clip.h"
 #include "shardit/models/flux/transformer_flux.h"
@@ -360,11 +362,39 @@ std::vector<std::pair<std::string, at::Tensor>> random_weights(nn::Module& model
 
 }  // namespace
 
+namespace {
+
+// What to do when the built-in model's folder cannot be made: it lives under TMPDIR.
+std::string tmpdir_advice() {
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir == nullptr ? std::string("it is written under /tmp (TMPDIR is not set); set TMPDIR to a writable folder")
+                           : "it is written under TMPDIR (" + io::quoted(tmpdir) +
+                                 "); set TMPDIR to a writable folder";
+}
+
+BuiltinModelPaths write_builtin_model_files(const std::string& root_path);
+
+}  // namespace
+
 std::string default_builtin_model_root() {
-  return (fs::temp_directory_path() / "shardit-builtin-4").string();
+  std::error_code error;
+  const fs::path temp = fs::temp_directory_path(error);
+  TORCH_CHECK(!error, "the built-in model has no folder: ", error.message(), "; ", tmpdir_advice());
+  return (temp / "shardit-builtin-4").string();
 }
 
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
+  try {
+    return write_builtin_model_files(root_path);
+  } catch (const fs::filesystem_error& e) {
+    TORCH_CHECK(false, "the built-in model cannot be written to ", root_path, ": ", e.code().message(),
+                e.path1().empty() ? std::string() : " (" + e.path1().string() + ")", "; ", tmpdir_advice());
+  }
+}
+
+namespace {
+
+BuiltinModelPaths write_builtin_model_files(const std::string& root_path) {
   const fs::path root(root_path);
   BuiltinModelPaths paths{root.string(), (root / "transformer").string(), (root / "inputs").string(),
                           (root / "prompt_embeds.safetensors").string()};
@@ -491,5 +521,7 @@ BuiltinModelPaths write_builtin_model(const std::string& root_path) {
   }
   return paths;
 }
+
+}  // namespace
 
 }  // namespace shardit::models

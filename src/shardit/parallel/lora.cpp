@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 namespace shardit::parallel {
@@ -16,11 +17,23 @@ const ShardSpec* find_spec(const ResolvedPlan& plan, const std::string& paramete
   return nullptr;
 }
 
+/// An adapter weight or scale: finite and within what a float holds with room to multiply (a
+/// larger one fails inside LibTorch's float conversion, naming nothing).
+void check_lora_weight(const std::string& what, double value) {
+  constexpr double kMaxLoraWeight = 1e4;
+  TORCH_CHECK(std::isfinite(value) && std::abs(value) <= kMaxLoraWeight, what, " is ", value,
+              "; it must be a finite number from ", -kMaxLoraWeight, " to ", kMaxLoraWeight);
+}
+
 /// The rows of `source` a factor uses, checked against the file.
 io::Range source_rows(const io::SafetensorsFile& file, const LoraFactorSource& source, const std::string& module) {
   TORCH_CHECK(file.contains(source.key), file.path(), ": tensor '", source.key, "' (for module '", module,
               "') is missing; the file is truncated or not a complete LoRA");
   const io::TensorInfo& info = file.info(source.key);
+  // An integer factor would be cast to the compute dtype and silently change the weights.
+  TORCH_CHECK(at::isFloatingType(io::to_scalar_type(info.dtype)), file.path(), ": tensor '", source.key, "' is ",
+              io::st_dtype_name(info.dtype), ", expected a floating-point LoRA factor (F32, F16, BF16) for module '",
+              module, "'");
   TORCH_CHECK(info.shape.size() == 2, file.path(), ": tensor '", source.key, "' has shape [",
               c10::IntArrayRef(info.shape), "], expected a 2-D LoRA factor (for module '", module, "')");
   const int64_t rows = source.rows < 0 ? info.shape[0] - source.row_begin : source.rows;
@@ -183,14 +196,19 @@ void LoraAdapters::set_adapters(const std::vector<std::string>& names, const std
     for (const auto& entry : selected) {
       TORCH_CHECK(entry.first != names[i], "set_adapters: adapter '", names[i], "' given twice");
     }
+    check_lora_weight("the weight of LoRA adapter '" + names[i] + "'", weights[i]);
     selected.emplace_back(names[i], weights[i]);
   }
   selection_->weights = std::move(selected);
 }
 
-void LoraAdapters::set_scale(double scale) { selection_->scale = scale; }
+void LoraAdapters::set_scale(double scale) {
+  check_lora_weight("the LoRA scale (--lora-scale)", scale);
+  selection_->scale = scale;
+}
 
 void LoraAdapters::fuse(double lora_scale) {
+  check_lora_weight("the LoRA scale (--lora-scale)", lora_scale);
   for (auto& [path, module] : model_.named_modules()) {
     auto* layer = dynamic_cast<nn::Linear*>(module);
     if (layer == nullptr || layer->loras().empty()) continue;

@@ -745,6 +745,12 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
       continue;
     }
     const io::TensorInfo& info = checkpoint.info(keys[i]);
+    // An integer or boolean tensor under a weight's name is not a weight: it would be cast
+    // silently, or fail at the first product naming no tensor.
+    TORCH_CHECK(!slots[i].tensor->is_floating_point() || at::isFloatingType(io::to_scalar_type(info.dtype)),
+                checkpoint.file_of(keys[i]).path(), ": tensor '", keys[i], "' is ", io::st_dtype_name(info.dtype),
+                ", but it is a weight of ", model.type_name(), " and weights are floating point (F32, BF16, F16, "
+                "F64); the file is not this model's checkpoint");
     const std::vector<int64_t> declared = slots[i].tensor->sizes().vec();
     if (info.shape != declared) {
       std::ostringstream line;

@@ -146,7 +146,13 @@ void check_range(const char* what, int64_t value, int64_t low, int64_t high) {
 }
 
 void check_finite_scale(const char* what, const std::optional<double>& value) {
-  if (value) TORCH_CHECK(std::isfinite(*value), what, " is ", *value, "; it must be a finite number");
+  // Far beyond any useful scale, well inside float's range (a larger one fails in LibTorch's
+  // float conversion, naming nothing).
+  constexpr double kMaxGuidance = 1e4;
+  if (value) {
+    TORCH_CHECK(std::isfinite(*value) && std::abs(*value) <= kMaxGuidance, what, " is ", *value,
+                "; it must be a finite number from ", -kMaxGuidance, " to ", kMaxGuidance);
+  }
 }
 
 void check_finite_tensor(const std::string& what, const at::Tensor& tensor) {
@@ -588,6 +594,10 @@ at::Tensor DiffusionPipeline::decode_image(const at::Tensor& vae_latents) const 
   const at::Tensor z = vae_->denormalize_latents(vae_latents);
   at::Tensor sample = vae_->decode(z);
   if (sample.dim() == 5) sample = sample.select(2, 0);  // [B, 3, 1, H, W] -> [B, 3, H, W]
+  // NaN would become black pixels after the clamp and the cast: a silent wrong image.
+  const std::string bad = nn::non_finite(sample);
+  TORCH_CHECK(bad.empty(), class_name(), ": the decoded image is not finite (", bad, "): a weight of the "
+              "transformer or the VAE, or an input, holds NaN or infinite values; no image is written");
   // VaeImageProcessor.postprocess(output_type="np"): [-1, 1] -> [0, 1], NCHW -> NHWC.
   return (sample.to(at::kFloat) / 2 + 0.5).clamp(0, 1).permute({0, 2, 3, 1}).contiguous().to(at::kCPU);
 }

@@ -74,6 +74,8 @@ FlowMatchEulerDiscreteSchedulerConfig FlowMatchEulerDiscreteSchedulerConfig::fro
               out.num_train_timesteps);
   TORCH_CHECK(out.time_shift_type == "exponential" || out.time_shift_type == "linear", source,
               ": time_shift_type must be \"exponential\" or \"linear\", got \"", out.time_shift_type, "\"");
+  // shift 0 makes the first sigma 0 / 0; a negative one makes sigmas negative.
+  TORCH_CHECK(out.shift > 0.0, source, ": shift must be positive, got ", out.shift);
   if (out.shift_terminal.has_value()) {
     TORCH_CHECK(*out.shift_terminal < 1.0, source, ": shift_terminal must be below 1, got ", *out.shift_terminal);
   }
@@ -145,6 +147,14 @@ void FlowMatchEulerDiscreteScheduler::set_timesteps(int64_t num_inference_steps,
     shifted.assign(shifted64.begin(), shifted64.end());
   }
 
+  // Extreme configs (a huge mu from base_shift/max_shift, a shift overflowing float) can still
+  // give sigmas that are not numbers; they would make every latent NaN and the image black.
+  for (size_t i = 0; i < shifted.size(); ++i) {
+    TORCH_CHECK(std::isfinite(shifted[i]) && shifted[i] >= 0.0f && shifted[i] <= 1.0f,
+                "FlowMatchEulerDiscreteScheduler: sigma ", i, " of ", shifted.size(), " is ", shifted[i],
+                " (shift ", config_.shift, mu.has_value() ? ", mu " + std::to_string(*mu) : std::string(),
+                "), outside [0, 1]; check the scheduler config's shift, base_shift and max_shift");
+  }
   at::Tensor s = at::tensor(shifted, at::TensorOptions().dtype(at::kFloat));  // [N]
   const auto train = static_cast<int64_t>(config_.num_train_timesteps);
   if (config_.invert_sigmas) {

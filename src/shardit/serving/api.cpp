@@ -11,6 +11,7 @@
 
 #include "shardit/core/error.h"
 #include "shardit/io/json.h"
+#include "shardit/tokenizers/unicode.h"
 
 namespace shardit::serving {
 
@@ -72,6 +73,44 @@ std::string checked_prompt(const json& value, const std::string& field, const Re
   return prompt;
 }
 
+/// The top-level field of a JSON object whose value holds the first syntax error of `body` ("" when
+/// the error is in a field's name or outside any value): a request's invalid UTF-8 is named by
+/// its field.
+std::string field_at_first_error(const std::string& body) {
+  struct Locator : nlohmann::json_sax<json> {
+    int depth = 0;
+    std::string last_key;
+    bool in_value = false;  // between a top-level key and the end of its value
+    std::string field;
+
+    bool value() {
+      if (depth == 1) in_value = false;
+      return true;
+    }
+    bool null() override { return value(); }
+    bool boolean(bool) override { return value(); }
+    bool number_integer(number_integer_t) override { return value(); }
+    bool number_unsigned(number_unsigned_t) override { return value(); }
+    bool number_float(number_float_t, const string_t&) override { return value(); }
+    bool string(string_t&) override { return value(); }
+    bool binary(binary_t&) override { return value(); }
+    bool start_object(std::size_t) override { return ++depth, true; }
+    bool end_object() override { return --depth, value(); }
+    bool start_array(std::size_t) override { return ++depth, true; }
+    bool end_array() override { return --depth, value(); }
+    bool key(string_t& name) override {
+      if (depth == 1) last_key = name, in_value = true;
+      return true;
+    }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+      field = in_value ? last_key : "";
+      return false;
+    }
+  } locator;
+  json::sax_parse(body, &locator);
+  return locator.field;
+}
+
 uint64_t random_seed() {
   static std::mutex mutex;
   static std::mt19937_64 engine{std::random_device{}()};
@@ -93,8 +132,11 @@ std::string ApiError::type() const {
 }
 
 nlohmann::json ApiError::body() const {
-  json error = {{"message", message_}, {"type", type()}};
-  error["param"] = param_.empty() ? json(nullptr) : json(param_);
+  // The message and param may quote the client's bytes, which need not be UTF-8: such bytes are
+  // replaced (U+FFFD) so that the body can always be written.
+  const auto valid = [](const std::string& text) { return tokenizers::sanitize_utf8(text); };
+  json error = {{"message", valid(message_)}, {"type", type()}};
+  error["param"] = param_.empty() ? json(nullptr) : json(valid(param_));
   error["code"] = code_.empty() ? json(nullptr) : json(code_);
   return json{{"error", error}};
 }
@@ -112,6 +154,15 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   try {
     document = io::parse_json(body.data(), body.size(), "the request body");
   } catch (const std::exception& e) {
+    bool invalid_utf8 = false;
+    tokenizers::sanitize_utf8(body, &invalid_utf8);
+    if (invalid_utf8) {
+      const std::string field = field_at_first_error(body);
+      throw ApiError(400,
+                     field.empty() ? "the request body is not valid UTF-8 (in a field name); send text as UTF-8"
+                                   : fmt::format("'{}' is not valid UTF-8; send text as UTF-8", field),
+                     field);
+    }
     throw ApiError(400, "the request body is not valid JSON: " + error_message(e));
   }
   if (!document.is_object()) {

@@ -95,7 +95,7 @@ enum class Phase { Loading, Ready, Stopping, Failed };
 struct Server::State {
   ServeOptions options;
   Metrics metrics;
-  httplib::Server http;
+  std::unique_ptr<HttpServer> http;  // rank 0 only, from listen()
   std::thread listener;
   bool listening = false;
   time_t started = std::time(nullptr);
@@ -119,10 +119,25 @@ struct Server::State {
     publish_queue();
   }
 
+  // The phase clients see (the caller holds the lock): a stop signal shows at once, before the
+  // serving loop (perhaps inside a generation) notices it.
+  Phase visible_phase() const {
+    const bool stop_asked = g_stop_signal.load() != 0;
+    return stop_asked && (phase == Phase::Loading || phase == Phase::Ready) ? Phase::Stopping : phase;
+  }
+
+  // Stops taking requests and answers every waiting one 503 (the caller holds the lock).
+  void stop_accepting() {
+    if (phase == Phase::Loading || phase == Phase::Ready) phase = Phase::Stopping;
+    metrics.set_ready(false);
+    fail_waiting(ApiError(503, "the server is shutting down"));
+  }
+
   Reply health() {
     std::lock_guard<std::mutex> lock(mutex);
     static const char* names[] = {"loading", "ok", "stopping", "failed"};
-    json body = {{"status", names[static_cast<int>(phase)]},
+    const Phase seen = visible_phase();
+    json body = {{"status", names[static_cast<int>(seen)]},
                  {"model", options.model_id},
                  {"world_size", dist::World::get().size()},
                  {"queue", {{"waiting", waiting.size()}, {"capacity", options.queue_depth}, {"running", running != nullptr}}}};
@@ -133,7 +148,7 @@ struct Server::State {
     }
     body["ranks"] = ranks_json;
     if (!failure.empty()) body["error"] = failure;
-    return {phase == Phase::Ready ? 200 : 503, body.dump()};
+    return {seen == Phase::Ready ? 200 : 503, body.dump()};
   }
 
   Reply models() {
@@ -141,16 +156,16 @@ struct Server::State {
     return {200, json{{"object", "list"}, {"data", json::array({model})}}.dump()};
   }
 
-  Reply generations(const httplib::Request& request) {
+  Reply generations(const httplib::Request& request, const std::string& body) {
     const pipelines::DiffusionPipeline* loaded = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      if (phase != Phase::Ready) return error_reply(unavailable());
+      if (visible_phase() != Phase::Ready) return error_reply(unavailable());
       loaded = pipeline;
     }
     std::shared_ptr<Job> job = std::make_shared<Job>();
     try {
-      job->request = parse_image_request(request.body, options.limits, options.model_id);
+      job->request = parse_image_request(body, options.limits, options.model_id);
       check_with_pipeline(job->request, *loaded);
     } catch (const ApiError& error) {
       return error_reply(error);
@@ -162,7 +177,7 @@ struct Server::State {
     std::future<Reply> reply = job->reply.get_future();
     {
       std::lock_guard<std::mutex> lock(mutex);
-      if (phase != Phase::Ready) return error_reply(unavailable());
+      if (visible_phase() != Phase::Ready) return error_reply(unavailable());
       if (static_cast<int64_t>(waiting.size()) >= options.queue_depth) {
         return error_reply(ApiError(
             429, fmt::format("the queue is full ({} requests waiting behind the running one); retry later",
@@ -172,12 +187,19 @@ struct Server::State {
       publish_queue();
     }
     wake.notify_all();
+    // A stop signal answers a request still in the queue at once (the launcher kills the ranks a
+    // few seconds after forwarding it, and the running generation may take longer).
+    while (reply.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+      if (g_stop_signal.load() == 0) continue;
+      std::lock_guard<std::mutex> lock(mutex);
+      stop_accepting();
+    }
     return reply.get();
   }
 
   // The error for a request that cannot be served now (the caller holds the lock).
   ApiError unavailable() const {
-    switch (phase) {
+    switch (visible_phase()) {
       case Phase::Loading: return ApiError(503, "the model is still loading; retry when GET /health answers 200");
       case Phase::Stopping: return ApiError(503, "the server is shutting down");
       default: return ApiError(503, "the server failed: " + failure);
@@ -189,17 +211,19 @@ struct Server::State {
       res.status = reply.status;
       res.set_content(reply.body, type);
     };
-    http.Post("/v1/images/generations",
-              [this, send](const httplib::Request& req, httplib::Response& res) { send(res, generations(req)); });
-    http.Get("/v1/images/generations", [send](const httplib::Request&, httplib::Response& res) {
+    http->post_with_body("/v1/images/generations",
+                         [this, send](const httplib::Request& req, const std::string& body, httplib::Response& res) {
+                           send(res, generations(req, body));
+                         });
+    http->Get("/v1/images/generations", [send](const httplib::Request&, httplib::Response& res) {
       send(res, error_reply(ApiError(405, "use POST for /v1/images/generations")));
     });
-    http.Get("/v1/models", [this, send](const httplib::Request&, httplib::Response& res) { send(res, models()); });
-    http.Get("/health", [this, send](const httplib::Request&, httplib::Response& res) { send(res, health()); });
-    http.Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {
+    http->Get("/v1/models", [this, send](const httplib::Request&, httplib::Response& res) { send(res, models()); });
+    http->Get("/health", [this, send](const httplib::Request&, httplib::Response& res) { send(res, health()); });
+    http->Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {
       send(res, {200, metrics.render()}, "text/plain; version=0.0.4");
     });
-    http.Get(R"(/images/([A-Za-z0-9_-]+\.png))", [this, send](const httplib::Request& req, httplib::Response& res) {
+    http->Get(R"(/images/([A-Za-z0-9_-]+\.png))", [this, send](const httplib::Request& req, httplib::Response& res) {
       // Only regular files the folder holds itself: a symbolic link placed there (to /etc/passwd,
       // say) is never followed.
       constexpr uint64_t kMaxServedImageBytes = uint64_t{256} << 20;
@@ -217,7 +241,7 @@ struct Server::State {
       send(res, {200, bytes}, "image/png");
     });
     // Errors httplib answers itself (unknown path, body too large) get OpenAI's error body too.
-    http.set_error_handler(httplib::Server::Handler([send](const httplib::Request& req, httplib::Response& res) {
+    http->set_error_handler(httplib::Server::Handler([send](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
       const int status = res.status;
       if (status == 404) {
@@ -228,7 +252,7 @@ struct Server::State {
         send(res, error_reply(ApiError(status, fmt::format("HTTP error {}", status))));
       }
     }));
-    http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    http->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
       metrics.count_request(endpoint_of(req.path), res.status);
     });
   }
@@ -274,7 +298,7 @@ Server::Server(ServeOptions options) : state_(std::make_unique<State>()) {
 
 Server::~Server() {
   if (state_->listening) {
-    state_->http.stop();
+    state_->http->stop_now();
     if (state_->listener.joinable()) state_->listener.join();
   }
 }
@@ -283,29 +307,30 @@ int Server::listen() {
   if (dist::World::get().rank() != 0) return 0;
   State& s = *state_;
   ServeOptions& options = s.options;
-  // One thread per request that may wait (queue + the running one) plus a few for /health,
-  // /metrics and refusals, so a full queue never blocks a health check.
-  const size_t threads = static_cast<size_t>(options.queue_depth) + 8;
-  s.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  s.http.set_payload_max_length(1 << 20);
+  // Each connection has its own thread (up to the cap), so a full queue or slow clients never
+  // block a health check.
+  s.http = std::make_unique<HttpServer>(options.http, [](httplib::Response& res, int status, const std::string& message) {
+    res.status = status;
+    res.set_content(ApiError(status, message).body().dump(), "application/json");
+  });
   // SO_REUSEADDR only: httplib's default SO_REUSEPORT would let a second server bind the same
   // port and silently take half of the requests.
-  s.http.set_socket_options([](socket_t sock) {
+  s.http->set_socket_options([](socket_t sock) {
     const int yes = 1;
     ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
   s.route();
   if (options.port == 0) {
-    options.port = s.http.bind_to_any_port(options.host);
+    options.port = s.http->bind_to_any_port(options.host);
     TORCH_CHECK(options.port > 0, "serve: cannot listen on ", options.host, " (no free port, or not an address of "
                 "this host)");
   } else {
-    TORCH_CHECK(s.http.bind_to_port(options.host, options.port), "serve: cannot listen on ", options.host, ":",
+    TORCH_CHECK(s.http->bind_to_port(options.host, options.port), "serve: cannot listen on ", options.host, ":",
                 options.port, ": the port is in use or the address is not one of this host's; choose another --port "
                 "or --host");
   }
   s.listening = true;
-  s.listener = std::thread([&s] { s.http.listen_after_bind(); });
+  s.listener = std::thread([&s] { s.http->listen_after_bind(); });
   return options.port;
 }
 
@@ -342,7 +367,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       s.fail_waiting(ApiError(503, "the server failed: " + message));
     }
     std::this_thread::sleep_for(s.options.linger);
-    s.http.stop();
+    s.http->stop_now();
     if (s.listener.joinable()) s.listener.join();
     s.listening = false;
     TORCH_CHECK(false, "serve: ", message);
@@ -370,9 +395,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
         s.wake.wait_for(lock, std::min<std::chrono::milliseconds>(s.options.tick, std::chrono::milliseconds(100)),
                         [&] { return !s.waiting.empty(); });
         if (g_stop_signal.load() != 0) {
-          s.phase = Phase::Stopping;
-          s.metrics.set_ready(false);
-          s.fail_waiting(ApiError(503, "the server is shutting down"));
+          s.stop_accepting();
           break;
         }
         if (!s.waiting.empty()) {
@@ -432,7 +455,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
   } catch (const c10::Error& e) {
     fatal(error_message(e));
   }
-  s.http.stop();
+  s.http->stop_now();
   if (s.listener.joinable()) s.listener.join();
   s.listening = false;
   return 0;

@@ -9,6 +9,7 @@
 
 #include "shardit/pipelines/pipeline.h"
 #include "shardit/serving/api.h"
+#include "shardit/serving/http_server.h"
 
 namespace shardit::serving {
 
@@ -19,6 +20,7 @@ struct ServeOptions {
   std::string model_id;            ///< the `model` clients name (GET /v1/models)
   std::string output_dir;          ///< where response_format "url" writes images; empty: url not served
   RequestLimits limits;
+  HttpLimits http;                 ///< body size, connections, request deadline
   /// The most time between two control messages while idle; keep well below the collective timeout.
   std::chrono::milliseconds tick{1000};
   /// How long /health reports a lost rank before the server exits.
@@ -26,7 +28,8 @@ struct ServeOptions {
 };
 
 /// Installs SIGINT/SIGTERM handlers that ask the server to stop gracefully (on rank 0; the other
-/// ranks keep serving until rank 0 tells them to stop).
+/// ranks keep serving until rank 0 tells them to stop). From the signal on, /health and every new
+/// or queued request answer 503 at once; the running generation finishes.
 void install_stop_handlers();
 
 /// A served pipeline. Collective over the world: every rank constructs one and calls run().

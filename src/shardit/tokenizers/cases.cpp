@@ -119,8 +119,10 @@ std::string case_text(const json& entry, const std::string& where) {
   return entry.at("text").get<std::string>();
 }
 
-CasesReport check_cases(const json& cases, const Tokenizer& tok, TokenizerKind kind) {
-  TORCH_CHECK(cases.is_object(), "cases file: expected a JSON object");
+namespace {
+
+// check_cases without the layout errors named.
+CasesReport check_cases_of(const json& cases, const Tokenizer& tok, TokenizerKind kind) {
   Checker checker;
   switch (kind) {
     case TokenizerKind::Clip: {
@@ -181,6 +183,21 @@ CasesReport check_cases(const json& cases, const Tokenizer& tok, TokenizerKind k
     }
   }
   return checker.report;
+}
+
+}  // namespace
+
+CasesReport check_cases(const json& cases, const Tokenizer& tok, TokenizerKind kind, const std::string& source) {
+  TORCH_CHECK(cases.is_object(), source, ": expected a JSON object");
+  // A missing key or a value of the wrong type anywhere below is nlohmann's exception: named with
+  // the file here rather than checked at every access; the checks' own errors get the file too.
+  try {
+    return check_cases_of(cases, tok, kind);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, source, ": not a cases file of the expected layout for this tokenizer (", e.what(), ")");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, source, ": ", e.what_without_backtrace());
+  }
 }
 
 }  // namespace shardit::tokenizers

@@ -31,6 +31,8 @@ std::string case_text(const nlohmann::json& entry, const std::string& where);
 /// Checked: `ids` (CLIP/T5: with special tokens; tokenizer.json: without), `input_ids` and
 /// `attention_mask` (a padded, truncated call of their length), T5's slow-tokenizer ids of the
 /// differences lists, and the `qwenimage` / `flux2_klein` pipeline templates and calls.
-CasesReport check_cases(const nlohmann::json& cases, const Tokenizer& tokenizer, TokenizerKind kind);
+/// `source` (the file) names every error, also a missing key or a wrong type in the layout.
+CasesReport check_cases(const nlohmann::json& cases, const Tokenizer& tokenizer, TokenizerKind kind,
+                        const std::string& source);
 
 }  // namespace shardit::tokenizers

@@ -55,6 +55,10 @@ CLIPTokenizer CLIPTokenizer::from_folder(const std::string& folder) {
     tok.ranks_.add(line.substr(0, space), line.substr(space + 1));
     ++count;
   }
+  // Without merges every word splits into single bytes: other ids, with no error anywhere.
+  TORCH_CHECK(count > 0, merges_path, ": holds no merges (", line_number,
+              " line(s)); a CLIP tokenizer's merges.txt lists one 'left right' pair per line after its '#version' "
+              "line");
 
   const TokenizerConfig config = TokenizerConfig::from_folder(folder);
   tok.bos_ = config.special_token("bos_token").value_or("<|startoftext|>");

@@ -8,6 +8,8 @@ namespace shardit::tokenizers {
 
 struct Regex::Impl {
   pcre2_code* code = nullptr;
+  std::string pattern;  ///< for messages
+  std::string source;   ///< the file it came from
   ~Impl() {
     if (code) pcre2_code_free(code);
   }
@@ -26,6 +28,8 @@ Regex::Regex(const std::string& pattern, const std::string& source, bool caseles
     TORCH_CHECK(false, source, ": pre-tokenizer regex does not compile at offset ", offset, " (",
                 reinterpret_cast<const char*>(message), "): ", pattern);
   }
+  impl_->pattern = pattern;
+  impl_->source = source;
   // JIT is an optimisation only; without it the interpreter gives the same matches.
   pcre2_jit_compile(impl_->code, PCRE2_JIT_COMPLETE);
 }
@@ -44,7 +48,14 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view text) co
   while (start <= text.size()) {
     const int rc = pcre2_match(impl_->code, subject, text.size(), start, PCRE2_NO_UTF_CHECK, data.get(), nullptr);
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    TORCH_CHECK(rc >= 0, "PCRE2 match failed with code ", rc);
+    if (rc < 0) {
+      // A pattern that backtracks catastrophically hits PCRE2's match or depth limit (-47, -53).
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(rc, message, sizeof(message));
+      TORCH_CHECK(false, impl_->source, ": pre-tokenizer regex failed on a text of ", text.size(), " bytes (",
+                  reinterpret_cast<const char*>(message), ", PCRE2 code ", rc,
+                  "); the pattern backtracks too much or is not a tokenizer's: ", impl_->pattern.substr(0, 200));
+    }
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data.get());
     const size_t begin = ovector[0], end = ovector[1];
     if (end > begin) {

@@ -202,6 +202,9 @@ at::Tensor T5EncoderModel::forward(const at::Tensor& input_ids, const std::optio
   const auto shape = nn::check_shape(where, "input_ids", input_ids, {"B", "S"});
   const int64_t seq_len = shape[1];
   TORCH_CHECK(seq_len >= 1, where, ": input_ids has no tokens");
+  // T5 has no position table to bound its length, but its position bias is [heads, S, S].
+  TORCH_CHECK(seq_len <= kMaxT5Tokens, where, ": input_ids has ", seq_len, " tokens; at most ", kMaxT5Tokens,
+              " are encoded (the position bias alone holds heads x ", seq_len, "^2 values)");
   if (attention_mask.has_value()) nn::check_shape(where, "attention_mask", *attention_mask, {{"B", shape[0]}, {"S", seq_len}});
   const at::Device device = this->device();
   // [B, S, D], not scaled

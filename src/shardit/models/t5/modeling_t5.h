@@ -133,6 +133,10 @@ class T5Stack : public nn::Module {
   std::shared_ptr<nn::RMSNorm> final_layer_norm;
 };
 
+/// The longest input T5EncoderModel encodes: the pipelines' longest prompt
+/// (pipelines::kMaxSequenceLength).
+constexpr int64_t kMaxT5Tokens = 4096;
+
 /// transformers' T5EncoderModel.
 class T5EncoderModel : public parallel::TensorParallelModule {
  public:

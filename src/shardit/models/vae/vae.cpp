@@ -215,6 +215,12 @@ void check_latents(const std::string& model, const at::Tensor& z, int64_t dims, 
               " latent channels; check that the latents were made for this VAE");
   TORCH_CHECK(at::isFloatingType(z.scalar_type()), model, ": latents have dtype ", z.scalar_type(),
               ", expected a floating-point dtype");
+  // An empty batch or latent grid has nothing to decode (LibTorch's convolutions would fail
+  // naming only a kernel size).
+  for (int64_t d = 0; d < z.dim(); ++d) {
+    TORCH_CHECK(z.size(d) > 0, model, ": latents have shape ", z.sizes(), ", with no element along dimension ", d,
+                "; expected ", layout, " with every size at least 1");
+  }
 }
 
 }  // namespace shardit::models
