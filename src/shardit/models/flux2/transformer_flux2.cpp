@@ -398,4 +398,19 @@ const parallel::CpPlan* Flux2Transformer2DModel::cp_plan() const {
   return &plan;
 }
 
+at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({h, w, 4}, options);
+  ids.select(2, 1).add_(at::arange(h, options).unsqueeze(1));
+  ids.select(2, 2).add_(at::arange(w, options).unsqueeze(0));
+  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (0, row, col, 0)
+}
+
+at::Tensor flux2_text_ids(int64_t batch, int64_t length) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({length, 4}, options);
+  ids.select(1, 3).copy_(at::arange(length, options));
+  return ids.unsqueeze(0).expand({batch, length, 4}).contiguous();  // [B, L, 4] = (0, 0, 0, l)
+}
+
 }  // namespace shardit::models
