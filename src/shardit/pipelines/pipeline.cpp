@@ -519,11 +519,14 @@ std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& pa
     pipeline = std::make_unique<FluxPipeline>(std::move(folder), options);
   } else if (name == "Flux2KleinPipeline") {
     pipeline = std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
+  } else if (name == "Flux2Pipeline") {
+    pipeline = std::make_unique<Flux2Pipeline>(std::move(folder), options);
   } else if (name == "QwenImagePipeline") {
     pipeline = std::make_unique<QwenImagePipeline>(std::move(folder), options);
   } else {
     TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
-                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, "
+                "QwenImagePipeline)");
   }
   pipeline->check_parallel();
   return pipeline;

@@ -58,7 +58,7 @@ struct GenerateRequest {
   std::optional<int64_t> height;  ///< pixels; rounded down to a multiple of 2 * vae_scale_factor
   std::optional<int64_t> width;
   std::optional<int64_t> num_inference_steps;
-  std::optional<double> guidance_scale;  ///< FLUX.1: embedded guidance; FLUX.2 klein: CFG scale
+  std::optional<double> guidance_scale;  ///< FLUX.1, FLUX.2 dev: embedded guidance; FLUX.2 klein: CFG scale
   std::optional<double> true_cfg_scale;  ///< FLUX.1 and Qwen-Image: CFG with the negative prompt
   int64_t num_images_per_prompt = 1;
   int64_t max_sequence_length = 512;
@@ -161,7 +161,8 @@ class DiffusionPipeline {
  public:
   virtual ~DiffusionPipeline() = default;
   /// Opens a diffusers pipeline folder and builds the pipeline its model_index.json names
-  /// (FluxPipeline, Flux2KleinPipeline, QwenImagePipeline), weights not yet loaded (see load()).
+  /// (FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline), weights not yet
+  /// loaded (see load()).
   /// Every component the pipeline needs is checked to be there (named when missing).
   static std::unique_ptr<DiffusionPipeline> open(const std::string& path, const PipelineLoadOptions& options = {});
   /// open() then load().
