@@ -16,6 +16,8 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/io/json.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/encoder_case.h"
@@ -214,6 +216,30 @@ TEST(TpEncoderPlan, GoldenInspectPlanShowsReplicatedPlusShardedOverN) {
     EXPECT_THAT(output, HasSubstr("per rank:   " + std::to_string(expected) + " bytes")) << golden_case;
     EXPECT_THAT(output, HasSubstr("/ " + std::to_string(tp) + " = " + std::to_string(plan.sharded_bytes() / tp)));
   }
+}
+
+TEST(TpEncoderPlan, Flux2DevTextEncoderPlanShowsWhatThePipelineLoads) {
+  // FLUX.2 [dev]'s real text-encoder config (Mistral-Small-3.1: hidden 5120, 40 layers, 32 q / 8
+  // kv heads, FF 32768, vocab 131072): the whole checkpoint and the 30 layers Flux2Pipeline
+  // builds, each split by 8 (everything but the norms is sharded).
+  const std::string dir = std::string(SHARDIT_SOURCE_DIR) + "/tests/fixtures/configs/flux2_dev_text_encoder";
+  const auto config = shardit::io::read_json_file(dir + "/config.json");
+  const auto mistral = shardit::models::Mistral3Config::from_json(config, dir);
+  auto whole = std::make_shared<shardit::models::Mistral3ForConditionalGeneration>(mistral);
+  auto held = shardit::models::flux2_dev_text_encoder(mistral);
+  ASSERT_EQ(held->language_model->model->layers->size(), 30u);
+  const auto whole_plan = whole->resolve(8, at::kBFloat16);
+  const auto held_plan = held->resolve(8, at::kBFloat16);
+  EXPECT_LT(held_plan.bytes_on_rank(0), whole_plan.bytes_on_rank(0) * 4 / 5);
+  std::string output;
+  ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan --tp 8 --dtype bf16 " + dir, &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("(layers 1-30 of 40, as Flux2Pipeline loads it)"));
+  EXPECT_THAT(output, HasSubstr("| 8 | 22.901B |"));
+  EXPECT_THAT(output, HasSubstr("| 8 | 17.344B |"));
+  EXPECT_THAT(output, HasSubstr("not added to the totals"));
+  // The totals count the checkpoint once.
+  EXPECT_THAT(output, HasSubstr("all components, plan 'full': 2.863B parameters"));
 }
 
 TEST(RunEncoderCli, GoldenTp2WritesEveryGoldenOutput) {
