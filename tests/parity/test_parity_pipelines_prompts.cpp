@@ -171,6 +171,13 @@ TEST(PipelinePromptErrors, GoldenFlux2DevTextEncoderMissingOrOfAnotherClassIsNam
   const auto pipeline = shardit::pipelines::DiffusionPipeline::open(dir, shardit::pipelines::PipelineLoadOptions{});
   const std::string missing = shardit::testing::error_of([&] { pipeline->check(golden.request); });
   EXPECT_NE(missing.find("has no text encoder"), std::string::npos) << missing;
+
+  // Flux2Pipeline has no negative prompt: refused before anything loads.
+  const auto dev = shardit::pipelines::DiffusionPipeline::open(golden.dir, shardit::pipelines::PipelineLoadOptions{});
+  shardit::pipelines::GenerateRequest negative = golden.request;
+  negative.negative_prompt = {"blurry"};
+  const std::string refused = shardit::testing::error_of([&] { dev->check(negative); });
+  EXPECT_NE(refused.find("Flux2Pipeline takes no negative prompt"), std::string::npos) << refused;
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelinePromptParity,

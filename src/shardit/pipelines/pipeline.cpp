@@ -320,6 +320,8 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
               ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
               "classifier-free guidance on the two halves of the mesh, but this request runs no CFG (",
               cfg_condition(), "); drop --cfg-parallel, or ask for CFG");
+  TORCH_CHECK(takes_negative_prompt() || !has_negative_prompt(request), class_name(),
+              " takes no negative prompt (", cfg_condition(), "); drop --negative-prompt / negative_prompt_embeds");
   const auto [height, width] = resolve_size(request, /*note=*/false);
   const int64_t h = height / (vae_scale_factor_ * 2);
   const int64_t w = width / (vae_scale_factor_ * 2);

@@ -196,6 +196,9 @@ class DiffusionPipeline {
   virtual std::string cfg_condition() const = 0;
   /// Whether this pipeline can run CFG at all (FLUX.2 klein: not when distilled).
   virtual bool supports_cfg() const { return true; }
+  /// Whether its __call__ has a negative_prompt at all (Flux2Pipeline: no); check() refuses one
+  /// given to a pipeline without.
+  virtual bool takes_negative_prompt() const { return true; }
   /// The degrees of the transformer's mesh: all 1 when loaded whole, tp as it is sharded.
   parallel::ParallelDims parallel_dims() const;
 

@@ -123,12 +123,9 @@ CallDefaults Flux2Pipeline::call_defaults() const {
   return {/*num_inference_steps=*/50, /*guidance_scale=*/kDefaultGuidanceScale, /*true_cfg_scale=*/1.0};
 }
 
-std::optional<PromptEmbeds> Flux2Pipeline::call_negative_embeds(const GenerateRequest& request, const PreparedRequest&,
+std::optional<PromptEmbeds> Flux2Pipeline::call_negative_embeds(const GenerateRequest&, const PreparedRequest&,
                                                                 int64_t) const {
-  // diffusers' Flux2Pipeline takes no negative prompt at all.
-  TORCH_CHECK(!has_negative_prompt(request), class_name(),
-              ": FLUX.2 [dev] takes no negative prompt (its guidance is embedded, there is no CFG); drop "
-              "--negative-prompt / negative_prompt_embeds");
+  // diffusers' Flux2Pipeline takes no negative prompt at all (check() refuses one).
   return std::nullopt;
 }
 

@@ -57,6 +57,7 @@ class Flux2Pipeline : public Flux2KleinPipeline {
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;
   bool supports_cfg() const override { return false; }
+  bool takes_negative_prompt() const override { return false; }
 
  protected:
   CallDefaults call_defaults() const override;
