@@ -1,6 +1,6 @@
 // `shardit generate`: a text-to-image pipeline from a diffusers folder (FluxPipeline,
-// Flux2KleinPipeline, QwenImagePipeline) to PNG files, the transformer on a cfg x ulysses x ring x
-// tp mesh of the ranks.
+// Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline) to PNG files, the transformer on a
+// cfg x ulysses x ring x tp mesh of the ranks.
 // Only rank 0 decodes and writes.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -246,7 +246,8 @@ void register_generate(CLI::App& app, CommandBody& body) {
   command->add_option("--width", options->width, "image width in pixels (a multiple of 16)")
       ->check(integer_in(1, std::numeric_limits<int64_t>::max()));
   command->add_option("--steps", options->steps, "num_inference_steps")->check(integer_in(1, std::numeric_limits<int64_t>::max()));
-  command->add_option("--guidance", options->guidance, "guidance_scale (FLUX.1: embedded; FLUX.2 klein: CFG)");
+  command->add_option("--guidance", options->guidance,
+                      "guidance_scale (FLUX.1, FLUX.2 dev: embedded; FLUX.2 klein: CFG)");
   command->add_option("--true-cfg-scale", options->true_cfg_scale, "true_cfg_scale (FLUX.1, Qwen-Image)");
   command->add_option("--max-sequence-length", options->max_sequence_length, "max_sequence_length")
       ->check(integer_in(1, std::numeric_limits<int64_t>::max()));

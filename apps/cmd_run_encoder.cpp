@@ -1,6 +1,7 @@
 // `shardit run-encoder`: a text encoder (CLIPTextModel, T5EncoderModel, Qwen3ForCausalLM,
-// Qwen2_5_VLForConditionalGeneration) on a golden-style case folder (inputs.safetensors with
-// input_ids and attention_mask), every output written under its golden name. Under a multi-rank
+// Qwen2_5_VLForConditionalGeneration, Mistral3ForConditionalGeneration) on a golden-style case
+// folder (inputs.safetensors with input_ids and attention_mask), every output written under its
+// golden name. Under a multi-rank
 // launch every rank runs the encoder sharded (TP degree = world size, or --tp); rank 0 writes.
 #include <fmt/format.h>
 

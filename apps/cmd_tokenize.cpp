@@ -28,12 +28,14 @@ struct TokenizeOptions {
 
 int run_tokenize(const TokenizeOptions& options) {
   using namespace shardit::tokenizers;
-  const auto tokenizer = load_tokenizer(options.folder, parse_tokenizer_kind(options.kind));
+  // The folder's own files say which tokenizer it is, unless --kind overrides.
+  const TokenizerKind kind = options.kind.empty() ? detect_tokenizer_kind(options.folder) : parse_tokenizer_kind(options.kind);
+  const auto tokenizer = load_tokenizer(options.folder, kind);
 
   if (!options.cases.empty()) {
     // Cases files (tens of thousands of ids) are larger than configs but still bounded.
     const nlohmann::json cases = io::read_json_file(options.cases, io::JsonLimits{256ull << 20});
-    const CasesReport report = check_cases(cases, *tokenizer, parse_tokenizer_kind(options.kind), options.cases);
+    const CasesReport report = check_cases(cases, *tokenizer, kind, options.cases);
     for (const auto& check : report.checks) {
       if (!check.passed) std::printf("MISMATCH %s: %s\n", check.name.c_str(), check.detail.c_str());
     }
@@ -59,6 +61,11 @@ int run_tokenize(const TokenizeOptions& options) {
                                             options.max_length > 0 ? options.max_length : kFlux2KleinMaxSequenceLength)
                      .front();
       break;
+    case PromptTemplate::Flux2Dev:
+      encoding = encode_flux2_dev_prompts(*tokenizer, {options.text},
+                                          options.max_length > 0 ? options.max_length : kFlux2DevMaxSequenceLength)
+                     .front();
+      break;
     case PromptTemplate::None:
       if (options.max_length > 0) {
         encoding = (*tokenizer)(options.text, options.max_length, Padding::MaxLength);
@@ -82,11 +89,12 @@ void register_tokenize(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<TokenizeOptions>();
   CLI::App* command = app.add_subcommand("tokenize", "Print the token ids of a prompt as JSON, or check a cases file");
   command->add_option("--tokenizer", options->folder, "tokenizer folder (tokenizer/, tokenizer_2/)")->required();
-  command->add_option("--kind", options->kind, "clip | t5 | qwen")
-      ->required()
+  command->add_option("--kind", options->kind,
+                      "clip | t5 | qwen (tokenizer.json BPE); default: from the folder's files")
       ->check(CLI::IsMember({"clip", "t5", "qwen"}));
-  command->add_option("--template", options->prompt_template, "pipeline prompt template: qwenimage | flux2_klein")
-      ->check(CLI::IsMember({"qwenimage", "flux2_klein"}));
+  command->add_option("--template", options->prompt_template,
+                      "pipeline prompt template: qwenimage | flux2_klein | flux2_dev")
+      ->check(CLI::IsMember({"qwenimage", "flux2_klein", "flux2_dev"}));
   command->add_option("--max-length", options->max_length, "truncate and pad to N tokens (padding='max_length')")
       ->check(integer_in(1, pipelines::kMaxSequenceLength));
   auto* text = command->add_option("--text", options->text, "the prompt (UTF-8)");

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/units.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/registry.h"
 
 namespace shardit::apps {
@@ -30,6 +32,8 @@ struct PlannedComponent {
   std::shared_ptr<parallel::TensorParallelModule> model;
   nlohmann::json config;
   std::string source;  ///< its config.json
+  /// Shown beside the others but not in the totals (another form of a counted component).
+  bool counted = true;
 
   /// A component with no plan entries is replicated at every degree.
   bool shardable() const { return !model->tp_plan().empty(); }
@@ -51,6 +55,21 @@ PlannedComponent plan_component(const io::ComponentFolder& folder, const models:
   return {folder.name, entry.class_name, entry.kind, entry.create_module(folder), folder.config, folder.dir + "/config.json"};
 }
 
+/// Mistral-3 as Flux2Pipeline holds it (models::flux2_dev_text_encoder: only the layers up to the
+/// last hidden state it stacks), or nothing when that is the whole model.
+std::optional<PlannedComponent> as_flux2_dev_encoder(const PlannedComponent& whole) {
+  if (whole.class_name != "Mistral3ForConditionalGeneration") return std::nullopt;
+  const models::Mistral3Config config = models::Mistral3Config::from_json(whole.config, whole.source);
+  auto model = models::flux2_dev_text_encoder(config);
+  const int64_t built = static_cast<int64_t>(model->language_model->model->layers->size());
+  if (built == config.text_config.num_hidden_layers) return std::nullopt;
+  PlannedComponent held = whole;
+  held.name = fmt::format("{} (layers 1-{} of {}, as Flux2Pipeline loads it)", whole.name.empty() ? "text_encoder" : whole.name,
+                          built, config.text_config.num_hidden_layers);
+  held.model = model;
+  return held;
+}
+
 struct Planned {
   std::vector<PlannedComponent> components;
   std::vector<std::pair<std::string, std::string>> not_counted;  ///< component, why
@@ -66,6 +85,12 @@ Planned plan_folder(const io::ModelFolder& folder) {
     // An unknown class gets the registry's own error, as when the weights are present.
     if (entry == nullptr) models::create_module_component(component);
     planned.components.push_back(plan_component(component, *entry));
+    // A FLUX.2 [dev] text encoder folder: the whole checkpoint, and beside it what the pipeline
+    // loads of it.
+    if (auto held = as_flux2_dev_encoder(planned.components.back())) {
+      held->counted = false;
+      planned.components.push_back(*held);
+    }
     return planned;
   }
   for (const auto& name : folder.components()) {
@@ -83,6 +108,10 @@ Planned plan_folder(const io::ModelFolder& folder) {
       continue;
     }
     planned.components.push_back(plan_component(folder.component(name), *entry));
+    // Flux2Pipeline loads only part of its text encoder: that part is what its ranks hold.
+    if (folder.model_index().value("_class_name", std::string()) == "Flux2Pipeline") {
+      if (auto held = as_flux2_dev_encoder(planned.components.back())) planned.components.back() = *held;
+    }
   }
   TORCH_CHECK(!planned.components.empty(), folder.root(), ": no component of a supported class; supported transformers: ",
               fmt::format("{}", fmt::join(models::supported_classes(models::ComponentKind::Transformer), ", ")));
@@ -133,7 +162,9 @@ Activations activations(const Planned& planned, int tp, const MemoryPlanRequest&
 /// The weights one rank holds at `tp` under `kind`, over every counted component.
 int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, at::ScalarType dtype) {
   int64_t bytes = 0;
-  for (const auto& component : planned.components) bytes += component.memory(tp, kind, dtype).per_rank_bytes;
+  for (const auto& component : planned.components) {
+    if (component.counted) bytes += component.memory(tp, kind, dtype).per_rank_bytes;
+  }
   return bytes;
 }
 
@@ -169,8 +200,10 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
 
   nlohmann::json json = {{"tp_degree", request.tp}, {"plan", parallel::tp_plan_kind_name(request.plan)}, {"dtype", dtype}};
   nlohmann::json components = nlohmann::json::array();
-  for (const auto& both : rows) {
+  for (size_t c = 0; c < rows.size(); ++c) {
+    const auto& both = rows[c];
     nlohmann::json entry = to_json(both[chosen]);
+    entry["counted"] = planned.components[c].counted;
     for (size_t k = 0; k < kinds.size(); ++k) entry["plans"][parallel::tp_plan_kind_name(kinds[k])] = to_json(both[k]);
     components.push_back(entry);
   }
@@ -180,9 +213,10 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
   for (size_t k = 0; k < kinds.size(); ++k) {
     int64_t parameters = 0;
     int64_t bytes = 0;
-    for (const auto& both : rows) {
-      parameters += both[k].per_rank_parameters;
-      bytes += both[k].per_rank_bytes;
+    for (size_t c = 0; c < rows.size(); ++c) {
+      if (!planned.components[c].counted) continue;
+      parameters += rows[c][k].per_rank_parameters;
+      bytes += rows[c][k].per_rank_bytes;
     }
     json["pipeline"][parallel::tp_plan_kind_name(kinds[k])] = {{"per_rank_parameters", parameters}, {"per_rank_bytes", bytes}};
   }
@@ -239,6 +273,9 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
                  memory.tp_degree, billions(memory.parameters_total), billions(memory.parameters_replicated),
                  billions(memory.parameters_sharded), billions(memory.per_rank_parameters), gib(memory.per_rank_bytes));
     }
+  }
+  for (const auto& component : planned.components) {
+    if (!component.counted) fmt::print("{}: another form of the component above, not added to the totals\n", component.name);
   }
   for (TpPlanKind kind : kinds) {
     const auto& total = json["pipeline"][parallel::tp_plan_kind_name(kind)];

@@ -49,6 +49,7 @@ TEST_P(Examples, GoldenTp2WritesDiffusersImage) {
 INSTANTIATE_TEST_SUITE_P(Pipelines, Examples,
                          ::testing::Values(ExampleCase{"flux_tp", "pipeline_flux1"},
                                            ExampleCase{"flux2_klein_tp", "pipeline_flux2_klein"},
+                                           ExampleCase{"flux2_dev_tp", "pipeline_flux2_dev"},
                                            ExampleCase{"qwenimage_tp", "pipeline_qwenimage"}),
                          [](const auto& info) { return info.param.program; });
 

@@ -94,7 +94,7 @@ TEST_P(PipelineMesh, EveryContextParallelMeshOfFourRanksMatchesDiffusers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelineMesh,
-                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"),
+                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_flux2_dev", "pipeline_qwenimage"),
                          [](const auto& info) { return info.param; });
 
 TEST(PipelineMeshCli, GoldenQwenImageCfgUlyssesRingOnFourRanks) {

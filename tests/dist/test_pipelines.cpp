@@ -95,7 +95,7 @@ TEST_P(PipelinesTp, GoldenCliTp2) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelinesTp,
-                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"),
+                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_flux2_dev", "pipeline_qwenimage"),
                          [](const auto& info) { return info.param.substr(9); });
 
 // One `shardit generate` run on the built-in pipeline into `dir`/`name`.png (+ .safetensors),

@@ -1,8 +1,8 @@
 // The text encoders under real tensor parallelism: ranks at TP=N (separate processes on this
 // host) must give every output of the single-rank run (each hidden state, pooled output, prompt
 // embeddings), through both load paths (shard while loading; load whole, then
-// enable_parallelism). The golden encoders have 4 heads (TP=2, 4) or 3 (TP=3); Qwen3 and
-// Qwen2.5-VL have 2 key/value heads, so TP=4 replicates each on two ranks (vLLM's rule).
+// enable_parallelism). The golden encoders have 4 heads (TP=2, 4) or 3 (TP=3); Qwen3, Qwen2.5-VL
+// and Mistral-3 have 2 key/value heads, so TP=4 replicates each on two ranks (vLLM's rule).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,6 +16,8 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/io/json.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/encoder_case.h"
@@ -98,7 +100,8 @@ void expect_golden_tp_matches(int nproc, const std::string& golden_case) {
   std::vector<std::pair<std::string, at::Tensor>> reference;
   for (const auto& [name, value] : produced) {
     if (name == "position_bias" || name == "logits") continue;
-    if (golden->contains(name) && name.rfind("left.", 0) != 0) {
+    // left.* / right.* padding rows are compared on tokens only, by the parity suite.
+    if (golden->contains(name) && name.rfind("left.", 0) != 0 && name.rfind("right.", 0) != 0) {
       EXPECT_TRUE(tensors_close(name + " at TP=1", value, golden->read(name).to(value.scalar_type()), 1e-4, 1e-4));
     }
     reference.emplace_back(name, value);
@@ -149,6 +152,16 @@ TEST(TpQwen2_5_VL, GoldenTp2MatchesTp1) {
 TEST(TpQwen2_5_VL, GoldenTp4ReplicatesKeyValueHeads) {
   if (is_worker()) return tp_worker();
   expect_golden_tp_matches(4, "qwen2_5_vl_text");
+}
+
+TEST(TpMistral3, GoldenTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "mistral3_flux2");
+}
+
+TEST(TpMistral3, GoldenTp4ReplicatesKeyValueHeads) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "mistral3_flux2");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -203,6 +216,30 @@ TEST(TpEncoderPlan, GoldenInspectPlanShowsReplicatedPlusShardedOverN) {
     EXPECT_THAT(output, HasSubstr("per rank:   " + std::to_string(expected) + " bytes")) << golden_case;
     EXPECT_THAT(output, HasSubstr("/ " + std::to_string(tp) + " = " + std::to_string(plan.sharded_bytes() / tp)));
   }
+}
+
+TEST(TpEncoderPlan, Flux2DevTextEncoderPlanShowsWhatThePipelineLoads) {
+  // FLUX.2 [dev]'s real text-encoder config (Mistral-Small-3.1: hidden 5120, 40 layers, 32 q / 8
+  // kv heads, FF 32768, vocab 131072): the whole checkpoint and the 30 layers Flux2Pipeline
+  // builds, each split by 8 (everything but the norms is sharded).
+  const std::string dir = std::string(SHARDIT_SOURCE_DIR) + "/tests/fixtures/configs/flux2_dev_text_encoder";
+  const auto config = shardit::io::read_json_file(dir + "/config.json");
+  const auto mistral = shardit::models::Mistral3Config::from_json(config, dir);
+  auto whole = std::make_shared<shardit::models::Mistral3ForConditionalGeneration>(mistral);
+  auto held = shardit::models::flux2_dev_text_encoder(mistral);
+  ASSERT_EQ(held->language_model->model->layers->size(), 30u);
+  const auto whole_plan = whole->resolve(8, at::kBFloat16);
+  const auto held_plan = held->resolve(8, at::kBFloat16);
+  EXPECT_LT(held_plan.bytes_on_rank(0), whole_plan.bytes_on_rank(0) * 4 / 5);
+  std::string output;
+  ASSERT_EQ(shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan --tp 8 --dtype bf16 " + dir, &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("(layers 1-30 of 40, as Flux2Pipeline loads it)"));
+  EXPECT_THAT(output, HasSubstr("| 8 | 22.901B |"));
+  EXPECT_THAT(output, HasSubstr("| 8 | 17.344B |"));
+  EXPECT_THAT(output, HasSubstr("not added to the totals"));
+  // The totals count the checkpoint once.
+  EXPECT_THAT(output, HasSubstr("all components, plan 'full': 2.863B parameters"));
 }
 
 TEST(RunEncoderCli, GoldenTp2WritesEveryGoldenOutput) {

@@ -1,6 +1,7 @@
-// End-to-end parity with diffusers' FluxPipeline, Flux2KleinPipeline and QwenImagePipeline on
-// the golden pipeline cases, single rank: from the stored prompt embeddings and latents, the
-// latents after every step, the image and the PNG pixels, through the C++ API and the CLI.
+// End-to-end parity with diffusers' FluxPipeline, Flux2KleinPipeline, Flux2Pipeline (FLUX.2 [dev])
+// and QwenImagePipeline on the golden pipeline cases, single rank: from the stored prompt
+// embeddings and latents, the latents after every step, the image and the PNG pixels, through the
+// C++ API and the CLI.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -42,7 +43,7 @@ TEST_P(PipelineParity, SeedGivesDiffusersImage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelineParity,
-                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"),
+                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_flux2_dev", "pipeline_qwenimage"),
                          [](const auto& info) { return info.param.substr(9); });
 
 }  // namespace

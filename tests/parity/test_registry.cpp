@@ -62,13 +62,15 @@ TEST_P(PipelineComponents, EveryComponentIsBuiltByTheRegistry) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, PipelineComponents,
-                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"));
+                         ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_flux2_dev",
+                                           "pipeline_qwenimage"));
 
 TEST(ComponentRegistry, UnknownClassesAreRefusedListingTheSupportedOnes) {
   const std::string folder = golden_path("pipeline_flux1/tokenizer");
   EXPECT_EQ(error_of([&] { shardit::models::create_tokenizer(folder, "GPT2Tokenizer"); }),
             folder + ": unsupported tokenizer class 'GPT2Tokenizer'; supported: CLIPTokenizer, CLIPTokenizerFast, "
-                     "T5Tokenizer, T5TokenizerFast, Qwen2Tokenizer, Qwen2TokenizerFast");
+                     "T5Tokenizer, T5TokenizerFast, Qwen2Tokenizer, Qwen2TokenizerFast, LlamaTokenizerFast, "
+                     "PixtralProcessor");
   const std::string scheduler = golden_path("pipeline_flux1/scheduler");
   EXPECT_EQ(error_of([&] { shardit::models::create_scheduler(scheduler, "DDIMScheduler"); }),
             scheduler + ": unsupported scheduler class 'DDIMScheduler'; supported: FlowMatchEulerDiscreteScheduler");

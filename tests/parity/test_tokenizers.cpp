@@ -111,10 +111,36 @@ TEST(TokenizerParity, Mistral3TokenizerJson) {
   const json all = cases_file("tokenizer_mistral3");
   const auto tok = load_tokenizer(golden_path("text/tokenizer_mistral3/tokenizer"), TokenizerKind::Qwen);
   EXPECT_EQ(expect_cases(all, *tok, false), 233u);
-  // FLUX.2 [dev]'s rendered chat texts (the template itself belongs to that pipeline).
-  for (const json& c : all.at("flux2_dev").at("cases")) {
-    EXPECT_EQ(tok->encode_without_specials(case_text(c, "flux2_dev")), ids(c.at("ids"))) << c.at("prompt").dump();
+  // With the special tokens the post-processor prepends only <s>.
+  EXPECT_EQ(tok->encode("Hello world").front(), 1);
+  EXPECT_EQ(tok->encode("Hello world").size(), ids(all.at("cases")[0].at("ids")).size() + 1);
+  EXPECT_TRUE(tok->pads_left());
+  EXPECT_EQ(tok->pad_token_id(), 11);
+}
+
+TEST(TokenizerParity, Flux2DevChatTemplate) {
+  const json d = cases_file("tokenizer_mistral3").at("flux2_dev");
+  const auto tok = load_tokenizer(golden_path("text/tokenizer_mistral3/tokenizer"), TokenizerKind::Qwen);
+  EXPECT_EQ(d.at("max_length").get<int64_t>(), kFlux2DevMaxSequenceLength);
+  EXPECT_EQ(std::string(kFlux2DevSystemMessage), d.at("system_message").get<std::string>());
+  ASSERT_EQ(d.at("cases").size(), 7u);
+  for (const json& c : d.at("cases")) {
+    const std::string prompt = c.at("prompt").get<std::string>();
+    const std::string text = apply_prompt_template(PromptTemplate::Flux2Dev, prompt);
+    EXPECT_EQ(text, case_text(c, "flux2_dev")) << prompt;
+    EXPECT_EQ(tok->encode_without_specials(text), ids(c.at("ids"))) << prompt;
+    const Encoding call = encode_flux2_dev_prompts(*tok, {prompt}).front();
+    EXPECT_EQ(call.input_ids, ids(c.at("input_ids"))) << prompt;
+    EXPECT_EQ(call.attention_mask, ids(c.at("attention_mask"))) << prompt;
+    EXPECT_EQ(call.truncated_tokens, 0);
   }
+  // Truncation keeps the first max_length tokens (the end of the template is cut), no padding.
+  const json& t = d.at("truncation");
+  const Encoding cut =
+      encode_flux2_dev_prompts(*tok, {t.at("prompt").get<std::string>()}, t.at("max_length").get<int64_t>()).front();
+  EXPECT_EQ(cut.input_ids, ids(t.at("input_ids")));
+  EXPECT_EQ(cut.attention_mask, std::vector<int64_t>(cut.input_ids.size(), 1));
+  EXPECT_GT(cut.truncated_tokens, 0);
 }
 
 // The same files through the CLI's checker: every check passes, and none is skipped silently.
@@ -128,8 +154,10 @@ TEST(TokenizerParity, CasesCheckerAgrees) {
   for (const File& f : {File{"tokenizer_flux1", "tokenizer", TokenizerKind::Clip, 227 * 3},
                         File{"tokenizer_flux1", "tokenizer_2", TokenizerKind::T5, 222 + 16 + 2 + 6 * 3},
                         File{"tokenizer_qwen", "tokenizer", TokenizerKind::Qwen, 222 + 2 + 5 * 2 + 2 * 2 + 5 * 4},
-                        File{"tokenizer_mistral3", "tokenizer", TokenizerKind::Qwen, 233 + 7}}) {
-    const auto tok = load_tokenizer(golden_path(std::string("text/") + f.folder + "/" + f.tokenizer), f.kind);
+                        File{"tokenizer_mistral3", "tokenizer", TokenizerKind::Qwen, 233 + 7 * 4 + 2 * 2 + 2}}) {
+    const std::string dir = golden_path(std::string("text/") + f.folder + "/" + f.tokenizer);
+    EXPECT_EQ(detect_tokenizer_kind(dir), f.kind) << dir;
+    const auto tok = load_tokenizer(dir, f.kind);
     const CasesReport report = check_cases(cases_file(f.folder), *tok, f.kind, f.folder);
     EXPECT_EQ(report.checks.size(), f.checks) << f.folder << "/" << f.tokenizer;
     EXPECT_EQ(report.failures(), 0u) << f.folder << "/" << f.tokenizer;

@@ -23,6 +23,7 @@ using shardit::testing::golden_path;
 std::string clip_dir() { return golden_path("text/tokenizer_flux1/tokenizer"); }
 std::string t5_dir() { return golden_path("text/tokenizer_flux1/tokenizer_2"); }
 std::string qwen_dir() { return golden_path("text/tokenizer_qwen/tokenizer"); }
+std::string mistral_dir() { return golden_path("text/tokenizer_mistral3/tokenizer"); }
 
 TEST(Unicode, InvalidUtf8BecomesOneReplacementPerMaximalSubpart) {
   bool replaced = false;
@@ -109,6 +110,46 @@ TEST(GoldenTokenizers, OverLongPromptIsTruncatedKeepingTheEnd) {
   EXPECT_EQ(k.input_ids.size(), 512u);
   EXPECT_GT(k.truncated_tokens, 0);
   EXPECT_EQ(k.input_ids.front(), 151644);  // <|im_start|>: truncation keeps the start
+
+  // FLUX.2 [dev]: the template writes <s> itself; truncation keeps it and the system message.
+  const auto mistral = load_tokenizer(mistral_dir(), TokenizerKind::Qwen);
+  const Encoding d = encode_flux2_dev_prompts(*mistral, {long_prompt + long_prompt}).front();
+  EXPECT_EQ(d.input_ids.size(), 512u);
+  EXPECT_GT(d.truncated_tokens, 0);
+  EXPECT_EQ(d.input_ids.front(), 1);
+  EXPECT_EQ(d.input_ids[1], 17);  // [SYSTEM_PROMPT]
+  EXPECT_EQ(d.attention_mask, std::vector<int64_t>(512, 1));
+}
+
+TEST(GoldenTokenizers, LeftPaddingPutsPadsFirst) {
+  // FLUX.2 [dev]'s tokenizer_config.json says padding_side "left": pads and zero mask before the
+  // tokens, in a padded call of any kind; Qwen's folder pads on the right.
+  const auto mistral = load_tokenizer(mistral_dir(), TokenizerKind::Qwen);
+  const std::vector<std::string> texts{"a photo of a cat", "a"};
+  const auto rows = (*mistral)(texts, 16, Padding::Longest);
+  ASSERT_EQ(rows[1].input_ids.size(), rows[0].input_ids.size());
+  const size_t pads = rows[0].input_ids.size() - mistral->encode("a").size();
+  ASSERT_GT(pads, 0u);
+  for (size_t i = 0; i < pads; ++i) {
+    EXPECT_EQ(rows[1].input_ids[i], 11) << i;
+    EXPECT_EQ(rows[1].attention_mask[i], 0) << i;
+  }
+  EXPECT_EQ(rows[1].input_ids[pads], 1);  // <s> right after the padding
+  EXPECT_EQ(rows[1].attention_mask.back(), 1);
+  const auto qwen = load_tokenizer(qwen_dir(), TokenizerKind::Qwen);
+  EXPECT_FALSE(qwen->pads_left());
+  EXPECT_EQ((*qwen)("a", 8, Padding::MaxLength).attention_mask.front(), 1);
+}
+
+TEST(GoldenTokenizers, KindIsDetectedFromTheFolder) {
+  EXPECT_EQ(detect_tokenizer_kind(clip_dir()), TokenizerKind::Clip);
+  EXPECT_EQ(detect_tokenizer_kind(t5_dir()), TokenizerKind::T5);  // tokenizer.json too, but T5Tokenizer
+  EXPECT_EQ(detect_tokenizer_kind(qwen_dir()), TokenizerKind::Qwen);
+  EXPECT_EQ(detect_tokenizer_kind(mistral_dir()), TokenizerKind::Qwen);
+  const std::string empty = shardit::testing::make_temp_dir("tokenizer_kind");
+  const std::string message = shardit::testing::error_of([&] { detect_tokenizer_kind(empty); });
+  EXPECT_NE(message.find("no tokenizer files found"), std::string::npos) << message;
+  EXPECT_NE(message.find(empty), std::string::npos) << message;
 }
 
 TEST(GoldenTokenizeCli, PrintsIdsAndChecksCases) {
@@ -126,6 +167,20 @@ TEST(GoldenTokenizeCli, PrintsIdsAndChecksCases) {
   ASSERT_EQ(shardit::testing::run_command(cli + " tokenize --kind t5 --tokenizer " + t5_dir() + " --cases " + cases, &out), 0)
       << out;
   EXPECT_NE(out.find(" 0 failed"), std::string::npos) << out;
+
+  // No --kind: every golden tokenizer folder checks its cases file with the kind its files say.
+  for (const auto& [folder, tokenizer] : std::vector<std::pair<std::string, std::string>>{
+           {"tokenizer_flux1", "tokenizer"}, {"tokenizer_flux1", "tokenizer_2"}, {"tokenizer_qwen", "tokenizer"},
+           {"tokenizer_mistral3", "tokenizer"}}) {
+    const std::string file = golden_path("text/" + folder + "/cases.json");
+    ASSERT_EQ(shardit::testing::run_command(cli + " tokenize --tokenizer " + golden_path("text/" + folder + "/" + tokenizer) +
+                                                " --cases " + file, &out), 0)
+        << folder << "/" << tokenizer << ": " << out;
+    EXPECT_NE(out.find(" 0 failed"), std::string::npos) << out;
+  }
+  ASSERT_EQ(shardit::testing::run_command(cli + " tokenize --template flux2_dev --max-length 8 --tokenizer " + mistral_dir() +
+                                              " --text 'A cat'", &out), 0) << out;
+  EXPECT_NE(out.find("\"input_ids\":[1,17,"), std::string::npos) << out;
 
   // One wrong id: reported with its place, and a non-zero exit.
   const std::string dir = shardit::testing::make_temp_dir("tokenize_cli");

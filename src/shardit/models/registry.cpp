@@ -7,6 +7,7 @@
 #include "shardit/models/clip/modeling_clip.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/qwen/modeling_qwen2_5_vl.h"
 #include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
@@ -72,12 +73,18 @@ const std::vector<ComponentClass>& component_classes() {
          return std::make_shared<Qwen2_5_VLForConditionalGeneration>(
              qwen2_5_vl_text_config_from_json(folder.config, folder.dir + "/config.json"));
        }},
+      module_class<Mistral3ForConditionalGeneration, Mistral3Config>("transformers", "Mistral3ForConditionalGeneration",
+                                                                     ComponentKind::TextEncoder),
       tokenizer_class("CLIPTokenizer", tokenizers::TokenizerKind::Clip),
       tokenizer_class("CLIPTokenizerFast", tokenizers::TokenizerKind::Clip),
       tokenizer_class("T5Tokenizer", tokenizers::TokenizerKind::T5),
       tokenizer_class("T5TokenizerFast", tokenizers::TokenizerKind::T5),
       tokenizer_class("Qwen2Tokenizer", tokenizers::TokenizerKind::Qwen),
       tokenizer_class("Qwen2TokenizerFast", tokenizers::TokenizerKind::Qwen),
+      // FLUX.2 [dev]: Mistral's Tekken tokenizer as transformers converts it (tokenizer.json), in a
+      // PixtralProcessor folder; only its text path is used.
+      tokenizer_class("LlamaTokenizerFast", tokenizers::TokenizerKind::Qwen),
+      tokenizer_class("PixtralProcessor", tokenizers::TokenizerKind::Qwen),
       {"diffusers", "FlowMatchEulerDiscreteScheduler", ComponentKind::Scheduler, {}, std::nullopt},
   };
   return table;

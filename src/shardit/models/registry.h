@@ -54,7 +54,8 @@ std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folde
 schedulers::FlowMatchEulerDiscreteScheduler create_scheduler(const std::string& folder, const std::string& class_name);
 
 /// The text-encoder class named by `folder`'s config.json (`architectures`, as transformers writes
-/// it: CLIPTextModel, T5EncoderModel, Qwen3ForCausalLM, Qwen2_5_VLForConditionalGeneration), built
+/// it: CLIPTextModel, T5EncoderModel, Qwen3ForCausalLM, Qwen2_5_VLForConditionalGeneration,
+/// Mistral3ForConditionalGeneration), built
 /// with its parameters on the meta device. Errors name the folder and list the supported classes.
 std::shared_ptr<parallel::TensorParallelModule> create_text_encoder(const io::ComponentFolder& folder);
 

@@ -354,6 +354,8 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
               ": CFG-parallel (cfg 2, --cfg-parallel) runs the conditional and unconditional branches of "
               "classifier-free guidance on the two halves of the mesh, but this request runs no CFG (",
               cfg_condition(), "); drop --cfg-parallel, or ask for CFG");
+  TORCH_CHECK(takes_negative_prompt() || !has_negative_prompt(request), class_name(),
+              " takes no negative prompt (", cfg_condition(), "); drop --negative-prompt / negative_prompt_embeds");
   const auto [height, width] = resolve_size(request, /*note=*/false);
   const int64_t h = height / (vae_scale_factor_ * 2);
   const int64_t w = width / (vae_scale_factor_ * 2);
@@ -612,11 +614,14 @@ std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& pa
     pipeline = std::make_unique<FluxPipeline>(std::move(folder), options);
   } else if (name == "Flux2KleinPipeline") {
     pipeline = std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
+  } else if (name == "Flux2Pipeline") {
+    pipeline = std::make_unique<Flux2Pipeline>(std::move(folder), options);
   } else if (name == "QwenImagePipeline") {
     pipeline = std::make_unique<QwenImagePipeline>(std::move(folder), options);
   } else {
     TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
-                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, "
+                "QwenImagePipeline)");
   }
   pipeline->check_parallel();
   return pipeline;

@@ -60,7 +60,7 @@ struct GenerateRequest {
   std::optional<int64_t> height;  ///< pixels; rounded down to a multiple of 2 * vae_scale_factor
   std::optional<int64_t> width;
   std::optional<int64_t> num_inference_steps;
-  std::optional<double> guidance_scale;  ///< FLUX.1: embedded guidance; FLUX.2 klein: CFG scale
+  std::optional<double> guidance_scale;  ///< FLUX.1, FLUX.2 dev: embedded guidance; FLUX.2 klein: CFG scale
   std::optional<double> true_cfg_scale;  ///< FLUX.1 and Qwen-Image: CFG with the negative prompt
   int64_t num_images_per_prompt = 1;
   int64_t max_sequence_length = 512;
@@ -175,7 +175,8 @@ class DiffusionPipeline {
  public:
   virtual ~DiffusionPipeline() = default;
   /// Opens a diffusers pipeline folder and builds the pipeline its model_index.json names
-  /// (FluxPipeline, Flux2KleinPipeline, QwenImagePipeline), weights not yet loaded (see load()).
+  /// (FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline), weights not yet
+  /// loaded (see load()).
   /// Every component the pipeline needs is checked to be there (named when missing).
   static std::unique_ptr<DiffusionPipeline> open(const std::string& path, const PipelineLoadOptions& options = {});
   /// open() then load().
@@ -209,6 +210,9 @@ class DiffusionPipeline {
   virtual std::string cfg_condition() const = 0;
   /// Whether this pipeline can run CFG at all (FLUX.2 klein: not when distilled).
   virtual bool supports_cfg() const { return true; }
+  /// Whether its __call__ has a negative_prompt at all (Flux2Pipeline: no); check() refuses one
+  /// given to a pipeline without.
+  virtual bool takes_negative_prompt() const { return true; }
   /// The degrees of the transformer's mesh: all 1 when loaded whole, tp as it is sharded.
   parallel::ParallelDims parallel_dims() const;
 

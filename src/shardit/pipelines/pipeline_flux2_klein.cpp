@@ -6,26 +6,14 @@ namespace {
 
 constexpr double kDefaultGuidanceScale = 4.0;
 
-/// FLUX.2 position ids [B, S, 4] int64: (t, h, w, l) per token.
-at::Tensor image_ids(int64_t batch, int64_t h, int64_t w) {
-  const auto options = at::TensorOptions().dtype(at::kLong);
-  at::Tensor ids = at::zeros({h, w, 4}, options);
-  ids.select(2, 1).add_(at::arange(h, options).unsqueeze(1));
-  ids.select(2, 2).add_(at::arange(w, options).unsqueeze(0));
-  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (0, row, col, 0)
-}
-
-at::Tensor text_ids(int64_t batch, int64_t length) {
-  const auto options = at::TensorOptions().dtype(at::kLong);
-  at::Tensor ids = at::zeros({length, 4}, options);
-  ids.select(1, 3).copy_(at::arange(length, options));
-  return ids.unsqueeze(0).expand({batch, length, 4}).contiguous();  // [B, L, 4] = (0, 0, 0, l)
-}
-
 }  // namespace
 
 Flux2KleinPipeline::Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
-    : DiffusionPipeline(std::move(folder), options, "Flux2KleinPipeline", "Flux2Transformer2DModel") {
+    : Flux2KleinPipeline(std::move(folder), options, "Flux2KleinPipeline") {}
+
+Flux2KleinPipeline::Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,
+                                       const std::string& pipeline_class)
+    : DiffusionPipeline(std::move(folder), options, pipeline_class, "Flux2Transformer2DModel") {
   const auto& index = folder_.model_index();
   if (index.contains("is_distilled") && !index.at("is_distilled").is_null()) {
     TORCH_CHECK(index.at("is_distilled").is_boolean(), folder_.root(), "/model_index.json: is_distilled is ",
@@ -92,7 +80,7 @@ GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, cons
   models::Flux2Transformer2DModel& transformer = flux2_transformer();
   const auto& config = transformer.config;
   const at::Device device = call.device();
-  const at::Tensor img_ids = image_ids(call.batch, call.h, call.w).to(device);
+  const at::Tensor img_ids = models::flux2_image_ids(call.batch, call.h, call.w).to(device);
   std::optional<at::Tensor> guidance;
   if (config.guidance_embeds) {
     guidance = at::full({call.batch}, call.guidance_scale, at::TensorOptions().dtype(at::kFloat)).to(device);
@@ -106,7 +94,7 @@ GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, cons
         inputs.encoder_hidden_states = embeds.prompt_embeds;
         inputs.timestep = timestep;
         inputs.img_ids = img_ids;
-        inputs.txt_ids = text_ids(call.batch, embeds.prompt_embeds.size(1)).to(device);
+        inputs.txt_ids = models::flux2_text_ids(call.batch, embeds.prompt_embeds.size(1)).to(device);
         inputs.guidance = guidance;
         return transformer.forward(inputs);
       },
@@ -120,6 +108,25 @@ GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, cons
     result.image = decode_image(latents.permute({0, 2, 1}).reshape({call.batch, config.in_channels, call.h, call.w}));
   }
   return result;
+}
+
+Flux2Pipeline::Flux2Pipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
+    : Flux2KleinPipeline(std::move(folder), options, "Flux2Pipeline") {}
+
+bool Flux2Pipeline::runs_cfg(const GenerateRequest&) const { return false; }
+
+std::string Flux2Pipeline::cfg_condition() const {
+  return "Flux2Pipeline never runs CFG: FLUX.2 [dev] embeds guidance_scale in the transformer";
+}
+
+CallDefaults Flux2Pipeline::call_defaults() const {
+  return {/*num_inference_steps=*/50, /*guidance_scale=*/kDefaultGuidanceScale, /*true_cfg_scale=*/1.0};
+}
+
+std::optional<PromptEmbeds> Flux2Pipeline::call_negative_embeds(const GenerateRequest&, const PreparedRequest&,
+                                                                int64_t) const {
+  // diffusers' Flux2Pipeline takes no negative prompt at all (check() refuses one).
+  return std::nullopt;
 }
 
 }  // namespace shardit::pipelines

@@ -1,6 +1,7 @@
 #pragma once
 // diffusers' Flux2KleinPipeline (pipeline_flux2_klein.py): FLUX.2 [klein] with classifier-free
-// guidance against the empty negative prompt unless the checkpoint is distilled.
+// guidance against the empty negative prompt unless the checkpoint is distilled; and
+// Flux2Pipeline (pipeline_flux2.py), FLUX.2 [dev], with embedded guidance.
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,6 +31,9 @@ class Flux2KleinPipeline : public DiffusionPipeline {
   bool is_distilled() const { return is_distilled_; }
 
  protected:
+  /// For pipelines that share [klein]'s latents, ids, scheduler and decode (Flux2Pipeline).
+  Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options, const std::string& pipeline_class);
+
   CallDefaults call_defaults() const override;
   std::optional<PromptEmbeds> call_negative_embeds(const GenerateRequest& request, const PreparedRequest& call,
                                                    int64_t num_prompts) const override;
@@ -39,6 +43,26 @@ class Flux2KleinPipeline : public DiffusionPipeline {
 
  private:
   bool is_distilled_ = false;
+};
+
+/// diffusers' Flux2Pipeline (pipeline_flux2.py), FLUX.2 [dev]: the Mistral-3 prompt embeddings
+/// (system message and chat template, hidden states 10/20/30, padding rows included), the
+/// guidance scale embedded in the transformer (guidance_embeds), one transformer call per step:
+/// no CFG and no negative prompt. Latents, position ids, the empirical mu and the decode are
+/// [klein]'s. Defaults as diffusers: 50 steps, guidance 4.0, max_sequence_length 512.
+class Flux2Pipeline : public Flux2KleinPipeline {
+ public:
+  Flux2Pipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  std::string class_name() const override { return "Flux2Pipeline"; }
+  bool runs_cfg(const GenerateRequest& request) const override;
+  std::string cfg_condition() const override;
+  bool supports_cfg() const override { return false; }
+  bool takes_negative_prompt() const override { return false; }
+
+ protected:
+  CallDefaults call_defaults() const override;
+  std::optional<PromptEmbeds> call_negative_embeds(const GenerateRequest& request, const PreparedRequest& call,
+                                                   int64_t num_prompts) const override;
 };
 
 }  // namespace shardit::pipelines

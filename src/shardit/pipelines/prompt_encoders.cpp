@@ -7,6 +7,7 @@
 
 #include "shardit/dist/world.h"
 #include "shardit/models/clip/modeling_clip.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/qwen/modeling_qwen2_5_vl.h"
 #include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/models/registry.h"
@@ -19,14 +20,25 @@ namespace {
 /// FluxPipeline.tokenizer_max_length (CLIPTokenizer.model_max_length).
 constexpr int64_t kClipMaxLength = 77;
 
-/// The (tokenizer, text_encoder) component names each pipeline class encodes with.
-std::vector<std::pair<std::string, std::string>> encoder_components(const std::string& pipeline_class) {
-  if (pipeline_class == "FluxPipeline") return {{"tokenizer", "text_encoder"}, {"tokenizer_2", "text_encoder_2"}};
-  if (pipeline_class == "Flux2KleinPipeline" || pipeline_class == "QwenImagePipeline") {
-    return {{"tokenizer", "text_encoder"}};
+/// A pipeline's tokenizer and text-encoder components and the text-encoder class it needs.
+struct EncoderComponents {
+  std::string tokenizer;
+  std::string text_encoder;
+  std::string text_encoder_class;
+};
+
+/// The components each pipeline class encodes with.
+std::vector<EncoderComponents> encoder_components(const std::string& pipeline_class) {
+  if (pipeline_class == "FluxPipeline") {
+    return {{"tokenizer", "text_encoder", "CLIPTextModel"}, {"tokenizer_2", "text_encoder_2", "T5EncoderModel"}};
+  }
+  if (pipeline_class == "Flux2KleinPipeline") return {{"tokenizer", "text_encoder", "Qwen3ForCausalLM"}};
+  if (pipeline_class == "Flux2Pipeline") return {{"tokenizer", "text_encoder", "Mistral3ForConditionalGeneration"}};
+  if (pipeline_class == "QwenImagePipeline") {
+    return {{"tokenizer", "text_encoder", "Qwen2_5_VLForConditionalGeneration"}};
   }
   TORCH_CHECK(false, "no prompt encoder for pipeline class '", pipeline_class,
-              "' (supported: FluxPipeline, Flux2KleinPipeline, QwenImagePipeline)");
+              "' (supported: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline)");
 }
 
 /// One field of a batch of encodings as int64 [B, S] (rows padded to one length by the tokenizer).
@@ -47,13 +59,11 @@ std::unique_ptr<tokenizers::Tokenizer> open_tokenizer(const io::ModelFolder& fol
   return models::create_tokenizer(folder.component(name).dir, class_name);
 }
 
+/// The loaded encoder as the class load_prompt_encoder checked it to be.
 template <typename Model>
-std::shared_ptr<Model> as_encoder(const std::shared_ptr<parallel::TensorParallelModule>& module,
-                                  const io::ComponentFolder& component, const std::string& pipeline_class,
-                                  const char* expected) {
+std::shared_ptr<Model> as_encoder(const std::shared_ptr<parallel::TensorParallelModule>& module) {
   auto model = std::dynamic_pointer_cast<Model>(module);
-  TORCH_CHECK(model != nullptr, component.dir, "/config.json: a ", pipeline_class, " encodes prompts with a ",
-              expected, ", got ", component.class_name());
+  TORCH_INTERNAL_ASSERT(model != nullptr, "text encoder ", module->type_name(), " is not the class checked before");
   return model;
 }
 
@@ -85,24 +95,39 @@ class FluxPromptEncoder : public PromptEncoder {
   std::shared_ptr<models::T5EncoderModel> t5_;
 };
 
-/// Flux2KleinPipeline.encode_prompt: Qwen3 on the chat-templated prompt, hidden states 9/18/27.
-class Flux2KleinPromptEncoder : public PromptEncoder {
+/// The FLUX.2 pipelines' encode_prompt: the tokenizer call of the pipeline's template, then a
+/// stack of the decoder's hidden states. Flux2KleinPipeline: Qwen3, its chat template, hidden
+/// states 9/18/27. Flux2Pipeline: Mistral-3, the system message and chat template (left-padded to
+/// max_sequence_length), hidden states 10/20/30.
+template <class Model>
+class Flux2PromptEncoder : public PromptEncoder {
  public:
-  Flux2KleinPromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer,
-                          std::shared_ptr<models::Qwen3ForCausalLM> encoder)
-      : tokenizer_(std::move(tokenizer)), encoder_(std::move(encoder)) {}
+  using Tokenize = std::vector<tokenizers::Encoding> (*)(const tokenizers::Tokenizer&, const std::vector<std::string>&,
+                                                          int64_t);
+  using Embed = at::Tensor (*)(Model&, const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&);
+
+  Flux2PromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer, std::shared_ptr<Model> encoder,
+                     Tokenize tokenize, Embed embed, std::vector<int64_t> layers)
+      : tokenizer_(std::move(tokenizer)),
+        encoder_(std::move(encoder)),
+        tokenize_(tokenize),
+        embed_(embed),
+        layers_(std::move(layers)) {}
 
   PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
-    const auto rows = tokenizers::encode_flux2_klein_prompts(*tokenizer_, prompts, max_sequence_length);
+    const auto rows = tokenize_(*tokenizer_, prompts, max_sequence_length);
     PromptEmbeds out;
-    out.prompt_embeds = models::flux2_klein_prompt_embeds(*encoder_, stack_rows(rows, false).to(encoder_->device()),
-                                                          stack_rows(rows, true).to(encoder_->device()));
+    out.prompt_embeds = embed_(*encoder_, stack_rows(rows, false).to(encoder_->device()),
+                               stack_rows(rows, true).to(encoder_->device()), layers_);
     return out;
   }
 
  private:
   std::unique_ptr<tokenizers::Tokenizer> tokenizer_;
-  std::shared_ptr<models::Qwen3ForCausalLM> encoder_;
+  std::shared_ptr<Model> encoder_;
+  Tokenize tokenize_;
+  Embed embed_;
+  std::vector<int64_t> layers_;
 };
 
 /// QwenImagePipeline.encode_prompt: Qwen2.5-VL on the templated prompt, the template prefix
@@ -147,8 +172,8 @@ bool degree_fits(const std::vector<std::shared_ptr<parallel::TensorParallelModul
 bool has_prompt_encoder_components(const io::ModelFolder& folder, const std::string& pipeline_class) {
   const auto listed = folder.components();
   const auto has = [&](const std::string& name) { return std::find(listed.begin(), listed.end(), name) != listed.end(); };
-  for (const auto& [tokenizer, encoder] : encoder_components(pipeline_class)) {
-    if (!has(tokenizer) || !has(encoder)) return false;
+  for (const auto& names : encoder_components(pipeline_class)) {
+    if (!has(names.tokenizer) || !has(names.text_encoder)) return false;
   }
   return true;
 }
@@ -161,10 +186,21 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   std::vector<io::ComponentFolder> components;
   std::vector<std::unique_ptr<tokenizers::Tokenizer>> tokenizers;
   std::vector<std::shared_ptr<parallel::TensorParallelModule>> encoders;
-  for (const auto& [tokenizer, encoder] : names) {
-    components.push_back(folder.component(encoder));
-    tokenizers.push_back(open_tokenizer(folder, tokenizer));
-    encoders.push_back(models::create_text_encoder(components.back()));
+  for (const auto& name : names) {
+    components.push_back(folder.component(name.text_encoder));
+    // The class first: a registered encoder of another family would load and then fail.
+    TORCH_CHECK(components.back().class_name() == name.text_encoder_class, components.back().dir,
+                "/config.json: a ", pipeline_class, " encodes prompts with a ", name.text_encoder_class, " as its ",
+                name.text_encoder, ", got '", components.back().class_name(), "'; give the ", pipeline_class,
+                " folder its own text encoder");
+    tokenizers.push_back(open_tokenizer(folder, name.tokenizer));
+    if (pipeline_class == "Flux2Pipeline") {
+      // Only the layers up to the last stacked hidden state are built and loaded.
+      encoders.push_back(models::flux2_dev_text_encoder(
+          models::Mistral3Config::from_json(components.back().config, components.back().dir + "/config.json")));
+    } else {
+      encoders.push_back(models::create_text_encoder(components.back()));
+    }
   }
 
   int degree = 1;
@@ -177,7 +213,7 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
       try {
         encoders[i]->resolve(degree, options.dtype);
       } catch (const c10::Error& e) {
-        TORCH_CHECK(false, pipeline_class, "'s ", names[i].second, " (", encoders[i]->type_name(),
+        TORCH_CHECK(false, pipeline_class, "'s ", names[i].text_encoder, " (", encoders[i]->type_name(),
                     ") cannot run at --text-encoder-tp ", degree, ": ", e.what_without_backtrace());
       }
     }
@@ -202,19 +238,22 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   for (size_t i = 0; i < encoders.size(); ++i) encoders[i]->load(components[i].weights(), load);
 
   if (pipeline_class == "FluxPipeline") {
-    return std::make_shared<FluxPromptEncoder>(
-        std::move(tokenizers[0]), as_encoder<models::CLIPTextModel>(encoders[0], components[0], pipeline_class, "CLIPTextModel"),
-        std::move(tokenizers[1]),
-        as_encoder<models::T5EncoderModel>(encoders[1], components[1], pipeline_class, "T5EncoderModel"));
+    return std::make_shared<FluxPromptEncoder>(std::move(tokenizers[0]), as_encoder<models::CLIPTextModel>(encoders[0]),
+                                               std::move(tokenizers[1]), as_encoder<models::T5EncoderModel>(encoders[1]));
   }
   if (pipeline_class == "Flux2KleinPipeline") {
-    return std::make_shared<Flux2KleinPromptEncoder>(
-        std::move(tokenizers[0]),
-        as_encoder<models::Qwen3ForCausalLM>(encoders[0], components[0], pipeline_class, "Qwen3ForCausalLM"));
+    return std::make_shared<Flux2PromptEncoder<models::Qwen3ForCausalLM>>(
+        std::move(tokenizers[0]), as_encoder<models::Qwen3ForCausalLM>(encoders[0]),
+        &tokenizers::encode_flux2_klein_prompts, &models::flux2_klein_prompt_embeds,
+        models::flux2_klein_hidden_states_layers());
   }
-  return std::make_shared<QwenImagePromptEncoder>(
-      std::move(tokenizers[0]), as_encoder<models::Qwen2_5_VLForConditionalGeneration>(
-                                    encoders[0], components[0], pipeline_class, "Qwen2_5_VLForConditionalGeneration"));
+  if (pipeline_class == "Flux2Pipeline") {
+    return std::make_shared<Flux2PromptEncoder<models::Mistral3ForConditionalGeneration>>(
+        std::move(tokenizers[0]), as_encoder<models::Mistral3ForConditionalGeneration>(encoders[0]),
+        &tokenizers::encode_flux2_dev_prompts, &models::flux2_dev_prompt_embeds, models::flux2_dev_hidden_states_layers());
+  }
+  return std::make_shared<QwenImagePromptEncoder>(std::move(tokenizers[0]),
+                                                  as_encoder<models::Qwen2_5_VLForConditionalGeneration>(encoders[0]));
 }
 
 }  // namespace shardit::pipelines

@@ -1,7 +1,8 @@
 #pragma once
 // The PromptEncoders of the three pipeline families, built from a pipeline folder's tokenizer and
 // text-encoder components: FLUX.1 (CLIP pooled + T5), FLUX.2 klein (Qwen3, chat template, layers
-// 9/18/27), Qwen-Image (Qwen2.5-VL, template, prefix dropped, mask).
+// 9/18/27), FLUX.2 dev (Mistral-3, system message and chat template, layers 10/20/30), Qwen-Image
+// (Qwen2.5-VL, template, prefix dropped, mask).
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -28,8 +29,9 @@ struct TextEncoderLoadOptions {
 /// `pipeline_class` encodes prompts with.
 bool has_prompt_encoder_components(const io::ModelFolder& folder, const std::string& pipeline_class);
 
-/// The PromptEncoder of `pipeline_class` ("FluxPipeline", "Flux2KleinPipeline",
-/// "QwenImagePipeline") from `folder`'s components, weights loaded. Collective over the world.
+/// The PromptEncoder of `pipeline_class` ("FluxPipeline", "Flux2KleinPipeline", "Flux2Pipeline",
+/// "QwenImagePipeline") from `folder`'s components, weights loaded. Each text encoder's class is
+/// checked before any weight is read. Collective over the world.
 std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder, const std::string& pipeline_class,
                                                    const TextEncoderLoadOptions& options);
 

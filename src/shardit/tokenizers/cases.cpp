@@ -70,7 +70,8 @@ class Checker {
     }
   }
 
-  // A pipeline section (qwenimage / flux2_klein): template text, ids and the pipeline's call.
+  // A pipeline section (qwenimage / flux2_klein / flux2_dev): template text, ids and the
+  // pipeline's call.
   void pipeline(const std::string& where, const json& section, const Tokenizer& tok, PromptTemplate tmpl) {
     const json& entries = section.at("cases");
     for (size_t i = 0; i < entries.size(); ++i) {
@@ -80,16 +81,58 @@ class Checker {
       const std::string prompt = c.at("prompt").get<std::string>();
       const std::string rendered = apply_prompt_template(tmpl, prompt);
       if (c.contains("text")) text(name + ".text", case_text(c, name), rendered);
-      const Encoding call = tmpl == PromptTemplate::QwenImage ? encode_qwenimage_prompts(tok, {prompt}).front()
-                                                               : encode_flux2_klein_prompts(tok, {prompt}).front();
+      const Encoding call = pipeline_call(tmpl, tok, {prompt}).front();
       if (c.contains("ids")) {
+        // Qwen-Image's ids are its call; FLUX.2 [dev]'s template writes its own BOS.
         ids(name + ".ids", id_list(c.at("ids"), name + ".ids"),
-            tmpl == PromptTemplate::QwenImage ? call.input_ids : tok.encode(rendered));
+            tmpl == PromptTemplate::QwenImage ? call.input_ids
+            : tmpl == PromptTemplate::Flux2Dev ? tok.encode_without_specials(rendered)
+                                                : tok.encode(rendered));
       }
       if (c.contains("input_ids")) ids(name + ".input_ids", id_list(c.at("input_ids"), name), call.input_ids);
       if (c.contains("attention_mask")) {
         ids(name + ".attention_mask", id_list(c.at("attention_mask"), name), call.attention_mask);
       }
+    }
+  }
+
+  static std::vector<Encoding> pipeline_call(PromptTemplate tmpl, const Tokenizer& tok,
+                                             const std::vector<std::string>& prompts) {
+    switch (tmpl) {
+      case PromptTemplate::QwenImage: return encode_qwenimage_prompts(tok, prompts);
+      case PromptTemplate::Flux2Klein: return encode_flux2_klein_prompts(tok, prompts);
+      case PromptTemplate::Flux2Dev: return encode_flux2_dev_prompts(tok, prompts);
+      case PromptTemplate::None: break;
+    }
+    TORCH_INTERNAL_ASSERT(false, "pipeline_call without a template");
+  }
+
+  // FLUX.2 [dev]: the batched call gives each prompt's single-call row; a short max_length keeps
+  // the first tokens.
+  void flux2_dev_extras(const json& section, const Tokenizer& tok) {
+    if (section.contains("batch")) {
+      const auto prompts = section.at("batch").at("prompts").get<std::vector<std::string>>();
+      const auto rows = encode_flux2_dev_prompts(tok, prompts);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const std::string name = "flux2_dev.batch[" + std::to_string(r) + "]";
+        // The golden row of the case with this prompt.
+        const json* single = nullptr;
+        for (const json& c : section.at("cases")) {
+          if (c.value("prompt", std::string()) == prompts[r]) single = &c;
+        }
+        TORCH_CHECK(single != nullptr && single->contains("input_ids"), name, ": no case with the prompt ",
+                    json(prompts[r]).dump(), " and its input_ids");
+        ids(name + ".input_ids", id_list(single->at("input_ids"), name), rows[r].input_ids);
+        ids(name + ".attention_mask", id_list(single->at("attention_mask"), name), rows[r].attention_mask);
+      }
+    }
+    if (section.contains("truncation")) {
+      const json& t = section.at("truncation");
+      const auto expected = id_list(t.at("input_ids"), "flux2_dev.truncation");
+      const Encoding call =
+          encode_flux2_dev_prompts(tok, {t.at("prompt").get<std::string>()}, t.at("max_length").get<int64_t>()).front();
+      ids("flux2_dev.truncation.input_ids", expected, call.input_ids);
+      ids("flux2_dev.truncation.attention_mask", std::vector<int64_t>(expected.size(), 1), call.attention_mask);
     }
   }
 };
@@ -170,14 +213,9 @@ CasesReport check_cases_of(const json& cases, const Tokenizer& tok, TokenizerKin
         }
       }
       if (cases.contains("flux2_klein")) checker.pipeline("flux2_klein", cases.at("flux2_klein"), tok, PromptTemplate::Flux2Klein);
-      // Other pipelines' rendered texts (e.g. FLUX.2 [dev]): the ids of the text as given.
       if (cases.contains("flux2_dev")) {
-        const json& entries = cases.at("flux2_dev").at("cases");
-        for (size_t i = 0; i < entries.size(); ++i) {
-          const std::string name = "flux2_dev.cases[" + std::to_string(i) + "]";
-          checker.ids(name + ".ids", id_list(entries[i].at("ids"), name),
-                      tok.encode_without_specials(case_text(entries[i], name)));
-        }
+        checker.pipeline("flux2_dev", cases.at("flux2_dev"), tok, PromptTemplate::Flux2Dev);
+        checker.flux2_dev_extras(cases.at("flux2_dev"), tok);
       }
       break;
     }

@@ -30,7 +30,7 @@ std::string case_text(const nlohmann::json& entry, const std::string& where);
 /// "tokenizer", a T5 file's under "tokenizer_2" (FLUX.1's folder names) or at the top level.
 /// Checked: `ids` (CLIP/T5: with special tokens; tokenizer.json: without), `input_ids` and
 /// `attention_mask` (a padded, truncated call of their length), T5's slow-tokenizer ids of the
-/// differences lists, and the `qwenimage` / `flux2_klein` pipeline templates and calls.
+/// differences lists, and the `qwenimage` / `flux2_klein` / `flux2_dev` pipeline templates and calls.
 /// `source` (the file) names every error, also a missing key or a wrong type in the layout.
 CasesReport check_cases(const nlohmann::json& cases, const Tokenizer& tokenizer, TokenizerKind kind,
                         const std::string& source);

@@ -16,13 +16,42 @@ constexpr std::string_view kQwenImageSuffix = "<|im_end|>\n<|im_start|>assistant
 constexpr std::string_view kFlux2KleinPrefix = "<|im_start|>user\n";
 constexpr std::string_view kFlux2KleinSuffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
 
+// Mistral-Small-3.1's chat template for [system, user] messages whose contents are text blocks,
+// without a generation prompt: bos_token, the system turn, the user turn.
+constexpr std::string_view kFlux2DevPrefix = "<s>[SYSTEM_PROMPT]";
+constexpr std::string_view kFlux2DevUserStart = "[/SYSTEM_PROMPT][INST]";
+constexpr std::string_view kFlux2DevSuffix = "[/INST]";
+// Flux2Pipeline.format_input strips the image placeholder from text prompts.
+constexpr std::string_view kImageToken = "[IMG]";
+
+std::string without_image_tokens(std::string_view prompt) {
+  std::string out;
+  out.reserve(prompt.size());
+  size_t pos = 0;
+  while (pos <= prompt.size()) {
+    const size_t found = prompt.find(kImageToken, pos);
+    if (found == std::string_view::npos) {
+      out.append(prompt.substr(pos));
+      break;
+    }
+    out.append(prompt.substr(pos, found - pos));
+    pos = found + kImageToken.size();
+  }
+  return out;
+}
+
 }  // namespace
+
+const std::string_view kFlux2DevSystemMessage =
+    "You are an AI that reasons about image descriptions. You give structured responses focusing on object "
+    "relationships, object\nattribution and actions without speculation.";
 
 PromptTemplate parse_prompt_template(const std::string& name) {
   if (name.empty() || name == "none") return PromptTemplate::None;
   if (name == "qwenimage") return PromptTemplate::QwenImage;
   if (name == "flux2_klein") return PromptTemplate::Flux2Klein;
-  TORCH_CHECK(false, "unknown prompt template '", name, "' (expected qwenimage or flux2_klein)");
+  if (name == "flux2_dev") return PromptTemplate::Flux2Dev;
+  TORCH_CHECK(false, "unknown prompt template '", name, "' (expected qwenimage, flux2_klein or flux2_dev)");
 }
 
 std::string apply_prompt_template(PromptTemplate tmpl, std::string_view prompt) {
@@ -30,6 +59,12 @@ std::string apply_prompt_template(PromptTemplate tmpl, std::string_view prompt) 
     case PromptTemplate::None: return std::string(prompt);
     case PromptTemplate::QwenImage: return std::string(kQwenImagePrefix).append(prompt).append(kQwenImageSuffix);
     case PromptTemplate::Flux2Klein: return std::string(kFlux2KleinPrefix).append(prompt).append(kFlux2KleinSuffix);
+    case PromptTemplate::Flux2Dev:
+      return std::string(kFlux2DevPrefix)
+          .append(kFlux2DevSystemMessage)
+          .append(kFlux2DevUserStart)
+          .append(without_image_tokens(prompt))
+          .append(kFlux2DevSuffix);
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled prompt template");
 }
@@ -53,6 +88,12 @@ std::vector<Encoding> encode_qwenimage_prompts(const Tokenizer& tokenizer, const
 std::vector<Encoding> encode_flux2_klein_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                                  int64_t max_sequence_length) {
   return tokenizer(templated(PromptTemplate::Flux2Klein, prompts), max_sequence_length, Padding::MaxLength);
+}
+
+std::vector<Encoding> encode_flux2_dev_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                               int64_t max_sequence_length) {
+  return tokenizer(templated(PromptTemplate::Flux2Dev, prompts), max_sequence_length, Padding::MaxLength,
+                   /*add_special_tokens=*/false);
 }
 
 }  // namespace shardit::tokenizers

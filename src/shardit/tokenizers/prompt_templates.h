@@ -1,6 +1,6 @@
 #pragma once
 // The prompt templates the pipelines wrap around a user's prompt before tokenizing, and the
-// tokenizer calls they make (diffusers' QwenImagePipeline and Flux2KleinPipeline).
+// tokenizer calls they make (diffusers' QwenImagePipeline, Flux2KleinPipeline and Flux2Pipeline).
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -15,9 +15,10 @@ enum class PromptTemplate {
   None,
   QwenImage,   ///< QwenImagePipeline.prompt_template_encode (system prompt + user turn)
   Flux2Klein,  ///< Qwen3 chat template, add_generation_prompt=True, enable_thinking=False
+  Flux2Dev,    ///< Mistral-Small-3.1's chat template: BOS, Flux2Pipeline's system message, the user turn
 };
 
-/// Parses "qwenimage" | "flux2_klein" (and "" / "none").
+/// Parses "qwenimage" | "flux2_klein" | "flux2_dev" (and "" / "none").
 PromptTemplate parse_prompt_template(const std::string& name);
 
 /// QwenImagePipeline: the number of template tokens before the prompt, dropped from the encoder
@@ -27,6 +28,11 @@ constexpr int64_t kQwenImageDropIdx = 34;
 constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
 /// Flux2KleinPipeline's default max_sequence_length.
 constexpr int64_t kFlux2KleinMaxSequenceLength = 512;
+
+/// Flux2Pipeline's default max_sequence_length.
+constexpr int64_t kFlux2DevMaxSequenceLength = 512;
+/// Flux2Pipeline's system message (pipeline_flux2.py SYSTEM_MESSAGE; one newline after "object").
+extern const std::string_view kFlux2DevSystemMessage;
 
 /// `prompt` inside the template (the text the pipeline hands to the tokenizer).
 std::string apply_prompt_template(PromptTemplate tmpl, std::string_view prompt);
@@ -41,5 +47,13 @@ std::vector<Encoding> encode_qwenimage_prompts(const Tokenizer& tokenizer, const
 /// truncated to `max_sequence_length`.
 std::vector<Encoding> encode_flux2_klein_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                                  int64_t max_sequence_length = kFlux2KleinMaxSequenceLength);
+
+/// Flux2Pipeline's call (`format_input` + the processor's apply_chat_template): every "[IMG]"
+/// removed from each prompt, the chat template rendered (it writes the BOS itself, so the
+/// tokenizer adds no special tokens), all prompts in one call, truncated to the first
+/// `max_sequence_length` tokens (a note says how many were dropped) and padded to that length on
+/// the tokenizer's padding side (LEFT with <pad> for FLUX.2 [dev]'s folder).
+std::vector<Encoding> encode_flux2_dev_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                               int64_t max_sequence_length = kFlux2DevMaxSequenceLength);
 
 }  // namespace shardit::tokenizers

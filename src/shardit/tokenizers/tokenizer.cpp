@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 
 #include "shardit/tokenizers/clip_tokenizer.h"
 #include "shardit/tokenizers/t5_tokenizer.h"
+#include "shardit/tokenizers/tokenizer_config.h"
 #include "shardit/tokenizers/tokenizer_json.h"
 #include "shardit/tokenizers/unicode.h"
 
@@ -31,8 +33,8 @@ Encoding Tokenizer::operator()(std::string_view text, int64_t max_length, Paddin
 }
 
 std::vector<Encoding> Tokenizer::operator()(const std::vector<std::string>& texts, int64_t max_length,
-                                            Padding padding) const {
-  const int64_t reserved = num_special_tokens();
+                                            Padding padding, bool add_special_tokens) const {
+  const int64_t reserved = add_special_tokens ? num_special_tokens() : 0;
   TORCH_CHECK(max_length > reserved, source(), ": max_length ", max_length, " leaves no room for text (the ",
               reserved, " special token(s) need ", reserved, "); use a larger max_length");
   std::vector<Encoding> rows;
@@ -50,7 +52,7 @@ std::vector<Encoding> Tokenizer::operator()(const std::vector<std::string>& text
                    source().c_str(), static_cast<long long>(total), static_cast<long long>(max_length),
                    static_cast<long long>(row.truncated_tokens));
     }
-    row.input_ids = add_special_tokens(std::move(ids));
+    row.input_ids = add_special_tokens ? this->add_special_tokens(std::move(ids)) : std::move(ids);
     row.attention_mask.assign(row.input_ids.size(), 1);
     longest = std::max(longest, row.input_ids.size());
     rows.push_back(std::move(row));
@@ -58,10 +60,17 @@ std::vector<Encoding> Tokenizer::operator()(const std::vector<std::string>& text
   if (padding == Padding::None) return rows;
   const size_t target = padding == Padding::MaxLength ? static_cast<size_t>(max_length) : longest;
   const int64_t pad = pad_token_id();
+  const bool left = pads_left();
   for (auto& row : rows) {
     if (row.input_ids.size() >= target) continue;
-    row.input_ids.resize(target, pad);
-    row.attention_mask.resize(target, 0);
+    const size_t missing = target - row.input_ids.size();
+    if (left) {
+      row.input_ids.insert(row.input_ids.begin(), missing, pad);
+      row.attention_mask.insert(row.attention_mask.begin(), missing, 0);
+    } else {
+      row.input_ids.resize(target, pad);
+      row.attention_mask.resize(target, 0);
+    }
   }
   return rows;
 }
@@ -71,6 +80,25 @@ TokenizerKind parse_tokenizer_kind(const std::string& name) {
   if (name == "t5") return TokenizerKind::T5;
   if (name == "qwen") return TokenizerKind::Qwen;
   TORCH_CHECK(false, "unknown tokenizer kind '", name, "' (expected clip, t5 or qwen)");
+}
+
+TokenizerKind detect_tokenizer_kind(const std::string& folder) {
+  namespace fs = std::filesystem;
+  TORCH_CHECK(fs::is_directory(folder), folder, ": not a tokenizer folder (no such directory)");
+  const auto has = [&](const char* name) { return fs::is_regular_file(fs::path(folder) / name); };
+  // The class the folder was saved with decides where the files alone are ambiguous (a T5 folder
+  // also carries the fast tokenizer's tokenizer.json; the slow T5Tokenizer is the reference).
+  if (has("tokenizer_config.json")) {
+    const TokenizerConfig config = TokenizerConfig::from_folder(folder);
+    const std::string tokenizer_class = config.value<std::string>("tokenizer_class", "");
+    if (tokenizer_class.rfind("CLIPTokenizer", 0) == 0) return TokenizerKind::Clip;
+    if (tokenizer_class.rfind("T5Tokenizer", 0) == 0) return TokenizerKind::T5;
+  }
+  if (has("spiece.model")) return TokenizerKind::T5;
+  if (has("tokenizer.json")) return TokenizerKind::Qwen;
+  if (has("vocab.json") && has("merges.txt")) return TokenizerKind::Clip;
+  TORCH_CHECK(false, folder, ": no tokenizer files found (looked for spiece.model, tokenizer.json, vocab.json + ",
+              "merges.txt); point at a diffusers tokenizer/ folder");
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& folder, TokenizerKind kind) {

@@ -40,6 +40,9 @@ class Tokenizer {
   virtual int64_t pad_token_id() const = 0;
   /// Where the tokenizer came from (for messages).
   virtual const std::string& source() const = 0;
+  /// transformers' `padding_side`: true when padding goes before the tokens ("left", as the
+  /// folder's tokenizer_config.json says; Mistral's Tekken tokenizer), false for "right".
+  virtual bool pads_left() const { return false; }
 
   /// `tokenizer(text).input_ids`: the ids with special tokens, no truncation.
   std::vector<int64_t> encode(std::string_view text) const;
@@ -47,9 +50,12 @@ class Tokenizer {
   /// `tokenizer(text, max_length=max_length, truncation=True, padding=padding)`: truncation keeps
   /// the first tokens and the special tokens; a note on stderr says how many were dropped.
   Encoding operator()(std::string_view text, int64_t max_length, Padding padding) const;
-  /// The same call on a batch (Padding::Longest pads to the longest row).
+  /// The same call on a batch (Padding::Longest pads to the longest row). With
+  /// `add_special_tokens` false (transformers' add_special_tokens=False, what a processor passes
+  /// when a chat template already wrote them) nothing is added and truncation keeps the first
+  /// max_length tokens. Padding goes on the side pads_left() says.
   std::vector<Encoding> operator()(const std::vector<std::string>& texts, int64_t max_length,
-                                   Padding padding) const;
+                                   Padding padding, bool add_special_tokens = true) const;
 
  protected:
   /// `text` as valid UTF-8: invalid bytes become U+FFFD, with a note on stderr.
@@ -60,11 +66,17 @@ class Tokenizer {
 enum class TokenizerKind {
   Clip,  ///< CLIPTokenizer: vocab.json + merges.txt
   T5,    ///< T5Tokenizer: spiece.model (SentencePiece)
-  Qwen,  ///< byte-level BPE from tokenizer.json (Qwen2TokenizerFast and the like)
+  Qwen,  ///< byte-level BPE from tokenizer.json (Qwen2TokenizerFast, Mistral's Tekken as LlamaTokenizerFast)
 };
 
 /// Parses "clip" | "t5" | "qwen".
 TokenizerKind parse_tokenizer_kind(const std::string& name);
+
+/// The kind of tokenizer a folder holds, from its own files: tokenizer_config.json's
+/// `tokenizer_class` when it names a CLIP or T5 tokenizer; else spiece.model (T5), tokenizer.json
+/// (byte-level BPE), vocab.json + merges.txt (CLIP). An error naming the folder and the files
+/// looked for when none is there.
+TokenizerKind detect_tokenizer_kind(const std::string& folder);
 
 /// Loads the tokenizer of `kind` from a tokenizer folder (`tokenizer/`, `tokenizer_2/`). A
 /// missing file is an error naming it.

@@ -189,6 +189,10 @@ TokenizerJson TokenizerJson::from_folder(const std::string& folder) {
     TORCH_CHECK(id >= 0, folder, ": pad_token '", *pad, "' is neither an added token nor in the vocabulary");
     tok.pad_id_ = id;
   }
+  const std::string side = config.value<std::string>("padding_side", "right");
+  TORCH_CHECK(side == "left" || side == "right", folder, "/tokenizer_config.json: padding_side is '", side,
+              "'; expected 'left' or 'right'");
+  tok.pads_left_ = side == "left";
   return tok;
 }
 

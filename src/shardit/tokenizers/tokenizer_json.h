@@ -17,7 +17,8 @@ namespace shardit::tokenizers {
 
 class TokenizerJson final : public Tokenizer {
  public:
-  /// Loads tokenizer.json (+ tokenizer_config.json / special_tokens_map.json for the pad token).
+  /// Loads tokenizer.json (+ tokenizer_config.json / special_tokens_map.json for the pad token
+  /// and tokenizer_config.json's padding_side).
   /// Parts of the format shardit does not implement are errors naming the key.
   static TokenizerJson from_folder(const std::string& folder);
 
@@ -26,6 +27,7 @@ class TokenizerJson final : public Tokenizer {
   int64_t num_special_tokens() const override;
   int64_t pad_token_id() const override;
   const std::string& source() const override { return source_; }
+  bool pads_left() const override { return pads_left_; }
 
   /// The id of an added token or vocabulary entry, or -1.
   int64_t token_to_id(const std::string& token) const;
@@ -48,6 +50,7 @@ class TokenizerJson final : public Tokenizer {
   std::unordered_map<std::string, int64_t> added_ids_;
   std::vector<int64_t> prefix_, suffix_;  // post-processor special tokens around the sequence
   std::optional<int64_t> pad_id_;
+  bool pads_left_ = false;  // tokenizer_config.json padding_side "left"
 };
 
 }  // namespace shardit::tokenizers

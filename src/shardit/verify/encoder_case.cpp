@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "shardit/models/clip/modeling_clip.h"
+#include "shardit/models/flux2/transformer_flux2.h"
+#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/qwen/modeling_qwen2_5_vl.h"
 #include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/models/t5/modeling_t5.h"
@@ -90,8 +92,30 @@ std::map<std::string, at::Tensor> run_encoder_case(parallel::TensorParallelModul
     }
     return out;
   }
+  if (auto* mistral = dynamic_cast<models::Mistral3ForConditionalGeneration*>(&encoder)) {
+    record(out, "", [&] { mistral->forward(input_ids, attention_mask); });
+    out["flux2_prompt_embeds"] = to_output(models::flux2_dev_prompt_embeds(*mistral, input_ids, attention_mask));
+    out["flux2_text_ids"] = models::flux2_text_ids(input_ids.size(0), input_ids.size(1));
+    if (inputs.contains("right.input_ids")) {
+      out["right.flux2_prompt_embeds"] = to_output(models::flux2_dev_prompt_embeds(
+          *mistral, read_ids(inputs, "right.input_ids"), read_ids(inputs, "right.attention_mask")));
+    }
+    // The other rule for key-less (left-padding) query rows, then back to the model's own.
+    models::KeylessQueryRows& rule = mistral->keyless_query_rows();
+    const models::KeylessQueryRows own = rule;
+    rule = models::KeylessQueryRows::Uniform;
+    try {
+      out["padrows_uniform.flux2_prompt_embeds"] =
+          to_output(models::flux2_dev_prompt_embeds(*mistral, input_ids, attention_mask));
+    } catch (...) {
+      rule = own;
+      throw;
+    }
+    rule = own;
+    return out;
+  }
   TORCH_CHECK(false, encoder.type_name(), " is not a text encoder (supported: CLIPTextModel, T5EncoderModel, ",
-              "Qwen3ForCausalLM, Qwen2_5_VLForConditionalGeneration)");
+              "Qwen3ForCausalLM, Qwen2_5_VLForConditionalGeneration, Mistral3ForConditionalGeneration)");
 }
 
 }  // namespace shardit::verify

@@ -23,6 +23,9 @@ namespace shardit::verify {
 ///     and logits when the head is tied and the model whole.
 ///   Qwen2_5_VLForConditionalGeneration: hidden_states.<i>, last_hidden_state, position_ids,
 ///     qwenimage_prompt_embeds(_mask); left.* from the left.* inputs when the case has them.
+///   Mistral3ForConditionalGeneration: hidden_states.<i>, last_hidden_state, flux2_prompt_embeds
+///     (FLUX.2 [dev]), flux2_text_ids, right.flux2_prompt_embeds from the right.* inputs, and
+///     padrows_uniform.flux2_prompt_embeds with the other key-less-row rule.
 std::map<std::string, at::Tensor> run_encoder_case(parallel::TensorParallelModule& encoder,
                                                    const io::SafetensorsFile& inputs);
 

@@ -308,12 +308,29 @@ const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   // [gate M | up M] and the single block's fused to_qkv_mlp_proj is [q | k | v | gate | up]:
   // packed colwise, each declared block split on its own. The single block's to_out reads
   // [attn D | mlp M]: packed rowwise. Our addition: the three shared modulation linears
-  // (D -> 6D, 6D, 3D) split colwise and all-gathered instead of held whole on every rank.
-  // Replicated (not listed): embedders, norm_out and proj_out (small), the per-head RMSNorms.
-  static const parallel::TpPlan plan = parallel::with_sharded_modulation(
-      {"double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear"},
-      *reference_tp_plan());
-  return plan;
+  // (D -> 6D, 6D, 3D) split colwise and all-gathered instead of held whole on every rank, and so
+  // are the other full-width conditioning linears, which FLUX.2 [dev]'s size makes worth it
+  // (0.25B parameters: the context embedder 15360 -> D, the timestep and guidance MLPs, norm_out's
+  // D -> 2D): each output column is computed whole on one rank, so the result is the same.
+  // Replicated (not listed): x_embedder and proj_out (in/out channels wide), the RMSNorms.
+  const auto plan_for = [this](bool guidance) {
+    std::vector<std::string> gathered = {"double_stream_modulation_img.linear",
+                                         "double_stream_modulation_txt.linear",
+                                         "single_stream_modulation.linear",
+                                         "context_embedder",
+                                         "time_guidance_embed.timestep_embedder.linear_1",
+                                         "time_guidance_embed.timestep_embedder.linear_2",
+                                         "norm_out.linear"};
+    if (guidance) {
+      gathered.push_back("time_guidance_embed.guidance_embedder.linear_1");
+      gathered.push_back("time_guidance_embed.guidance_embedder.linear_2");
+    }
+    return parallel::with_sharded_modulation(gathered, *reference_tp_plan());
+  };
+  // The guidance embedder exists only with guidance_embeds ([dev]; not [klein]).
+  static const parallel::TpPlan with_guidance = plan_for(true);
+  static const parallel::TpPlan without_guidance = plan_for(false);
+  return config.guidance_embeds ? with_guidance : without_guidance;
 }
 
 const parallel::TpPlan* Flux2Transformer2DModel::reference_tp_plan() const {
@@ -398,6 +415,21 @@ const parallel::CpPlan* Flux2Transformer2DModel::cp_plan() const {
       {"txt_ids", CpAction::Split, 0, SequenceStream::Text},
   });
   return &plan;
+}
+
+at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({h, w, 4}, options);
+  ids.select(2, 1).add_(at::arange(h, options).unsqueeze(1));
+  ids.select(2, 2).add_(at::arange(w, options).unsqueeze(0));
+  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (0, row, col, 0)
+}
+
+at::Tensor flux2_text_ids(int64_t batch, int64_t length) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor ids = at::zeros({length, 4}, options);
+  ids.select(1, 3).copy_(at::arange(length, options));
+  return ids.unsqueeze(0).expand({batch, length, 4}).contiguous();  // [B, L, 4] = (0, 0, 0, l)
 }
 
 }  // namespace shardit::models

@@ -230,4 +230,12 @@ class Flux2Transformer2DModel : public JointTransformer2DModel {
   // norm_out, proj_out: JointTransformer2DModel's members, registered here.
 };
 
+/// The FLUX.2 pipelines' image position ids (_prepare_latent_ids): [B, h * w, 4] int64, token
+/// i * w + j = (0, i, j, 0).
+at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w);
+
+/// The FLUX.2 pipelines' text position ids (_prepare_text_ids): [B, L, 4] int64, token l =
+/// (0, 0, 0, l).
+at::Tensor flux2_text_ids(int64_t batch, int64_t length);
+
 }  // namespace shardit::models

@@ -90,12 +90,16 @@ Qwen3Attention::Qwen3Attention(const Qwen3Config& config, bool qk_norm) : head_d
 }
 
 at::Tensor Qwen3Attention::forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope,
-                                   const at::Tensor& mask) {
+                                   const at::Tensor& mask, const std::optional<at::Tensor>& row_scale) {
   // q [B, S, H_local, hd], k and v [B, S, H_kv_local, hd]
   const nn::HeadsQKV qkv =
       nn::project_heads(hidden_states, {*q_proj, *k_proj, *v_proj, q_norm.get(), k_norm.get()}, head_dim_);
-  // [B, S, H_local * hd] -> [B, S, D]
-  return o_proj->forward(nn::attention(qkv, &rope, mask));
+  // [B, S, H_local * hd]
+  at::Tensor attended = nn::attention(qkv, &rope, mask);
+  // o_proj has no bias, so a zero row stays zero through it (and through its all-reduce).
+  if (row_scale.has_value()) attended = attended * *row_scale;
+  // [B, S, D]
+  return o_proj->forward(attended);
 }
 
 Qwen3DecoderLayer::Qwen3DecoderLayer(const Qwen3Config& config, bool qk_norm) {
@@ -109,17 +113,23 @@ Qwen3DecoderLayer::Qwen3DecoderLayer(const Qwen3Config& config, bool qk_norm) {
 }
 
 at::Tensor Qwen3DecoderLayer::forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope,
-                                      const at::Tensor& mask) {
+                                      const at::Tensor& mask, const std::optional<at::Tensor>& row_scale) {
   SHARDIT_PROFILE_SCOPE("Qwen3DecoderLayer");
-  const at::Tensor attended = hidden_states + self_attn->forward(input_layernorm->forward(hidden_states), rope, mask);
+  const at::Tensor attended =
+      hidden_states + self_attn->forward(input_layernorm->forward(hidden_states), rope, mask, row_scale);
   return attended + mlp->forward(post_attention_layernorm->forward(attended));
 }
 
-Qwen3Model::Qwen3Model(const Qwen3Config& config, bool qk_norm)
-    : config_(config), type_name_(qk_norm ? "Qwen3Model" : "Qwen2_5_VLTextModel") {
+Qwen3Model::Qwen3Model(const Qwen3Config& config, bool qk_norm, std::string type_name,
+                       std::optional<int64_t> layers_built)
+    : config_(config),
+      type_name_(!type_name.empty() ? std::move(type_name) : qk_norm ? "Qwen3Model" : "Qwen2_5_VLTextModel") {
+  const int64_t built = layers_built.value_or(config.num_hidden_layers);
+  TORCH_CHECK(built >= 1 && built <= config.num_hidden_layers, type_name_, ": cannot build ", built,
+              " decoder layers of ", config.num_hidden_layers);
   embed_tokens = register_module("embed_tokens", std::make_shared<nn::Embedding>(config.vocab_size, config.hidden_size));
   layers = register_module("layers", std::make_shared<nn::ModuleList<Qwen3DecoderLayer>>());
-  for (int64_t i = 0; i < config.num_hidden_layers; ++i) layers->push_back(std::make_shared<Qwen3DecoderLayer>(config, qk_norm));
+  for (int64_t i = 0; i < built; ++i) layers->push_back(std::make_shared<Qwen3DecoderLayer>(config, qk_norm));
   norm = register_module("norm",
                          std::make_shared<nn::RMSNorm>(nn::RMSNormOptions(config.hidden_size).with_eps(config.rms_norm_eps)));
 }
@@ -134,6 +144,11 @@ DecoderHiddenStates Qwen3Model::forward(const at::Tensor& input_ids, const std::
                 " does not exist; the model has hidden states 0 (embeddings) to ", num_layers, " (after the final norm)");
     layers_needed = std::max(layers_needed, index);
   }
+  const int64_t built = static_cast<int64_t>(layers->size());
+  TORCH_CHECK(layers_needed <= built, type_name(), ": ", last_hidden_state ? "the last hidden state" : "hidden state ",
+              last_hidden_state ? std::string() : std::to_string(layers_needed), " needs ", layers_needed,
+              " decoder layers, but this model was built with its first ", built, " of ", num_layers,
+              " only (what its pipeline reads); build it whole to read later hidden states");
   const at::Device device = norm->weight.device();
   const int64_t seq_len = input_ids.size(1);
   // [B, S, D]
@@ -142,11 +157,16 @@ DecoderHiddenStates Qwen3Model::forward(const at::Tensor& input_ids, const std::
   const nn::RotaryEmbedding rope = nn::rotary_pos_embed_rotate_half(config_.head_dim, positions.to(device), config_.rope_theta);
   // [B or 1, 1, S, S]
   const at::Tensor mask = nn::additive_attention_mask(seq_len, key_mask, /*causal=*/true, hidden.scalar_type(), device);
+  std::optional<at::Tensor> row_scale;
+  if (keyless_query_rows == KeylessQueryRows::Zero && key_mask.has_value() && key_mask->defined()) {
+    // Causal: query i has a key iff some key j <= i is a token. [B, S, 1], 1 or 0
+    row_scale = key_mask->to(device).ne(0).to(at::kLong).cumsum(1).gt(0).unsqueeze(-1).to(hidden.scalar_type());
+  }
 
   std::vector<at::Tensor> states{hidden};
   emit("hidden_states.0", hidden);
   for (int64_t i = 0; i < layers_needed; ++i) {
-    hidden = (*layers)[i].forward(hidden, rope, mask);
+    hidden = (*layers)[i].forward(hidden, rope, mask, row_scale);
     // The last entry of the reference's tuple is the normed output, not the last layer's.
     if (i + 1 < num_layers) {
       states.push_back(hidden);
@@ -165,36 +185,45 @@ DecoderHiddenStates Qwen3Model::forward(const at::Tensor& input_ids, const std::
   return out;
 }
 
-const parallel::TpPlan& qwen_decoder_tp_plan() {
+parallel::TpPlan qwen_decoder_tp_plan_at(const std::string& prefix) {
   using parallel::ShardStyle;
   // Megatron's split: q/k/v and gate/up colwise, o and down rowwise (one all-reduce each); the
   // token table split by vocabulary (any degree). k/v split by key/value heads while the degree
   // divides them and replicated beyond (qwen_decoder_traits). Replicated: the RMS norms (the
   // q/k norms act on one head).
-  static const parallel::TpPlan plan = {
-      {"model.embed_tokens", ShardStyle::Rowwise},
-      {"model.layers.*.self_attn.q_proj", ShardStyle::Colwise},
-      {"model.layers.*.self_attn.k_proj", ShardStyle::Colwise},
-      {"model.layers.*.self_attn.v_proj", ShardStyle::Colwise},
-      {"model.layers.*.self_attn.o_proj", ShardStyle::Rowwise},
-      {"model.layers.*.mlp.gate_proj", ShardStyle::Colwise},
-      {"model.layers.*.mlp.up_proj", ShardStyle::Colwise},
-      {"model.layers.*.mlp.down_proj", ShardStyle::Rowwise},
+  return {
+      {prefix + "embed_tokens", ShardStyle::Rowwise},
+      {prefix + "layers.*.self_attn.q_proj", ShardStyle::Colwise},
+      {prefix + "layers.*.self_attn.k_proj", ShardStyle::Colwise},
+      {prefix + "layers.*.self_attn.v_proj", ShardStyle::Colwise},
+      {prefix + "layers.*.self_attn.o_proj", ShardStyle::Rowwise},
+      {prefix + "layers.*.mlp.gate_proj", ShardStyle::Colwise},
+      {prefix + "layers.*.mlp.up_proj", ShardStyle::Colwise},
+      {prefix + "layers.*.mlp.down_proj", ShardStyle::Rowwise},
   };
+}
+
+const parallel::TpPlan& qwen_decoder_tp_plan() {
+  static const parallel::TpPlan plan = qwen_decoder_tp_plan_at("model.");
   return plan;
 }
 
-parallel::ModelTraits qwen_decoder_traits(const Qwen3Config& config) {
+parallel::ModelTraits qwen_decoder_traits_at(const Qwen3Config& config, const std::string& prefix,
+                                             const std::string& lm_head_key) {
   parallel::ModelTraits traits;
   // A rank holds whole query heads; key/value heads split while the degree divides them and are
   // replicated when the degree is a multiple of them (vLLM), so 4 key/value heads allow TP=8.
   traits.divisors = {{"num_attention_heads", config.num_attention_heads}};
-  traits.replicable_heads = {{{"model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj"},
+  traits.replicable_heads = {{{prefix + "layers.*.self_attn.k_proj", prefix + "layers.*.self_attn.v_proj"},
                               "num_key_value_heads",
                               config.num_key_value_heads}};
   // The language-model head is not part of the text encoder.
-  traits.ignored_checkpoint_keys = {"lm_head.weight"};
+  traits.ignored_checkpoint_keys = {lm_head_key};
   return traits;
+}
+
+parallel::ModelTraits qwen_decoder_traits(const Qwen3Config& config) {
+  return qwen_decoder_traits_at(config, "model.", "lm_head.weight");
 }
 
 Qwen3ForCausalLM::Qwen3ForCausalLM(const Qwen3Config& config) : config(config) {
@@ -225,11 +254,7 @@ const std::vector<int64_t>& flux2_klein_hidden_states_layers() {
 
 at::Tensor flux2_klein_prompt_embeds(Qwen3ForCausalLM& text_encoder, const at::Tensor& input_ids,
                                      const at::Tensor& attention_mask, const std::vector<int64_t>& layers) {
-  TORCH_CHECK(!layers.empty(), "flux2_klein_prompt_embeds: no hidden-state layers given");
-  const DecoderHiddenStates out = text_encoder.forward(input_ids, attention_mask, layers, /*last_hidden_state=*/false);
-  // stack(dim=1).permute(0, 2, 1, 3).reshape(B, S, n * D) is, per token, the layers side by side
-  // [B, S, n * D]
-  return at::cat(out.hidden_states, -1);
+  return stacked_hidden_states(text_encoder, input_ids, attention_mask, layers, "flux2_klein_prompt_embeds");
 }
 
 }  // namespace shardit::models

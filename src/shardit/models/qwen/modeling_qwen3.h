@@ -5,6 +5,7 @@
 // MLPs, a final RMSNorm. FLUX.2 [klein]'s `text_encoder`: its pipeline stacks the hidden states of
 // layers 9, 18 and 27. Members are named as the checkpoint keys.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <memory>
@@ -44,6 +45,19 @@ struct Qwen3Config {
                                const std::vector<std::string>& rope_types = {"default"});
 };
 
+/// What attention gives a query row that may attend to no key: under the causal + key-padding
+/// mask, a row of LEFT padding (every key up to it is padding). Real tokens never see padding
+/// keys, so only those rows differ; they reach the output where a pipeline keeps padding rows
+/// (FLUX.2 [dev]). See docs/tensor-parallel.md.
+enum class KeylessQueryRows {
+  /// transformers' eager attention: finfo.min on every score of the row, so the softmax is
+  /// uniform over all keys and the row gets the mean of every position's value.
+  Uniform,
+  /// transformers' SDPA path on torch >= 2.5 (a boolean mask row of all False): zero attention
+  /// output; the row still takes the residual and the MLP.
+  Zero,
+};
+
 /// Qwen3MLP (= Qwen2MLP): down_proj(act(gate_proj(x)) * up_proj(x)), no biases.
 class Qwen3MLP : public nn::Module {
  public:
@@ -64,7 +78,10 @@ class Qwen3Attention : public nn::Module {
   Qwen3Attention(const Qwen3Config& config, bool qk_norm);
   std::string type_name() const override { return "Qwen3Attention"; }
   /// [B, S, D], RoPE tables [B or 1, S, head_dim], additive mask [B or 1, 1, S, S] -> [B, S, D].
-  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope, const at::Tensor& mask);
+  /// `row_scale` (optional, [B, S, 1], 0 or 1) multiplies each query row's attention output
+  /// before o_proj (KeylessQueryRows::Zero).
+  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope, const at::Tensor& mask,
+                     const std::optional<at::Tensor>& row_scale = std::nullopt);
 
   std::shared_ptr<nn::Linear> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<nn::RMSNorm> q_norm, k_norm;  ///< null without qk_norm
@@ -78,7 +95,9 @@ class Qwen3DecoderLayer : public nn::Module {
  public:
   Qwen3DecoderLayer(const Qwen3Config& config, bool qk_norm);
   std::string type_name() const override { return "Qwen3DecoderLayer"; }
-  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope, const at::Tensor& mask);
+  /// See Qwen3Attention::forward.
+  at::Tensor forward(const at::Tensor& hidden_states, const nn::RotaryEmbedding& rope, const at::Tensor& mask,
+                     const std::optional<at::Tensor>& row_scale = std::nullopt);
 
   std::shared_ptr<Qwen3Attention> self_attn;
   std::shared_ptr<Qwen3MLP> mlp;
@@ -95,10 +114,14 @@ struct DecoderHiddenStates {
   std::vector<at::Tensor> hidden_states;
 };
 
-/// Qwen3Model: embed_tokens, layers, norm. `qk_norm` false gives Qwen2.5-VL's text model.
+/// Qwen3Model: embed_tokens, layers, norm. `qk_norm` false gives Qwen2.5-VL's text model and
+/// Mistral's (MistralModel: the same layers without biases; `type_name` names it). With
+/// `layers_built` only the first that many decoder layers exist (a pipeline that reads no later
+/// hidden state need not hold the rest); hidden states past them are refused.
 class Qwen3Model : public nn::Module {
  public:
-  Qwen3Model(const Qwen3Config& config, bool qk_norm);
+  Qwen3Model(const Qwen3Config& config, bool qk_norm, std::string type_name = "",
+             std::optional<int64_t> layers_built = std::nullopt);
   std::string type_name() const override { return type_name_; }
 
   /// input_ids [B, S]; key_mask (optional, [B, S], 1 = token) masks padded keys on top of the
@@ -112,6 +135,9 @@ class Qwen3Model : public nn::Module {
   std::shared_ptr<nn::Embedding> embed_tokens;
   std::shared_ptr<nn::ModuleList<Qwen3DecoderLayer>> layers;
   std::shared_ptr<nn::RMSNorm> norm;
+  /// The rule for query rows with no key (KeylessQueryRows::Uniform, the eager reference, unless
+  /// the model's pipeline was made with the other).
+  KeylessQueryRows keyless_query_rows = KeylessQueryRows::Uniform;
 
  private:
   Qwen3Config config_;
@@ -122,6 +148,11 @@ class Qwen3Model : public nn::Module {
 /// heads split or replicated), shared by Qwen3 and Qwen2.5-VL's text model.
 const parallel::TpPlan& qwen_decoder_tp_plan();
 parallel::ModelTraits qwen_decoder_traits(const Qwen3Config& config);
+/// The same plan and traits for the decoder at `prefix` (e.g. "language_model.model."); the
+/// traits ignore `lm_head_key`.
+parallel::TpPlan qwen_decoder_tp_plan_at(const std::string& prefix);
+parallel::ModelTraits qwen_decoder_traits_at(const Qwen3Config& config, const std::string& prefix,
+                                             const std::string& lm_head_key);
 
 /// transformers' Qwen3ForCausalLM as a text encoder: `model.*` only; `lm_head.weight` (stored
 /// by untied checkpoints) is not loaded.
@@ -144,6 +175,19 @@ class Qwen3ForCausalLM : public parallel::TensorParallelModule {
   const Qwen3Config config;
   std::shared_ptr<Qwen3Model> model;
 };
+
+/// The FLUX.2 pipelines' prompt embeddings from a decoder text encoder (`Encoder::forward` as
+/// Qwen3ForCausalLM's): hidden_states `layers` of the tokens, per token [hs[l_0] | hs[l_1] | ...],
+/// [B, S, len(layers) * D]; runs only the layers the stack needs. `what` names the caller in errors.
+template <class Encoder>
+at::Tensor stacked_hidden_states(Encoder& text_encoder, const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                 const std::vector<int64_t>& layers, const char* what) {
+  TORCH_CHECK(!layers.empty(), what, ": no hidden-state layers given");
+  const DecoderHiddenStates out = text_encoder.forward(input_ids, attention_mask, layers, /*last_hidden_state=*/false);
+  // stack(dim=1).permute(0, 2, 1, 3).reshape(B, S, n * D) is, per token, the layers side by side
+  // [B, S, n * D]
+  return at::cat(out.hidden_states, -1);
+}
 
 /// Flux2KleinPipeline's layers: hidden_states 9, 18 and 27.
 const std::vector<int64_t>& flux2_klein_hidden_states_layers();
