@@ -4,7 +4,7 @@
 //   pipelines, from their prompts, 10 steps): `shardit generate --cache` at one rank, and the API on
 //   4-rank meshes (tp 2, tp 4, and FLUX.1 ulysses 2 x tp 2 / Qwen-Image cfg 2 x ring 2), give every
 //   per-step decision, the ratios compared and the image;
-// - FLUX.2 [klein], which diffusers cannot cache: threshold 0 is the uncached image bit for bit,
+// - FLUX.2 [klein] and [dev], which diffusers cannot cache: threshold 0 is the uncached image bit for bit,
 //   and a threshold that skips gives the same decisions and image on every mesh of up to 4 ranks;
 // - the reduction behind the ratio: on an uneven Ulysses split, averaging the ranks' means would
 //   decide otherwise than the sums over the whole sequence that the cache reduces.
@@ -168,17 +168,19 @@ TEST_P(StepCacheGolden, ApiMatchesDiffusersHooksOnMeshesOfFourRanks) {
 INSTANTIATE_TEST_SUITE_P(Golden, StepCacheGolden, ::testing::Values("cache_flux1", "cache_qwenimage"),
                          [](const auto& info) { return info.param; });
 
-// FLUX.2 [klein]: diffusers registers no cache hooks for FLUX.2's blocks; shardit runs the same
-// rules on them. Threshold 0 computes every step and equals the uncached image bit for bit; a
-// threshold that skips (chosen from the ratios, at least 2% away from every one compared) gives
-// the same decisions and image on every mesh of up to 4 ranks; TaylorSeer likewise.
-TEST(StepCacheFlux2Golden, Flux2KleinSameDecisionsAndImageOnEveryMesh) {
+// FLUX.2 [klein] and [dev]: diffusers registers no cache hooks for FLUX.2's blocks; shardit runs
+// the same rules on them. Threshold 0 computes every step and equals the uncached image bit for
+// bit; a threshold that skips (chosen from the ratios, at least 2% away from every one compared)
+// gives the same decisions and image on every mesh of up to 4 ranks; TaylorSeer likewise.
+class StepCacheFlux2 : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepCacheFlux2, SameDecisionsAndImageOnEveryMesh) {
   if (!is_worker()) {
-    EXPECT_EQ(run_ranks(kRanks), 0);
+    EXPECT_EQ(run_ranks(kRanks, {{"SHARDIT_PIPELINE_CASE", GetParam()}}), 0);
     return;
   }
   auto& world = shardit::dist::World::init();
-  PipelineCase golden = shardit::testing::read_prompt_case("pipeline_flux2_klein");
+  PipelineCase golden = shardit::testing::read_prompt_case(shardit::testing::env_or("SHARDIT_PIPELINE_CASE"));
   shardit::testing::set_case_steps(golden, kCacheSteps);
   const auto generate = [&](const ParallelDims& dims, const std::optional<StepCacheConfig>& cache) {
     PipelineLoadOptions options;
@@ -236,7 +238,7 @@ TEST(StepCacheFlux2Golden, Flux2KleinSameDecisionsAndImageOnEveryMesh) {
     for (const ParallelDims& mesh : ParallelDims::fitting(ranks)) {
       if (mesh.cfg > 1 && !cfg) continue;
       SCOPED_TRACE(mesh.to_string());
-      const std::string what = "FLUX.2 [klein] " + skipping->to_string() + " on " + mesh.to_string();
+      const std::string what = golden.dir + " " + skipping->to_string() + " on " + mesh.to_string();
       const GenerateResult result = generate(mesh, skipping);
       EXPECT_TRUE(at::equal(result.cache_computed, reference.cache_computed)) << what;
       EXPECT_TRUE(shardit::testing::tensors_close(what + ": latents", result.latents, reference.latents,
@@ -255,6 +257,9 @@ TEST(StepCacheFlux2Golden, Flux2KleinSameDecisionsAndImageOnEveryMesh) {
                                               taylor_reference.latents, shardit::testing::kPipelineAtol,
                                               shardit::testing::kPipelineRtol));
 }
+
+INSTANTIATE_TEST_SUITE_P(Golden, StepCacheFlux2, ::testing::Values("pipeline_flux2_klein", "pipeline_flux2_dev"),
+                         [](const auto& info) { return info.param; });
 
 // The ratio's means are over the whole sequence: on an uneven split (5 tokens on 2 ranks: 3, and
 // 2 plus a padding token), averaging the two ranks' own means would give 1.5 where the sequence's
