@@ -417,7 +417,7 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   };
   const std::string fields =
       "prompt, model, n, size, response_format, seed, negative_prompt, num_inference_steps, guidance_scale, "
-      "true_cfg_scale, user";
+      "true_cfg_scale, cache, user";
   const std::vector<BadRequest> cases = {
       {"{not json", 400, "the request body is not valid JSON: ...", ""},
       {R"({"prompt": "a", "prompt": "b"})", 400, "the request body is not valid JSON: ...", ""},
