@@ -394,8 +394,8 @@ std::vector<std::string> save_images(const at::Tensor& image, const std::string&
                                      const std::vector<std::pair<std::string, std::string>>& text = {});
 
 /// One line on what a call's step cache did, for people: "step cache first_block_cache:threshold=0.12:
-/// the whole stack ran in 7 of 10 steps (cond), 6 of 10 (uncond); 7 of 20 transformer calls
-/// skipped; 96 MiB of cache state". Empty without a cache.
+/// the whole stack ran in 7 of 10 (cond), 6 of 10 (uncond) steps; 7 of 20 transformer calls
+/// skipped; 96 MiB of cache state per rank". Empty without a cache.
 std::string cache_summary(const GenerateResult& result);
 
 /// The bounds of a request, checked before anything is allocated, for the command line and the
