@@ -180,6 +180,18 @@ at::Tensor AutoencoderModel::decode(const at::Tensor& z, const IntermediateRecor
   return spatial_.gather(_decode(band, record), -2);
 }
 
+at::Tensor AutoencoderModel::encode(const at::Tensor& image, const IntermediateRecorder& record) {
+  return _encode(image, record);
+}
+
+at::Tensor AutoencoderModel::_encode(const at::Tensor&, const IntermediateRecorder&) {
+  TORCH_CHECK(false, type_name(), " has no encoder in shardit: it cannot encode reference images");
+}
+
+at::Tensor AutoencoderModel::normalize_latents(const at::Tensor&) const {
+  TORCH_CHECK(false, type_name(), " has no encoder in shardit: it cannot normalise encoded images");
+}
+
 void AutoencoderModel::enable_parallel_decode(std::shared_ptr<dist::Group> group) {
   spatial_ = parallel::enable_spatial_parallelism(*this, std::move(group));
 }

@@ -100,8 +100,8 @@ at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Te
                      const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
 
 /// The interface of shardit's VAEs, as the pipelines use them. VAEs are replicated: their
-/// tensor-parallel plan is empty. They are decode-only: the encoder weights of a checkpoint are
-/// not loaded.
+/// tensor-parallel plan is empty. Those with an encoder (has_encoder) also encode images for the
+/// editing pipelines.
 class AutoencoderModel : public parallel::TensorParallelModule {
  public:
   const parallel::TpPlan& tp_plan() const override;
@@ -114,6 +114,23 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// The pipeline's final latents, unpacked, to the decoder input z (the de-normalisation each
   /// pipeline applies before vae.decode). `record` receives "z" (and model-specific steps).
   virtual at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const = 0;
+  /// Whether the model holds an encoder (built and loaded with the decoder): AutoencoderKL and
+  /// AutoencoderKLFlux2 do.
+  virtual bool has_encoder() const { return false; }
+  /// vae.encode(image).latent_dist.mode(), the posterior mean (what the editing pipelines take
+  /// with sample_mode="argmax"): image float [B, in_channels, H, W] in [-1, 1] -> z [B,
+  /// latent_channels, H / vae_scale_factor, W / vae_scale_factor]. Tiled (diffusers'
+  /// tiled_encode) when use_tiling() and the image is larger than a tile. Under
+  /// enable_parallel_decode, collective over its group like decode: every member passes the same
+  /// image, encodes a band of its rows and gets the whole z. Errors name the model when it has no
+  /// encoder or the image's shape does not fit.
+  at::Tensor encode(const at::Tensor& image, const IntermediateRecorder& record = {});
+  /// The editing pipelines' normalisation of an encoded image z, the inverse of
+  /// denormalize_latents: FLUX.1 (Kontext) (z - shift_factor) * scaling_factor, [B, C, h, w];
+  /// FLUX.2 patchified then (x - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps),
+  /// [B, 4C, h / 2, w / 2].
+  virtual at::Tensor normalize_latents(const at::Tensor& z) const;
+
   /// vae.decode(z).sample. `record` receives the golden intermediates (not while tiling; under
   /// a parallel decode, this member's band of each). Under enable_parallel_decode, collective
   /// over its group: every member passes the same z and gets the whole sample.
@@ -137,6 +154,9 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// The model's own decode (diffusers' _decode) of z, or of a band of its rows under a parallel
   /// decode.
   virtual at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) = 0;
+  /// The model's own encode (diffusers' _encode, then the posterior's mean) of an image, or of a
+  /// band of its rows under a parallel decode. By default: an error naming the model.
+  virtual at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record);
 
   bool use_tiling_ = false;
 

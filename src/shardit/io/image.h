@@ -1,0 +1,36 @@
+#pragma once
+// Input images: PNG (libpng) and JPEG (libjpeg-turbo) files or bytes decoded to 8-bit RGB, as
+// Pillow's Image.open(...).convert("RGB") gives them (grey replicated, palettes expanded, alpha
+// dropped without compositing, 16-bit samples reduced to 8 bits). The declared size is checked
+// against kMaxImageSide from the header, before any pixel buffer is allocated.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace shardit::io {
+
+/// The largest side an input image may declare (a small file can declare a huge image).
+constexpr int64_t kMaxInputImageSide = 16384;
+
+/// The format of an encoded image, from its first bytes ("png", "jpeg"), or "" when neither.
+std::string sniff_image_format(const std::string& head);
+
+/// Decodes a PNG or JPEG (by its signature, not its name) from `bytes` to uint8 [H, W, 3] RGB.
+/// `what` names the image in errors (a path, "request field image[1]"): not an image, truncated
+/// or corrupt data, a side of 0 or above kMaxInputImageSide.
+at::Tensor decode_image(const std::string& bytes, const std::string& what = "image");
+
+/// decode_image of a file's bytes, errors naming the path. The file is read only up to a bound
+/// (kMaxInputImageFileBytes).
+at::Tensor read_image(const std::string& path);
+
+/// The largest input image file read_image reads.
+constexpr int64_t kMaxInputImageFileBytes = int64_t{512} << 20;
+
+/// {height, width} from the header of a PNG or JPEG in `bytes`, checked as decode_image checks
+/// it, without decoding the pixels.
+std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what = "image");
+
+}  // namespace shardit::io
