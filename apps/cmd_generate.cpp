@@ -1,6 +1,7 @@
-// `shardit generate`: a text-to-image pipeline from a diffusers folder (FluxPipeline,
-// Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline) to PNG files, the transformer on a
-// cfg x ulysses x ring x tp mesh of the ranks.
+// `shardit generate`: a pipeline from a diffusers folder (FluxPipeline, FluxKontextPipeline,
+// Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline) from a prompt, and reference images
+// (--image) for the editing pipelines, to PNG files, the transformer on a cfg x ulysses x ring x
+// tp mesh of the ranks.
 // Only rank 0 decodes and writes.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -19,6 +20,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/file.h"
+#include "shardit/io/image.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
@@ -53,6 +55,9 @@ struct GenerateOptions {
   PipelineCliOptions pipeline;
   bool save_steps = false;
   std::string compare_to;
+  std::vector<std::string> images;  ///< --image: reference images (FLUX.2, Kontext)
+  std::optional<int64_t> max_area;
+  bool no_auto_resize = false;
 };
 
 /// "step 3/28 | 1.24 s/it | ETA 31 s" on one terminal line, rewritten after every step (the
@@ -126,6 +131,9 @@ int generate(const GenerateOptions& given) {
   request.max_sequence_length = options.max_sequence_length;
   request.seed = options.seed;
   request.cache = options.pipeline.cache_config();
+  for (const std::string& path : options.images) request.image.push_back(io::read_image(path));
+  request.max_area = options.max_area;
+  request.auto_resize = !options.no_auto_resize;
   if (!options.prompt_embeds.empty()) {
     request.prompt_embeds = pipelines::read_prompt_embeds(options.prompt_embeds);
     TORCH_CHECK(request.prompt_embeds.has_value(), options.prompt_embeds, ": holds no 'prompt_embeds' tensor");
@@ -156,6 +164,7 @@ int generate(const GenerateOptions& given) {
   if (world.rank() == 0) {
     // The model folder stands for every file under it (weights, configs, tokenizer files).
     std::vector<std::string> inputs = {options.model, options.prompt_embeds, options.latents, options.compare_to};
+    inputs.insert(inputs.end(), options.images.begin(), options.images.end());
     for (const models::LoraRequest& lora : lora_requests(options.pipeline.lora)) inputs.push_back(lora.path);
     for (const auto& png : pngs) io::check_output_path(png, inputs);
     if (!options.out_tensors.empty()) io::check_output_path(options.out_tensors, inputs);
@@ -168,7 +177,9 @@ int generate(const GenerateOptions& given) {
                           options.seed, options.latents, options.pipeline.dtype,
                           fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
                           options.pipeline.lora.fuse) +
-                  "|" + options.pipeline.cache);
+                  "|" + options.pipeline.cache + "|" + options.pipeline.pipeline_class +
+                  fmt::format("|{}|{}|{}", fmt::join(options.images, "\x1f"), options.max_area.value_or(-1),
+                              options.no_auto_resize));
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();
@@ -259,6 +270,16 @@ void register_generate(CLI::App& app, CommandBody& body) {
   command->add_option("--out", options->out, "output PNG (out_0.png, out_1.png ... for several images)");
   command->add_option("--out-tensors", options->out_tensors,
                       "also write `image` (float32 [B, H, W, 3] in [0, 1]) and the final `latents` here");
+  command->add_option("--image", options->images,
+                      "a reference image (PNG or JPEG) to edit from; repeat for several (FLUX.2: up to 10, each "
+                      "its own tokens; FluxKontextPipeline: the image to edit)");
+  command->add_option("--max-area", options->max_area,
+                      "FluxKontextPipeline: the output's area in pixels (default 1048576 = 1024x1024), the aspect "
+                      "of --height x --width kept")
+      ->check(integer_in(1, pipelines::kMaxImageSide * pipelines::kMaxImageSide));
+  command->add_flag("--no-auto-resize", options->no_auto_resize,
+                    "FluxKontextPipeline: keep the input image's own size (floored to multiples of 16) instead of "
+                    "the preferred Kontext resolution nearest in aspect (diffusers' _auto_resize=False)");
   add_pipeline_options(command, options->pipeline);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");

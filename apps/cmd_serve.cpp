@@ -87,7 +87,7 @@ int serve(ServeCommandOptions options) {
 void register_serve(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<ServeCommandOptions>();
   CLI::App* command =
-      app.add_subcommand("serve", "an OpenAI-compatible images API (POST /v1/images/generations) over a pipeline");
+      app.add_subcommand("serve", "an OpenAI-compatible images API (POST /v1/images/generations and /v1/images/edits) over a pipeline");
   command->add_option("--model", options->model,
                       "diffusers pipeline folder (model_index.json); default: the built-in tiny random pipeline");
   command->add_option("--model-name", options->model_name,
@@ -120,6 +120,13 @@ void register_serve(CLI::App& app, CommandBody& body) {
              },
              "seconds a request's head and body may take to arrive (default 10); slower clients get 408")
       ->check(number_in(0.1, 3600.0));
+  // Edits carry their images base64 in the body: a 1024x1024 photo is 2-4 MB of it.
+  options->serve.http.max_body_bytes = size_t{16} << 20;
+  command->add_option_function<int64_t>(
+             "--max-body-mb",
+             [options](int64_t megabytes) { options->serve.http.max_body_bytes = static_cast<size_t>(megabytes) << 20; },
+             "largest request body in MiB (default 16; /v1/images/edits carries its images in it); larger get 413")
+      ->check(integer_in(1, 1024));
   add_pipeline_options(command, options->pipeline);
   command->callback([&body, options] { body = [options] { return serve(*options); }; });
 }

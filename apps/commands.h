@@ -91,6 +91,7 @@ struct PipelineCliOptions {
   bool vae_parallel = false;
   LoraCliOptions lora;
   std::string cache;  ///< --cache KIND:key=value,... as given; empty: no step cache
+  std::string pipeline_class;  ///< --pipeline CLASS; empty: the class model_index.json names
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
   parallel::ParallelDims dims() const;
   /// --cache parsed (errors name the key); nullopt without.
@@ -102,8 +103,8 @@ struct PipelineCliOptions {
 /// the VAE tiled or decoding in parallel, the LoRA adapters.
 pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
 
-/// Adds --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp, --tiled-vae,
-/// --vae-parallel, --cache and the LoRA options to a pipeline command.
+/// Adds --pipeline, --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp,
+/// --tiled-vae, --vae-parallel, --cache and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
 
 /// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the

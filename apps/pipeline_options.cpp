@@ -43,10 +43,14 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
   load.lora = lora_requests(options.lora);
   load.lora_scale = options.lora.scale;
   load.fuse_lora = options.lora.fuse;
+  if (!options.pipeline_class.empty()) load.pipeline_class = options.pipeline_class;
   return load;
 }
 
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
+  command->add_option("--pipeline", options.pipeline_class,
+                      "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
+                      "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
   command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
   command
       ->add_option("--tp", options.tp,

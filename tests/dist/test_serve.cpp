@@ -811,4 +811,77 @@ TEST(Serve, LostRankFailsHealthAndExitsNamingIt) {
   EXPECT_THAT(ranks[0]->log(), HasSubstr("lost rank 1"));
 }
 
+// POST /v1/images/edits on the built-in FLUX.1 pipeline served as FluxKontextPipeline at TP=2: a
+// golden reference image gives the PNG `generate --image` gives with the same seed; images that
+// cannot be decoded or edited from are 400s naming them, and the server keeps serving.
+TEST(Serve, EditsEqualGenerateWithImageAndRefuseBadImagesGolden) {
+  const std::string dir = make_temp_dir("serve_edits");
+  auto server = start_server(dir, {"--pipeline", "FluxKontextPipeline"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  const std::string reference = shardit::testing::golden_path("edit_flux1_kontext/reference_a.png");
+  const std::string png_bytes = read_text(reference);
+  json edit = kValid;
+  edit["image"] = shardit::serving::base64_encode(png_bytes);
+  auto answer = post(port, edit.dump(), "/v1/images/edits");
+  ASSERT_TRUE(answer) << "POST failed: " << httplib::to_string(answer.error());
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  const at::Tensor served = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, "served.png");
+
+  std::string output;
+  const std::string generated = dir + "/generated.png";
+  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --pipeline FluxKontextPipeline --model " +
+                                   served_model() + " --image " + reference +
+                                   " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
+                                   "--height 48 --max-area 3072 --steps 2 --max-sequence-length " + kMaxSequenceLength +
+                                   " --out " + generated,
+                               &output);
+  ASSERT_EQ(code, 0) << output;
+  const at::Tensor expected = shardit::io::read_png(generated);
+  ASSERT_EQ(served.sizes(), expected.sizes());
+  EXPECT_TRUE(served.equal(expected)) << "the edited image differs from generate --image's in "
+                                      << served.ne(expected).sum().item<int64_t>() << " values";
+  // The reference image matters: the text-to-image answer differs.
+  auto plain = post(port, kValid.dump());
+  ASSERT_TRUE(plain && plain->status == 200);
+  EXPECT_FALSE(png_pixels(json::parse(plain->body)["data"][0]["b64_json"], dir, "plain.png").equal(served));
+
+  // A PNG whose header declares 30000 x 30000 (the IHDR fields patched; the CRC no longer matches,
+  // and the size is refused before that is read).
+  std::string huge = png_bytes;
+  for (const size_t offset : {size_t{16}, size_t{20}}) {
+    const uint32_t side = 30000;
+    huge[offset] = static_cast<char>(side >> 24);
+    huge[offset + 1] = static_cast<char>((side >> 16) & 0xff);
+    huge[offset + 2] = static_cast<char>((side >> 8) & 0xff);
+    huge[offset + 3] = static_cast<char>(side & 0xff);
+  }
+  const at::Tensor one_pixel = at::full({1, 1, 3}, 200, at::kByte);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {png_bytes.substr(0, png_bytes.size() / 2), "truncated PNG"},
+      {shardit::io::encode_png(one_pixel), "1x1 image"},
+      {huge, "30000x30000 header"},
+      {"this is a text file, not a picture\n", "text named .png"}};
+  for (const auto& [bytes, what] : bad) {
+    json body = kValid;
+    body["image"] = shardit::serving::base64_encode(bytes);
+    auto refused = post(port, body.dump(), "/v1/images/edits");
+    ASSERT_TRUE(refused) << what;
+    EXPECT_EQ(refused->status, 400) << what << ": " << refused->body;
+    EXPECT_THAT(json::parse(refused->body)["error"]["message"].get<std::string>(), HasSubstr("image")) << what;
+  }
+  json missing = kValid;
+  auto no_image = post(port, missing.dump(), "/v1/images/edits");
+  ASSERT_TRUE(no_image);
+  EXPECT_EQ(no_image->status, 400);
+  EXPECT_THAT(no_image->body, HasSubstr("'image' is required"));
+  // Still serving: the same edit again gives the same image.
+  auto again = post(port, edit.dump(), "/v1/images/edits");
+  ASSERT_TRUE(again && again->status == 200) << (again ? again->body : "no answer");
+  EXPECT_TRUE(png_pixels(json::parse(again->body)["data"][0]["b64_json"], dir, "again.png").equal(served));
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "shardit/io/image.h"
 #include "shardit/io/json.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
@@ -53,6 +54,48 @@ PipelineCase read_pipeline_case(const std::string& dir) {
   request.latents = io::SafetensorsFile::open(dir + "/inputs.safetensors")->read("latents");
   golden.steps = *request.num_inference_steps;
   golden.batch = request.prompt_embeds->num_prompts() * request.num_images_per_prompt;
+  golden.outputs_dir = dir;
+  return golden;
+}
+
+PipelineCase read_edit_case(const std::string& name, const std::string& run) {
+  const std::string edit_dir = golden_path(name);
+  const nlohmann::json edit = io::read_json_file(edit_dir + "/case.json");
+  const nlohmann::json& call = edit.at("call");
+  // "latents": "../pipeline_flux2_klein/inputs.safetensors['latents']": the pipeline case it edits from.
+  const std::string latents = call.at("latents").get<std::string>();
+  const size_t start = latents.find("../") + 3;
+  PipelineCase golden = read_pipeline_case(golden_path(latents.substr(start, latents.find('/', start) - start)));
+  golden.outputs_dir = edit_dir;
+  golden.output_prefix = run + ".";
+  EXPECT_EQ(call.at("num_inference_steps").get<int64_t>(), golden.steps) << name;
+  EXPECT_EQ(call.at("height").get<int64_t>(), *golden.request.height) << name;
+  EXPECT_EQ(call.at("width").get<int64_t>(), *golden.request.width) << name;
+  EXPECT_EQ(call.at("guidance_scale").get<double>(), golden.request.guidance_scale.value_or(-1)) << name;
+  const std::string pipeline = edit.at("pipeline").get<std::string>();
+  if (pipeline.rfind("FluxKontextPipeline", 0) == 0) {
+    golden.pipeline_class = "FluxKontextPipeline";
+    golden.cli_args.insert(golden.cli_args.end(), {"--pipeline", "FluxKontextPipeline"});
+  }
+  if (call.contains("max_area")) {
+    golden.request.max_area = call.at("max_area").get<int64_t>();
+    golden.cli_args.insert(golden.cli_args.end(), {"--max-area", std::to_string(*golden.request.max_area)});
+  }
+  if (call.contains("_auto_resize") && !call.at("_auto_resize").get<bool>()) {
+    golden.request.auto_resize = false;
+    golden.cli_args.push_back("--no-auto-resize");
+  }
+  bool found = false;
+  for (const auto& entry : edit.at("runs")) {
+    if (entry.at("tag").get<std::string>() != run) continue;
+    found = true;
+    for (const auto& reference : entry.at("references")) {
+      const std::string path = edit_dir + "/" + reference.get<std::string>();
+      golden.request.image.push_back(io::read_image(path));
+      golden.cli_args.insert(golden.cli_args.end(), {"--image", path});
+    }
+  }
+  EXPECT_TRUE(found) << name << " has no run " << run;
   return golden;
 }
 
@@ -101,19 +144,20 @@ void set_case_steps(PipelineCase& golden, int64_t steps) {
 
 void expect_pipeline_matches(const PipelineCase& golden, const std::vector<at::Tensor>& step_latents,
                              const at::Tensor& image, const std::string& what) {
-  const auto outputs = io::SafetensorsFile::open(golden.dir + "/outputs.safetensors");
+  const auto outputs = io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
   ASSERT_EQ(static_cast<int64_t>(step_latents.size()), golden.steps) << what;
   for (int64_t k = 0; k < golden.steps; ++k) {
-    const std::string name = "step" + std::to_string(k) + ".latents";
+    const std::string name = golden.output_prefix + "step" + std::to_string(k) + ".latents";
     EXPECT_TRUE(tensors_close(what + ": " + name, step_latents[static_cast<size_t>(k)].to(at::kFloat),
                               outputs->read(name), kPipelineAtol, kPipelineRtol));
   }
-  const at::Tensor expected = outputs->read("image");
+  const at::Tensor expected = outputs->read(golden.output_prefix + "image");
   const auto image_check = tensors_close(what + ": image", image, expected, kImageAtol, 0.0);
   EXPECT_TRUE(image_check);
   std::cout << image_check.message() << "\n";
   for (int64_t i = 0; i < golden.batch; ++i) {
-    const at::Tensor png = io::read_png(golden.dir + "/image_" + std::to_string(i) + ".png").to(at::kInt);
+    const at::Tensor png =
+        io::read_png(golden.outputs_dir + "/" + golden.output_prefix + "image_" + std::to_string(i) + ".png").to(at::kInt);
     const at::Tensor ours = io::to_uint8_pixels(image[i]).to(at::kInt);
     EXPECT_LE((ours - png).abs().max().item<int>(), 1) << what << ": image " << i << " pixels";
   }
@@ -126,6 +170,7 @@ void expect_api_matches(PipelineCase& golden, const std::string& what) {
   };
   pipelines::PipelineLoadOptions options;
   options.load_vae = true;
+  options.pipeline_class = golden.pipeline_class;
   const auto pipeline = pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
   const auto result = pipeline->generate(golden.request);
   expect_pipeline_matches(golden, steps, result.image, what);
@@ -159,7 +204,8 @@ GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& g
 void expect_pngs_match(const PipelineCase& golden, const std::vector<std::string>& pngs, const std::string& what) {
   ASSERT_EQ(static_cast<int64_t>(pngs.size()), golden.batch) << what;
   for (int64_t i = 0; i < golden.batch; ++i) {
-    const at::Tensor expected = io::read_png(golden.dir + "/image_" + std::to_string(i) + ".png").to(at::kInt);
+    const at::Tensor expected =
+        io::read_png(golden.outputs_dir + "/" + golden.output_prefix + "image_" + std::to_string(i) + ".png").to(at::kInt);
     const at::Tensor ours = io::read_png(pngs[static_cast<size_t>(i)]).to(at::kInt);
     ASSERT_EQ(ours.sizes(), expected.sizes()) << what << ": " << pngs[static_cast<size_t>(i)];
     EXPECT_LE((ours - expected).abs().max().item<int>(), 1) << what << ": " << pngs[static_cast<size_t>(i)];

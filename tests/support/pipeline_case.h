@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,12 @@ struct PipelineCase {
   std::vector<std::string> cli_args;   ///< the same as `shardit generate` arguments (no --out)
   int64_t steps = 0;
   int64_t batch = 0;
+  /// Where the expected outputs are (outputs.safetensors, image_<i>.png) and the prefix of their
+  /// names: the pipeline folder and "" for text-to-image; an edit case's folder and "<run>.".
+  std::string outputs_dir;
+  std::string output_prefix;
+  /// The pipeline class to load the folder as (`--pipeline`), when not model_index.json's.
+  std::optional<std::string> pipeline_class;
 };
 
 /// Reads `dir`'s case.json, inputs.safetensors and the embeddings in outputs.safetensors.
@@ -26,6 +33,12 @@ PipelineCase read_pipeline_case(const std::string& dir);
 /// The golden case `name` with its prompts as text (case.json `call`: prompt, negative_prompt)
 /// instead of the stored embeddings, in the request and the CLI arguments alike.
 PipelineCase read_prompt_case(const std::string& name);
+
+/// The editing case `name` (edit_flux2_klein, edit_flux2_dev, edit_flux1_kontext), run `run`
+/// ("refs_a", "refs_ab"): the pipeline case its `latents` come from, with the run's reference
+/// images (request.image and --image), Kontext's class, max_area and _auto_resize, and the
+/// edit case's outputs as the expected ones.
+PipelineCase read_edit_case(const std::string& name, const std::string& run);
 
 /// The case with `steps` denoising steps instead of its own (request and CLI arguments).
 void set_case_steps(PipelineCase& golden, int64_t steps);

@@ -21,6 +21,10 @@ at::Tensor resize_lanczos(const at::Tensor& pixels, int64_t height, int64_t widt
 /// error with diffusers' text ("Image too small: 200×50. Both dimensions must be at least 64px").
 void check_flux2_image_input(int64_t height, int64_t width);
 
+/// The size flux2_condition_image gives an image of `height` x `width` pixels, {height, width},
+/// without touching pixels (the FLUX.2 pipelines take the output size from it).
+std::pair<int64_t, int64_t> flux2_condition_size(int64_t height, int64_t width, int64_t multiple_of = 16);
+
 /// The FLUX.2 pipelines' preparation of one reference image (uint8 [H, W, 3]): checked, resized
 /// to a 1024² area when larger, sides floored to multiples of `multiple_of` (16), centre-cropped,
 /// and scaled to [-1, 1]: float32 [1, 3, h, w].

@@ -17,6 +17,7 @@
 #include "shardit/dist/mesh.h"
 #include "shardit/parallel/context_parallel.h"
 #include "shardit/dist/world.h"
+#include "shardit/io/image.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
@@ -207,6 +208,19 @@ void check_request(const GenerateRequest& request) {
   check_finite_embeds(request.prompt_embeds, "prompt_embeds");
   check_finite_embeds(request.negative_prompt_embeds, "negative_prompt_embeds");
   if (request.latents) check_finite_tensor("latents (--latents)", *request.latents);
+  const auto images = static_cast<int64_t>(request.image.size());
+  TORCH_CHECK(images <= kMaxReferenceImages, images, " reference images (--image) given; a call takes at most ",
+              kMaxReferenceImages);
+  for (int64_t i = 0; i < images; ++i) {
+    const at::Tensor& image = request.image[static_cast<size_t>(i)];
+    TORCH_CHECK(image.defined() && image.dim() == 3 && image.size(2) == 3 && image.scalar_type() == at::kByte,
+                "reference image ", i, " (--image) must be 8-bit RGB pixels uint8 [H, W, 3], got ",
+                image.defined() ? image.toString() : std::string("nothing"), " of shape ",
+                image.defined() ? image.sizes() : c10::IntArrayRef{});
+    check_range("reference image height", image.size(0), 1, io::kMaxInputImageSide);
+    check_range("reference image width", image.size(1), 1, io::kMaxInputImageSide);
+  }
+  if (request.max_area) check_range("max_area (--max-area)", *request.max_area, 1, kMaxImageSide * kMaxImageSide);
 }
 
 DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,
@@ -378,6 +392,56 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
     check_given_latents(*request.latents, latents_shape(num_prompts * request.num_images_per_prompt, h, w),
                         latents_layout());
   }
+  const auto images = static_cast<int64_t>(request.image.size());
+  TORCH_CHECK(images == 0 || max_reference_images() > 0, class_name(),
+              " takes no reference images (--image): it generates from text only; edit with a FLUX.2 folder "
+              "(Flux2KleinPipeline, Flux2Pipeline) or a FLUX.1 folder as FluxKontextPipeline (--pipeline "
+              "FluxKontextPipeline)");
+  TORCH_CHECK(images <= max_reference_images(), class_name(), " takes at most ", max_reference_images(),
+              " reference images (--image), got ", images);
+  if (images > 0) check_reference_images(request, num_prompts * request.num_images_per_prompt);
+  TORCH_CHECK(!request.max_area || takes_max_area(), class_name(),
+              " takes no max_area (--max-area): only FluxKontextPipeline rescales its output to an area");
+}
+
+ReferenceTokens DiffusionPipeline::reference_tokens(const GenerateRequest& request, int64_t /*batch*/) const {
+  TORCH_CHECK(request.image.empty(), class_name(), " takes no reference images");
+  return {};
+}
+
+void DiffusionPipeline::check_reference_images(const GenerateRequest& /*request*/, int64_t /*batch*/) const {}
+
+at::Tensor DiffusionPipeline::encode_image_latents(const at::Tensor& image) const {
+  const std::shared_ptr<dist::Group> world = dist::World::get().group();
+  const auto encode_here = [&] {
+    TORCH_CHECK(vae_ != nullptr && vae_->has_encoder(), class_name(), ": the VAE (", folder_.root(),
+                "/vae) has no encoder to encode reference images");
+    // The VAE is loaded in the pipeline's dtype on its device.
+    const at::Tensor z = vae_->encode(image.to(options_.device, options_.dtype));
+    return vae_->normalize_latents(z).to(at::kFloat).to(at::kCPU).contiguous();
+  };
+  // Under a parallel decode every rank holds the VAE and encodes its band of the rows together
+  // with the others; alone, this rank encodes.
+  if (options_.vae_parallel || world->size() == 1) return encode_here();
+
+  // Otherwise the ranks that load the VAE (world rank 0 by default) encode, and the lowest of them
+  // sends the latents to every rank: the transformer's ranks all need the reference tokens.
+  at::Tensor has_vae = at::full({1}, vae_ != nullptr ? 1 : 0, at::kLong);
+  const at::Tensor holders = world->all_gather(has_vae, 0);  // [world size]
+  const at::Tensor first = holders.nonzero();
+  TORCH_CHECK(first.numel() > 0, class_name(), ": no rank loads the VAE (load_vae false everywhere), so no rank can "
+              "encode the reference images");
+  const int root = static_cast<int>(first[0][0].item<int64_t>());
+  at::Tensor latents;
+  if (world->rank() == root) latents = encode_here();
+  // The shape first ([1, C, h, w]), then the values, both from the root.
+  at::Tensor shape = world->rank() == root ? at::tensor(latents.sizes().vec(), at::kLong) : at::zeros({4}, at::kLong);
+  world->broadcast(shape, root);
+  if (world->rank() != root) {
+    latents = at::empty(std::vector<int64_t>(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + 4), at::kFloat);
+  }
+  world->broadcast(latents, root);
+  return latents;
 }
 
 GenerateResult DiffusionPipeline::generate(const GenerateRequest& request) {
@@ -456,6 +520,11 @@ PreparedRequest DiffusionPipeline::prepare(const GenerateRequest& request) const
   call.w = call.width / (vae_scale_factor_ * 2);
   call.batch = num_prompts * n;
   call.latents = prepare_latents(request, call.batch, call.h, call.w);  // [B, N, C4]
+  call.references = reference_tokens(request, call.batch);
+  if (call.references.defined()) {
+    call.references.latents = call.references.latents.to(call.device(), call.dtype());
+    call.references.ids = call.references.ids.to(call.device());
+  }
   call.cond = repeat_prompt_embeds(positive, n, call.dtype(), call.device());
   if (call.do_cfg) call.uncond = repeat_prompt_embeds(*negative, n, call.dtype(), call.device());
   call.scheduler = make_scheduler(call.num_inference_steps, scheduler_mu(call.h * call.w, call.num_inference_steps));
@@ -489,10 +558,13 @@ at::Tensor DiffusionPipeline::initial_latents(const GenerateRequest& request, in
   return seeded_noise(shape, request.seed);
 }
 
+std::pair<int64_t, int64_t> DiffusionPipeline::requested_size(const GenerateRequest& request) const {
+  return {request.height.value_or(default_size()), request.width.value_or(default_size())};
+}
+
 std::pair<int64_t, int64_t> DiffusionPipeline::resolve_size(const GenerateRequest& request, bool note) const {
   const int64_t multiple = vae_scale_factor_ * 2;
-  const int64_t height = request.height.value_or(default_size());
-  const int64_t width = request.width.value_or(default_size());
+  const auto [height, width] = requested_size(request);
   const int64_t rounded_height = height / multiple * multiple;
   const int64_t rounded_width = width / multiple * multiple;
   TORCH_CHECK(rounded_height > 0 && rounded_width > 0, class_name(), ": an image of ", height, "x", width,
@@ -608,10 +680,12 @@ std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& pa
                                                            const PipelineLoadOptions& options) {
   io::ModelFolder folder = io::ModelFolder::open(path);
   TORCH_CHECK(folder.is_pipeline(), path, " has no model_index.json; give a diffusers pipeline folder");
-  const std::string name = folder.model_index().value("_class_name", std::string());
+  const std::string name = options.pipeline_class.value_or(folder.model_index().value("_class_name", std::string()));
   std::unique_ptr<DiffusionPipeline> pipeline;
   if (name == "FluxPipeline") {
     pipeline = std::make_unique<FluxPipeline>(std::move(folder), options);
+  } else if (name == "FluxKontextPipeline") {
+    pipeline = std::make_unique<FluxKontextPipeline>(std::move(folder), options);
   } else if (name == "Flux2KleinPipeline") {
     pipeline = std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
   } else if (name == "Flux2Pipeline") {
@@ -619,9 +693,10 @@ std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& pa
   } else if (name == "QwenImagePipeline") {
     pipeline = std::make_unique<QwenImagePipeline>(std::move(folder), options);
   } else {
-    TORCH_CHECK(false, path, "/model_index.json: _class_name '", name,
-                "' is not a supported pipeline (supported: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, "
-                "QwenImagePipeline)");
+    TORCH_CHECK(false, options.pipeline_class ? std::string("--pipeline") : path + "/model_index.json: _class_name",
+                " '", name,
+                "' is not a supported pipeline (supported: FluxPipeline, FluxKontextPipeline, Flux2KleinPipeline, "
+                "Flux2Pipeline, QwenImagePipeline)");
   }
   pipeline->check_parallel();
   return pipeline;

@@ -80,6 +80,30 @@ struct GenerateRequest {
   /// Step caching for this call (models/step_cache.h); none: whatever the transformer has on
   /// (transformer's enable_cache), by default nothing. Checked against the model by check().
   std::optional<models::StepCacheConfig> cache;
+  /// Reference images for editing, uint8 [H, W, 3] RGB pixels each (io::read_image / decode_image
+  /// give them). FLUX.2 ([klein] and [dev]): up to kMaxReferenceImages, each encoded to its own
+  /// tokens after the noise tokens, the output size taken from the first unless given.
+  /// FluxKontextPipeline: the image to edit (one for all images of the call, or one per prompt
+  /// row as diffusers' batch). Pipelines without image input refuse them (check()).
+  std::vector<at::Tensor> image;
+  /// FluxKontextPipeline's max_area: the output's pixel area (default 1024²), the aspect of
+  /// height x width kept.
+  std::optional<int64_t> max_area;
+  /// FluxKontextPipeline's _auto_resize: the input image resized to the preferred Kontext
+  /// resolution nearest in aspect (true, diffusers' default), or kept at its own size.
+  bool auto_resize = true;
+};
+
+/// The most reference images one call takes (FLUX.2: the model's ten reference slots).
+constexpr int64_t kMaxReferenceImages = 10;
+
+/// The reference images of a call as the transformer takes them after the noise tokens: their
+/// packed latents [B, M, C4] and position ids (the family's layout: FLUX.2 int64 [B, M, 4],
+/// FLUX.1 Kontext float [M, 3]). Undefined without reference images.
+struct ReferenceTokens {
+  at::Tensor latents;
+  at::Tensor ids;
+  bool defined() const { return latents.defined(); }
 };
 
 /// A pipeline family's values for what a request leaves unset (its diffusers __call__ defaults).
@@ -107,6 +131,8 @@ struct PreparedRequest {
   std::optional<PromptEmbeds> uncond;
   /// The initial latents as tokens [B, N, C4] on the transformer's device, in its dtype.
   at::Tensor latents;
+  /// The reference images' tokens and ids (reference_tokens()); undefined without images.
+  ReferenceTokens references;
   /// Set for num_inference_steps with the family's mu.
   schedulers::FlowMatchEulerDiscreteScheduler scheduler{schedulers::FlowMatchEulerDiscreteSchedulerConfig{}};
   /// The transformer's device and dtype (the latents').
@@ -168,6 +194,10 @@ struct PipelineLoadOptions {
   /// Merge the adapters into the weights once, at load (diffusers' fuse_lora): the steps then cost
   /// what the base model's cost.
   bool fuse_lora = false;
+  /// The pipeline class to build instead of the one model_index.json names (`--pipeline`), as
+  /// diffusers' `FluxKontextPipeline.from_pretrained(flux1_folder)`: it must take the folder's
+  /// transformer class (FluxPipeline and FluxKontextPipeline share FLUX.1's).
+  std::optional<std::string> pipeline_class;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().
@@ -215,6 +245,16 @@ class DiffusionPipeline {
   virtual bool takes_negative_prompt() const { return true; }
   /// The degrees of the transformer's mesh: all 1 when loaded whole, tp as it is sharded.
   parallel::ParallelDims parallel_dims() const;
+
+  /// The most reference images a call takes (GenerateRequest::image): 0 for text-to-image only.
+  virtual int64_t max_reference_images() const { return 0; }
+  /// Whether the pipeline takes GenerateRequest::max_area (FluxKontextPipeline).
+  virtual bool takes_max_area() const { return false; }
+  /// The reference images' tokens and ids for `batch` images (diffusers' prepare_image_latents):
+  /// each image prepared as the family's image processor does, encoded by the VAE (posterior
+  /// mean) and normalised, on every rank (encoded on the ranks with the VAE and sent to the
+  /// others). Collective over the world like generate(); after load(). Undefined without images.
+  virtual ReferenceTokens reference_tokens(const GenerateRequest& request, int64_t batch) const;
 
   /// The transformer's text width (joint_attention_dim) and pooled width (0: none).
   virtual int64_t joint_attention_dim() const = 0;
@@ -271,6 +311,16 @@ class DiffusionPipeline {
   /// The shared start of generate() after check(): size, defaults, prompt embeddings, the CFG
   /// decision, initial latents, scheduler.
   PreparedRequest prepare(const GenerateRequest& request) const;
+  /// The output size a request asks for before rounding, {height, width}: its own, else the
+  /// family's default (default_size(); FLUX.2: the first reference image's prepared size).
+  virtual std::pair<int64_t, int64_t> requested_size(const GenerateRequest& request) const;
+  /// The family's checks of the request's reference images beyond the count and pixel layout
+  /// (FLUX.2: each side >= 64 and aspect <= 8:1, diffusers' messages).
+  virtual void check_reference_images(const GenerateRequest& request, int64_t batch) const;
+  /// The VAE's normalised latents (AutoencoderModel::normalize_latents) of one prepared image
+  /// (float32 [1, 3, h, w] in [-1, 1]), float32 on the CPU on every rank: encoded where the VAE
+  /// is loaded (by all ranks together under vae_parallel), broadcast to the others.
+  at::Tensor encode_image_latents(const at::Tensor& image) const;
   /// The request's size rounded as diffusers does (a multiple of 2 * vae_scale_factor), with a
   /// printed note on rank 0 when it changes and `note` is set; errors for sizes that round to nothing.
   std::pair<int64_t, int64_t> resolve_size(const GenerateRequest& request, bool note = true) const;

@@ -1,9 +1,17 @@
 #include "shardit/pipelines/pipeline_flux.h"
 
+#include <cmath>
+
+#include "shardit/pipelines/image_processor.h"
+
 namespace shardit::pipelines {
 
 FluxPipeline::FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
-    : DiffusionPipeline(std::move(folder), options, "FluxPipeline", "FluxTransformer2DModel") {}
+    : FluxPipeline(std::move(folder), options, "FluxPipeline") {}
+
+FluxPipeline::FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,
+                           const std::string& pipeline_class)
+    : DiffusionPipeline(std::move(folder), options, pipeline_class, "FluxTransformer2DModel") {}
 
 models::FluxTransformer2DModel& FluxPipeline::flux_transformer() const {
   return static_cast<models::FluxTransformer2DModel&>(*transformer_);
@@ -58,14 +66,17 @@ GenerateResult FluxPipeline::generate_prepared(PreparedRequest& call, const Gene
       call, request,
       [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
         models::FluxTransformer2DModelInputs inputs;
-        inputs.hidden_states = x;
+        // Kontext's image tokens follow the noise tokens at every step: [B, N + M, 4C], ids [N + M, 3].
+        inputs.hidden_states = call.references.defined() ? at::cat({x, call.references.latents}, 1) : x;
         inputs.encoder_hidden_states = embeds.prompt_embeds;
         inputs.pooled_projections = *embeds.pooled_prompt_embeds;
         inputs.timestep = timestep;
-        inputs.img_ids = img_ids;
+        inputs.img_ids = call.references.defined() ? at::cat({img_ids, call.references.ids}, 0) : img_ids;
         inputs.txt_ids = at::zeros({embeds.prompt_embeds.size(1), 3}, float_options).to(device);
         inputs.guidance = guidance;
-        return transformer.forward(inputs);
+        const at::Tensor prediction = transformer.forward(inputs);
+        // Only the noise tokens' prediction steps the latents.
+        return call.references.defined() ? prediction.narrow(1, 0, x.size(1)) : prediction;
       },
       [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
         return neg + call.true_cfg_scale * (noise_pred - neg);
@@ -74,6 +85,61 @@ GenerateResult FluxPipeline::generate_prepared(PreparedRequest& call, const Gene
   GenerateResult result = make_result(latents, call, call.do_cfg ? call.true_cfg_scale : call.guidance_scale);
   if (vae_) result.image = decode_image(unpack_latents_2x2(latents, call.h, call.w));  // [B, C, H/8, W/8]
   return result;
+}
+
+FluxKontextPipeline::FluxKontextPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
+    : FluxPipeline(std::move(folder), options, "FluxKontextPipeline") {}
+
+std::pair<int64_t, int64_t> FluxKontextPipeline::requested_size(const GenerateRequest& request) const {
+  constexpr int64_t kDefaultMaxArea = int64_t{1024} * 1024;
+  const auto [height, width] = DiffusionPipeline::requested_size(request);
+  const auto area = static_cast<double>(request.max_area.value_or(kDefaultMaxArea));
+  const double aspect = static_cast<double>(width) / static_cast<double>(height);
+  // Python's round(): half to even, which nearbyint does in the default rounding mode.
+  return {static_cast<int64_t>(std::nearbyint(std::sqrt(area / aspect))),
+          static_cast<int64_t>(std::nearbyint(std::sqrt(area * aspect)))};
+}
+
+void FluxKontextPipeline::check_reference_images(const GenerateRequest& request, int64_t batch) const {
+  // Below one latent patch an image holds nothing to edit (and without _auto_resize it would be
+  // floored to an empty one).
+  const int64_t multiple = vae_scale_factor_ * 2;
+  for (size_t i = 0; i < request.image.size(); ++i) {
+    const at::Tensor& image = request.image[i];
+    TORCH_CHECK(image.size(0) >= multiple && image.size(1) >= multiple, class_name(), ": reference image ", i,
+                " (--image) is ", image.size(1), "x", image.size(0), "; both sides must be at least ", multiple,
+                " pixels to edit from");
+  }
+  const auto images = static_cast<int64_t>(request.image.size());
+  TORCH_CHECK(batch % images == 0, class_name(), ": cannot duplicate `image` of batch size ", images, " to ", batch,
+              " text prompts (prompts x --num-images): give one image, or one per image of the call");
+}
+
+ReferenceTokens FluxKontextPipeline::reference_tokens(const GenerateRequest& request, int64_t batch) const {
+  if (request.image.empty()) return {};
+  // Every image takes the size the first one chooses (VaeImageProcessor.resize of the batch).
+  const at::Tensor& first = request.image.front();
+  const auto [image_height, image_width] =
+      kontext_image_size(first.size(0), first.size(1), request.auto_resize, vae_scale_factor_, vae_scale_factor_ * 2);
+  std::vector<at::Tensor> tokens;
+  for (const at::Tensor& pixels : request.image) {
+    const at::Tensor image = kontext_condition_image(pixels, image_height, image_width);  // [1, 3, H, W]
+    const at::Tensor latents = encode_image_latents(image);  // [1, C, H/8, W/8], shifted and scaled
+    tokens.push_back(pack_latents_2x2(latents));            // [1, M, 4C]
+  }
+  const int64_t h = image_height / (vae_scale_factor_ * 2);
+  const int64_t w = image_width / (vae_scale_factor_ * 2);
+  // (1, row, col): the noise's ids with the first coordinate 1.
+  const auto float_options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor ids = at::ones({h, w, 3}, float_options);
+  ids.select(2, 1).copy_(at::arange(h, float_options).unsqueeze(1).expand({h, w}));
+  ids.select(2, 2).copy_(at::arange(w, float_options).unsqueeze(0).expand({h, w}));
+  ReferenceTokens references;
+  const auto images = static_cast<int64_t>(request.image.size());
+  // torch.cat([latents] * (batch / images)): the images in order, repeated.
+  references.latents = at::cat(tokens, 0).repeat({batch / images, 1, 1});  // [B, M, 4C]
+  references.ids = ids.reshape({h * w, 3});                                 // [M, 3]
+  return references;
 }
 
 }  // namespace shardit::pipelines

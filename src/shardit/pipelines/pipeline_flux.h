@@ -27,9 +27,35 @@ class FluxPipeline : public DiffusionPipeline {
   models::FluxTransformer2DModel& flux_transformer() const;
 
  protected:
+  /// For FluxKontextPipeline, which shares the transformer, latents and loop.
+  FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options, const std::string& pipeline_class);
+
   CallDefaults call_defaults() const override;
   at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
+  /// The loop with the call's reference tokens (if any) after the noise tokens at every step.
   GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;
+};
+
+/// diffusers' FluxKontextPipeline (pipeline_flux_kontext.py): FLUX.1 Kontext, image editing with
+/// FLUX.1's transformer. The output size is rescaled to max_area pixels (default 1024²) at the
+/// requested aspect; the input image is resized to the preferred Kontext resolution nearest in
+/// aspect (_auto_resize) or kept at its own size, encoded, shifted and scaled, packed like the
+/// noise and appended after it with ids (1, row, col). Also builds on FLUX.1 folders whose
+/// model_index.json names FluxPipeline (`--pipeline FluxKontextPipeline`).
+class FluxKontextPipeline : public FluxPipeline {
+ public:
+  FluxKontextPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  std::string class_name() const override { return "FluxKontextPipeline"; }
+  /// One image for the whole batch, or one per row of it (diffusers' batch of images).
+  int64_t max_reference_images() const override { return kMaxReferenceImages; }
+  bool takes_max_area() const override { return true; }
+  ReferenceTokens reference_tokens(const GenerateRequest& request, int64_t batch) const override;
+
+ protected:
+  /// height x width (default 1024²) rescaled to max_area pixels at the same aspect, rounded half to even.
+  std::pair<int64_t, int64_t> requested_size(const GenerateRequest& request) const override;
+  /// The images' count must divide the batch (diffusers repeats them to fill it).
+  void check_reference_images(const GenerateRequest& request, int64_t batch) const override;
 };
 
 }  // namespace shardit::pipelines

@@ -1,5 +1,7 @@
 #include "shardit/pipelines/pipeline_flux2_klein.h"
 
+#include "shardit/pipelines/image_processor.h"
+
 namespace shardit::pipelines {
 
 namespace {
@@ -76,6 +78,44 @@ double Flux2KleinPipeline::scheduler_mu(int64_t image_seq_len, int64_t steps) co
   return schedulers::compute_empirical_mu(image_seq_len, steps);
 }
 
+std::pair<int64_t, int64_t> Flux2KleinPipeline::requested_size(const GenerateRequest& request) const {
+  if (request.image.empty()) return DiffusionPipeline::requested_size(request);
+  // diffusers sets height = height or image_height from the reference images in order: the first wins.
+  const at::Tensor& first = request.image.front();
+  const auto [image_height, image_width] = flux2_condition_size(first.size(0), first.size(1), vae_scale_factor_ * 2);
+  return {request.height.value_or(image_height), request.width.value_or(image_width)};
+}
+
+void Flux2KleinPipeline::check_reference_images(const GenerateRequest& request, int64_t /*batch*/) const {
+  for (size_t i = 0; i < request.image.size(); ++i) {
+    try {
+      check_flux2_image_input(request.image[i].size(0), request.image[i].size(1));
+    } catch (const c10::Error& error) {
+      TORCH_CHECK(false, class_name(), ": reference image ", i, " (--image): ", error.what_without_backtrace());
+    }
+  }
+}
+
+ReferenceTokens Flux2KleinPipeline::reference_tokens(const GenerateRequest& request, int64_t batch) const {
+  if (request.image.empty()) return {};
+  constexpr int64_t kTimeScale = 10;  // _prepare_image_ids' scale: image k sits at t = 10 + 10 k
+  std::vector<at::Tensor> tokens;
+  std::vector<at::Tensor> ids;
+  for (size_t k = 0; k < request.image.size(); ++k) {
+    const at::Tensor image = flux2_condition_image(request.image[k], vae_scale_factor_ * 2);  // [1, 3, H, W]
+    const at::Tensor latents = encode_image_latents(image);  // [1, 4C, H/16, W/16], normalised
+    const int64_t h = latents.size(2);
+    const int64_t w = latents.size(3);
+    // [1, 4C, h, w] -> [1, h*w, 4C]: the patch is in the channels, tokens flatten the grid.
+    tokens.push_back(latents.reshape({1, latents.size(1), h * w}).permute({0, 2, 1}));
+    ids.push_back(models::flux2_image_ids(1, h, w, kTimeScale + kTimeScale * static_cast<int64_t>(k)));
+  }
+  ReferenceTokens references;
+  references.latents = at::cat(tokens, 1).repeat({batch, 1, 1});  // [B, M, 4C]
+  references.ids = at::cat(ids, 1).repeat({batch, 1, 1});         // [B, M, 4]
+  return references;
+}
+
 GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, const GenerateRequest& request) {
   models::Flux2Transformer2DModel& transformer = flux2_transformer();
   const auto& config = transformer.config;
@@ -90,13 +130,16 @@ GenerateResult Flux2KleinPipeline::generate_prepared(PreparedRequest& call, cons
       call, request,
       [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
         models::Flux2Transformer2DModelInputs inputs;
-        inputs.hidden_states = x;
+        // The reference tokens follow the noise tokens at every step: [B, N + M, 4C].
+        inputs.hidden_states = call.references.defined() ? at::cat({x, call.references.latents}, 1) : x;
         inputs.encoder_hidden_states = embeds.prompt_embeds;
         inputs.timestep = timestep;
-        inputs.img_ids = img_ids;
+        inputs.img_ids = call.references.defined() ? at::cat({img_ids, call.references.ids}, 1) : img_ids;
         inputs.txt_ids = models::flux2_text_ids(call.batch, embeds.prompt_embeds.size(1)).to(device);
         inputs.guidance = guidance;
-        return transformer.forward(inputs);
+        const at::Tensor prediction = transformer.forward(inputs);
+        // Only the noise tokens' prediction steps the latents.
+        return call.references.defined() ? prediction.narrow(1, 0, x.size(1)) : prediction;
       },
       [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
         return neg + call.guidance_scale * (noise_pred - neg);

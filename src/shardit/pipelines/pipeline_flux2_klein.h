@@ -26,6 +26,13 @@ class Flux2KleinPipeline : public DiffusionPipeline {
   std::vector<int64_t> latents_shape(int64_t batch, int64_t h, int64_t w) const override;
   std::string latents_layout() const override;
 
+  /// Up to kMaxReferenceImages reference images (diffusers' `image=[...]`).
+  int64_t max_reference_images() const override { return kMaxReferenceImages; }
+  /// Each image prepared (flux2_condition_image), encoded, patchified and batch-norm-normalised,
+  /// packed to its own tokens with ids (10 + 10 k, row, col, 0), all concatenated in order and
+  /// repeated for every image of the batch.
+  ReferenceTokens reference_tokens(const GenerateRequest& request, int64_t batch) const override;
+
   models::Flux2Transformer2DModel& flux2_transformer() const;
   /// model_index.json's is_distilled (no CFG when true).
   bool is_distilled() const { return is_distilled_; }
@@ -39,6 +46,10 @@ class Flux2KleinPipeline : public DiffusionPipeline {
                                                    int64_t num_prompts) const override;
   at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
   double scheduler_mu(int64_t image_seq_len, int64_t steps) const override;
+  /// The request's size, else the first reference image's prepared size, else 1024x1024.
+  std::pair<int64_t, int64_t> requested_size(const GenerateRequest& request) const override;
+  /// Flux2ImageProcessor.check_image_input of every image.
+  void check_reference_images(const GenerateRequest& request, int64_t batch) const override;
   GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;
 
  private:

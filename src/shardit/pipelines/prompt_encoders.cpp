@@ -28,8 +28,13 @@ struct EncoderComponents {
 };
 
 /// The components each pipeline class encodes with.
+/// The pipeline whose prompt encoding `pipeline_class` shares (FluxKontextPipeline: FluxPipeline's).
+std::string prompt_family(const std::string& pipeline_class) {
+  return pipeline_class == "FluxKontextPipeline" ? std::string("FluxPipeline") : pipeline_class;
+}
+
 std::vector<EncoderComponents> encoder_components(const std::string& pipeline_class) {
-  if (pipeline_class == "FluxPipeline") {
+  if (prompt_family(pipeline_class) == "FluxPipeline") {
     return {{"tokenizer", "text_encoder", "CLIPTextModel"}, {"tokenizer_2", "text_encoder_2", "T5EncoderModel"}};
   }
   if (pipeline_class == "Flux2KleinPipeline") return {{"tokenizer", "text_encoder", "Qwen3ForCausalLM"}};
@@ -38,7 +43,7 @@ std::vector<EncoderComponents> encoder_components(const std::string& pipeline_cl
     return {{"tokenizer", "text_encoder", "Qwen2_5_VLForConditionalGeneration"}};
   }
   TORCH_CHECK(false, "no prompt encoder for pipeline class '", pipeline_class,
-              "' (supported: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline)");
+              "' (supported: FluxPipeline, FluxKontextPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline)");
 }
 
 /// One field of a batch of encodings as int64 [B, S] (rows padded to one length by the tokenizer).
@@ -237,7 +242,7 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   if (world.size() > 1 || degree != 1) load.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, degree);
   for (size_t i = 0; i < encoders.size(); ++i) encoders[i]->load(components[i].weights(), load);
 
-  if (pipeline_class == "FluxPipeline") {
+  if (prompt_family(pipeline_class) == "FluxPipeline") {
     return std::make_shared<FluxPromptEncoder>(std::move(tokenizers[0]), as_encoder<models::CLIPTextModel>(encoders[0]),
                                                std::move(tokenizers[1]), as_encoder<models::T5EncoderModel>(encoders[1]));
   }

@@ -10,7 +10,9 @@
 #include <regex>
 
 #include "shardit/core/error.h"
+#include "shardit/io/image.h"
 #include "shardit/io/json.h"
+#include "shardit/serving/base64.h"
 #include "shardit/tokenizers/unicode.h"
 
 namespace shardit::serving {
@@ -111,6 +113,41 @@ std::string field_at_first_error(const std::string& body) {
   return locator.field;
 }
 
+/// The reference images of an edits request: `value` is one string or an array of them, each
+/// base64 of a PNG or JPEG, or a data: URL holding it. Every image is decoded once here, so a
+/// truncated or hostile file is a 400 before the request is queued.
+std::vector<std::string> checked_images(const json& value) {
+  const json list = value.is_array() ? value : json::array({value});
+  if (list.empty()) throw ApiError(400, "'image' must hold at least one image", "image");
+  if (static_cast<int64_t>(list.size()) > pipelines::kMaxReferenceImages) {
+    throw ApiError(400, fmt::format("'image' holds {} images; at most {} are accepted", list.size(),
+                                    pipelines::kMaxReferenceImages),
+                   "image");
+  }
+  std::vector<std::string> images;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string field = value.is_array() ? fmt::format("image[{}]", i) : std::string("image");
+    std::string text = string_field(list[i], field);
+    // data:image/png;base64,<data> as browsers write it.
+    if (text.rfind("data:", 0) == 0) {
+      const size_t comma = text.find(',');
+      if (comma == std::string::npos || text.substr(0, comma).find(";base64") == std::string::npos) {
+        throw ApiError(400, fmt::format("'{}' is a data: URL without base64 data", field), "image");
+      }
+      text.erase(0, comma + 1);
+    }
+    std::optional<std::string> bytes = base64_decode(text);
+    if (!bytes) throw ApiError(400, fmt::format("'{}' is not base64 (standard alphabet, padded)", field), "image");
+    try {
+      io::decode_image(*bytes, "'" + field + "'");
+    } catch (const std::exception& e) {
+      throw ApiError(400, error_message(e), "image");
+    }
+    images.push_back(std::move(*bytes));
+  }
+  return images;
+}
+
 uint64_t random_seed() {
   static std::mutex mutex;
   static std::mt19937_64 engine{std::random_device{}()};
@@ -141,15 +178,21 @@ nlohmann::json ApiError::body() const {
   return json{{"error", error}};
 }
 
-const std::vector<std::string>& request_fields() {
+const std::vector<std::string>& request_fields(ImageEndpoint endpoint) {
   static const std::vector<std::string> fields = {
       "prompt",         "model",          "n",          "size",           "response_format",
       "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
       "cache",          "user"};
-  return fields;
+  static const std::vector<std::string> edit_fields = [] {
+    std::vector<std::string> all = {"image"};
+    all.insert(all.end(), fields.begin(), fields.end());
+    return all;
+  }();
+  return endpoint == ImageEndpoint::Edits ? edit_fields : fields;
 }
 
-ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id) {
+ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
+                                 ImageEndpoint endpoint) {
   json document;
   try {
     document = io::parse_json(body.data(), body.size(), "the request body");
@@ -168,7 +211,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   if (!document.is_object()) {
     throw ApiError(400, "the request body must be a JSON object, got " + type_name(document));
   }
-  const auto& fields = request_fields();
+  const auto& fields = request_fields(endpoint);
   for (const auto& [key, value] : document.items()) {
     if (std::find(fields.begin(), fields.end(), key) == fields.end()) {
       throw ApiError(400,
@@ -258,6 +301,12 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
     }
   }
   if (document.contains("user")) string_field(document["user"], "user");
+  if (endpoint == ImageEndpoint::Edits) {
+    if (!document.contains("image")) {
+      throw ApiError(400, "'image' is required: the image(s) to edit, base64 PNG or JPEG", "image");
+    }
+    request.images = checked_images(document["image"]);
+  }
   return request;
 }
 
@@ -282,6 +331,8 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.max_sequence_length = max_sequence_length;
   request.seed = seed;
   request.cache = cache;
+  request.max_area = max_area;
+  for (size_t i = 0; i < images.size(); ++i) request.image.push_back(io::decode_image(images[i], fmt::format("image[{}]", i)));
   request.notes = false;  // a server's stderr is its log, not the client's
   return request;
 }
@@ -296,6 +347,12 @@ nlohmann::json ImageRequest::to_json() const {
   if (guidance_scale) out["guidance_scale"] = *guidance_scale;
   if (true_cfg_scale) out["true_cfg_scale"] = *true_cfg_scale;
   if (cache) out["cache"] = cache->to_json();
+  if (max_area) out["max_area"] = *max_area;
+  if (!images.empty()) {
+    json encoded = json::array();
+    for (const std::string& bytes : images) encoded.push_back(base64_encode(bytes));
+    out["images"] = encoded;
+  }
   return out;
 }
 
@@ -313,6 +370,10 @@ ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   if (json.contains("guidance_scale")) request.guidance_scale = json["guidance_scale"].get<double>();
   if (json.contains("true_cfg_scale")) request.true_cfg_scale = json["true_cfg_scale"].get<double>();
   if (json.contains("cache")) request.cache = models::StepCacheConfig::from_json(json["cache"]);
+  if (json.contains("max_area")) request.max_area = json["max_area"].get<int64_t>();
+  if (json.contains("images")) {
+    for (const auto& encoded : json["images"]) request.images.push_back(base64_decode(encoded.get<std::string>()).value());
+  }
   return request;
 }
 

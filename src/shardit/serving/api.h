@@ -1,6 +1,6 @@
 #pragma once
-// The OpenAI images API as shardit serves it: the request fields of POST /v1/images/generations,
-// their checks (each failure an ApiError with the HTTP status and OpenAI's error object), and the
+// The OpenAI images API as shardit serves it: the request fields of POST /v1/images/generations
+// and POST /v1/images/edits (the same, plus reference images), their checks (each failure an ApiError with the HTTP status and OpenAI's error object), and the
 // request as every rank receives it.
 #include <nlohmann/json.hpp>
 
@@ -64,6 +64,12 @@ struct ImageRequest {
   int64_t max_sequence_length = 512;
   /// Step caching: the body's "cache" ({"kind": ..., keys}; null or false: none), or the server's.
   std::optional<models::StepCacheConfig> cache;
+  /// POST /v1/images/edits: the reference images as the client sent them (PNG or JPEG bytes, each
+  /// checked to decode), decoded again by to_generate on every rank.
+  std::vector<std::string> images;
+  /// FluxKontextPipeline's output area: the server sets width x height when the client gave a
+  /// size, so that `size` is the answer's size (Kontext would rescale it to 1024² otherwise).
+  std::optional<int64_t> max_area;
 
   /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;
@@ -73,16 +79,22 @@ struct ImageRequest {
   static ImageRequest from_json(const nlohmann::json& json);
 };
 
+/// The endpoint a request body came to.
+enum class ImageEndpoint { Generations, Edits };
+
 /// Parses and checks a request body (throws ApiError naming the field): a JSON object of the
 /// known fields with the right types and ranges, the `model` (when given) equal to `model_id`.
-/// `seed` is drawn when absent. Checks against the pipeline itself are check_with_pipeline's.
-ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id);
+/// `seed` is drawn when absent. Edits also need `image`: one image or an array of up to
+/// pipelines::kMaxReferenceImages, each base64 (or a data: URL) of a PNG or JPEG that decodes
+/// within io::kMaxInputImageSide. Checks against the pipeline itself are check_with_pipeline's.
+ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
+                                 ImageEndpoint endpoint = ImageEndpoint::Generations);
 
 /// The request checked by the pipeline's own check() (what `shardit generate` refuses), as an
 /// ApiError 400 with the pipeline's message.
 void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline);
 
-/// The fields parse_image_request accepts, in the order documented.
-const std::vector<std::string>& request_fields();
+/// The fields parse_image_request accepts at `endpoint`, in the order documented.
+const std::vector<std::string>& request_fields(ImageEndpoint endpoint = ImageEndpoint::Generations);
 
 }  // namespace shardit::serving

@@ -73,6 +73,7 @@ struct Job {
 /// The endpoint label of a path in the request counters.
 std::string endpoint_of(const std::string& path) {
   if (path == "/v1/images/generations") return "generations";
+  if (path == "/v1/images/edits") return "edits";
   if (path == "/v1/models") return "models";
   if (path == "/health") return "health";
   if (path == "/metrics") return "metrics";
@@ -156,7 +157,7 @@ struct Server::State {
     return {200, json{{"object", "list"}, {"data", json::array({model})}}.dump()};
   }
 
-  Reply generations(const httplib::Request& request, const std::string& body) {
+  Reply generations(const httplib::Request& request, const std::string& body, ImageEndpoint endpoint) {
     const pipelines::DiffusionPipeline* loaded = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -165,7 +166,10 @@ struct Server::State {
     }
     std::shared_ptr<Job> job = std::make_shared<Job>();
     try {
-      job->request = parse_image_request(body, options.limits, options.model_id);
+      job->request = parse_image_request(body, options.limits, options.model_id, endpoint);
+      if (loaded->takes_max_area() && job->request.width && job->request.height) {
+        job->request.max_area = *job->request.width * *job->request.height;
+      }
       check_with_pipeline(job->request, *loaded);
     } catch (const ApiError& error) {
       return error_reply(error);
@@ -211,13 +215,17 @@ struct Server::State {
       res.status = reply.status;
       res.set_content(reply.body, type);
     };
-    http->post_with_body("/v1/images/generations",
-                         [this, send](const httplib::Request& req, const std::string& body, httplib::Response& res) {
-                           send(res, generations(req, body));
-                         });
-    http->Get("/v1/images/generations", [send](const httplib::Request&, httplib::Response& res) {
-      send(res, error_reply(ApiError(405, "use POST for /v1/images/generations")));
-    });
+    for (const auto& [path, endpoint] : {std::pair{"/v1/images/generations", ImageEndpoint::Generations},
+                                         std::pair{"/v1/images/edits", ImageEndpoint::Edits}}) {
+      const std::string route = path;
+      http->post_with_body(route, [this, send, endpoint = endpoint](const httplib::Request& req, const std::string& body,
+                                                                     httplib::Response& res) {
+        send(res, generations(req, body, endpoint));
+      });
+      http->Get(route, [send, route](const httplib::Request&, httplib::Response& res) {
+        send(res, error_reply(ApiError(405, "use POST for " + route)));
+      });
+    }
     http->Get("/v1/models", [this, send](const httplib::Request&, httplib::Response& res) { send(res, models()); });
     http->Get("/health", [this, send](const httplib::Request&, httplib::Response& res) { send(res, health()); });
     http->Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {

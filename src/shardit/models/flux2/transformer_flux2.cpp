@@ -417,12 +417,13 @@ const parallel::CpPlan* Flux2Transformer2DModel::cp_plan() const {
   return &plan;
 }
 
-at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w) {
+at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w, int64_t t) {
   const auto options = at::TensorOptions().dtype(at::kLong);
   at::Tensor ids = at::zeros({h, w, 4}, options);
+  ids.select(2, 0).fill_(t);
   ids.select(2, 1).add_(at::arange(h, options).unsqueeze(1));
   ids.select(2, 2).add_(at::arange(w, options).unsqueeze(0));
-  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (0, row, col, 0)
+  return ids.reshape({1, h * w, 4}).expand({batch, h * w, 4}).contiguous();  // [B, N, 4] = (t, row, col, 0)
 }
 
 at::Tensor flux2_text_ids(int64_t batch, int64_t length) {

@@ -231,8 +231,9 @@ class Flux2Transformer2DModel : public JointTransformer2DModel {
 };
 
 /// The FLUX.2 pipelines' image position ids (_prepare_latent_ids): [B, h * w, 4] int64, token
-/// i * w + j = (0, i, j, 0).
-at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w);
+/// i * w + j = (t, i, j, 0): t = 0 for the noise, 10 + 10 k for reference image k
+/// (_prepare_image_ids).
+at::Tensor flux2_image_ids(int64_t batch, int64_t h, int64_t w, int64_t t = 0);
 
 /// The FLUX.2 pipelines' text position ids (_prepare_text_ids): [B, L, 4] int64, token l =
 /// (0, 0, 0, l).

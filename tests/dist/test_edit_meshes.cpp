@@ -1,0 +1,145 @@
+// Editing with reference images on every mesh: the golden edit cases (FLUX.2 [klein] with one and
+// two references, FLUX.2 [dev], FLUX.1 Kontext) must give diffusers' latents after every step and
+// its image whatever the layout of the ranks. The reference tokens join the image stream, so
+// under Ulysses and ring the joint sequence (text + noise + references) is split and gathered;
+// the VAE that encodes the references lives on rank 0 (the others receive the latents), or on every
+// rank with --vae-parallel; a step cache decides the same on every mesh. `shardit generate --image`
+// runs on 2 and 4 ranks too.
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardit/dist/world.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/models/step_cache.h"
+#include "shardit/parallel/parallel_dims.h"
+#include "shardit/pipelines/pipeline.h"
+#include "support/multiprocess.h"
+#include "support/pipeline_case.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::models::StepCacheConfig;
+using shardit::parallel::ParallelDims;
+using shardit::pipelines::DiffusionPipeline;
+using shardit::pipelines::GenerateResult;
+using shardit::pipelines::PipelineLoadOptions;
+using shardit::testing::env_or;
+using shardit::testing::is_worker;
+using shardit::testing::PipelineCase;
+using shardit::testing::run_ranks;
+
+constexpr int kRanks = 2;
+
+struct MeshRun {
+  GenerateResult result;
+  std::vector<at::Tensor> steps;
+};
+
+MeshRun generate_on(const PipelineCase& golden, const ParallelDims& dims, bool vae_parallel,
+                    const std::optional<StepCacheConfig>& cache) {
+  auto& world = shardit::dist::World::get();
+  PipelineLoadOptions options;
+  options.parallel = dims.build(world);
+  options.load_text_encoders = false;
+  options.pipeline_class = golden.pipeline_class;
+  options.vae_parallel = vae_parallel;
+  const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
+  MeshRun run;
+  auto request = golden.request;
+  request.cache = cache;
+  request.callback_on_step_end = [&run](int64_t, const at::Tensor& latents) { run.steps.push_back(latents.clone()); };
+  run.result = pipeline->generate(request);
+  return run;
+}
+
+/// Every step on every rank, and the image where this rank has one, against diffusers'.
+void expect_run_matches(const PipelineCase& golden, const MeshRun& run, const std::string& what) {
+  ASSERT_EQ(static_cast<int64_t>(run.steps.size()), golden.steps) << what;
+  if (run.result.image.defined()) {
+    shardit::testing::expect_pipeline_matches(golden, run.steps, run.result.image, what);
+    return;
+  }
+  const auto outputs = shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
+  for (int64_t k = 0; k < golden.steps; ++k) {
+    const std::string name = golden.output_prefix + "step" + std::to_string(k) + ".latents";
+    EXPECT_TRUE(shardit::testing::tensors_close(what + ": " + name, run.steps[static_cast<size_t>(k)],
+                                                outputs->read(name), shardit::testing::kPipelineAtol,
+                                                shardit::testing::kPipelineRtol));
+  }
+}
+
+void edit_mesh_worker() {
+  auto& world = shardit::dist::World::init();
+  ASSERT_EQ(world.size(), kRanks);
+  const PipelineCase golden = shardit::testing::read_edit_case(env_or("SHARDIT_EDIT_CASE"), env_or("SHARDIT_EDIT_RUN"));
+  const std::string label = env_or("SHARDIT_EDIT_CASE") + " " + env_or("SHARDIT_EDIT_RUN");
+  bool runs_cfg = false;
+  {
+    PipelineLoadOptions options;
+    options.load_text_encoders = false;
+    options.pipeline_class = golden.pipeline_class;
+    runs_cfg = DiffusionPipeline::open(golden.dir, options)->runs_cfg(golden.request);
+  }
+  int meshes = 0;
+  for (const ParallelDims& dims : ParallelDims::fitting(kRanks)) {
+    if (dims.cfg > 1 && !runs_cfg) continue;
+    SCOPED_TRACE(dims.to_string());
+    expect_run_matches(golden, generate_on(golden, dims, false, std::nullopt), label + " on " + dims.to_string());
+    ++meshes;
+  }
+  // tp 2, ulysses 2, ring 2; and cfg 2 where the request runs CFG.
+  EXPECT_EQ(meshes, runs_cfg ? 4 : 3);
+
+  // Every rank encodes a band of each reference image's rows, and decodes a band of the output's.
+  expect_run_matches(golden, generate_on(golden, ParallelDims{1, 1, 1, kRanks}, true, std::nullopt),
+                     label + " with --vae-parallel");
+
+  // A First-Block Cache that skips every step it may: the same decisions and latents on a split
+  // sequence as on one rank.
+  const StepCacheConfig cache = StepCacheConfig::parse("first_block_cache:threshold=1000000");
+  const MeshRun alone = generate_on(golden, ParallelDims{1, 1, 1, 1}, false, cache);
+  ASSERT_TRUE(alone.result.cache_computed.defined());
+  EXPECT_LT(alone.result.cache_computed.sum().item<int64_t>(), alone.result.cache_computed.numel());
+  for (const ParallelDims& dims : {ParallelDims{1, kRanks, 1, 1}, ParallelDims{1, 1, kRanks, 1}}) {
+    const MeshRun split = generate_on(golden, dims, false, cache);
+    const std::string what = label + " cached on " + dims.to_string();
+    EXPECT_TRUE(at::equal(split.result.cache_computed, alone.result.cache_computed)) << what;
+    EXPECT_TRUE(shardit::testing::tensors_close(what + ": latents", split.result.latents, alone.result.latents,
+                                                shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
+  }
+}
+
+struct EditRun {
+  std::string name;
+  std::string run;
+};
+
+class EditMesh : public ::testing::TestWithParam<EditRun> {};
+
+TEST_P(EditMesh, EveryMeshOfTwoRanksMatchesDiffusers) {
+  if (is_worker()) return edit_mesh_worker();
+  EXPECT_EQ(run_ranks(kRanks, {{"SHARDIT_EDIT_CASE", GetParam().name}, {"SHARDIT_EDIT_RUN", GetParam().run}}), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, EditMesh,
+                         ::testing::Values(EditRun{"edit_flux2_klein", "refs_ab"}, EditRun{"edit_flux2_dev", "refs_a"},
+                                           EditRun{"edit_flux1_kontext", "refs_a"}),
+                         [](const auto& info) { return info.param.name + "_" + info.param.run; });
+
+// The flags reach the pipeline: `generate --image` at TP 2, and Ulysses x ring on 4 ranks.
+TEST(EditMeshCli, GoldenKleinTwoReferencesOnTwoAndFourRanks) {
+  if (is_worker()) return;
+  const PipelineCase golden = shardit::testing::read_edit_case("edit_flux2_klein", "refs_ab");
+  for (const auto& [launch, flags] : std::vector<std::pair<std::string, std::string>>{
+           {"--nproc-per-node 2", "--tp 2"}, {"--nproc-per-node 4", "--ulysses 2 --ring 2"}}) {
+    const auto run = shardit::testing::run_generate_cli(golden, launch, flags);
+    shardit::testing::expect_pipeline_matches(golden, run.step_latents, run.image, "CLI " + launch + " " + flags);
+    shardit::testing::expect_pngs_match(golden, run.pngs, "CLI PNG " + launch + " " + flags);
+  }
+}
+
+}  // namespace

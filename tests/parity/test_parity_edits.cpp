@@ -1,0 +1,146 @@
+// Editing with reference images, single rank, against diffusers' Flux2KleinPipeline(image=[...]),
+// Flux2Pipeline(image=[...]) and FluxKontextPipeline(image=...) on the golden edit cases: the
+// reference tokens and ids appended to the first transformer call, the latents after every step
+// (noise tokens only), the image and its PNG, through the C++ API and `shardit generate --image`;
+// and the errors of a request whose images a pipeline cannot take.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "shardit/io/image.h"
+#include "shardit/io/safetensors.h"
+#include "shardit/pipelines/image_processor.h"
+#include "shardit/pipelines/pipeline.h"
+#include "support/pipeline_case.h"
+#include "support/test_support.h"
+
+namespace {
+
+using shardit::pipelines::DiffusionPipeline;
+using shardit::pipelines::PipelineLoadOptions;
+using shardit::testing::PipelineCase;
+
+struct EditRun {
+  std::string name;  ///< the golden folder
+  std::string run;   ///< its run tag
+};
+
+std::string run_label(const EditRun& edit) { return edit.name + "_" + edit.run; }
+
+std::unique_ptr<DiffusionPipeline> load_edit_pipeline(const PipelineCase& golden) {
+  PipelineLoadOptions options;
+  options.load_vae = true;
+  options.load_text_encoders = false;
+  options.pipeline_class = golden.pipeline_class;
+  return DiffusionPipeline::from_pretrained(golden.dir, options);
+}
+
+class EditParity : public ::testing::TestWithParam<EditRun> {};
+
+TEST_P(EditParity, ApiMatchesDiffusers) {
+  PipelineCase golden = shardit::testing::read_edit_case(GetParam().name, GetParam().run);
+  shardit::testing::expect_api_matches(golden, run_label(GetParam()) + " (API, TP=1)");
+}
+
+// The first transformer call's hidden_states are the noise tokens then every reference image's
+// packed, normalised latents; img_ids likewise (FLUX.2 (10 + 10 k, row, col, 0), Kontext (1, row, col)).
+TEST_P(EditParity, ReferenceTokensAndIdsMatchTheFirstTransformerCall) {
+  const PipelineCase golden = shardit::testing::read_edit_case(GetParam().name, GetParam().run);
+  const auto pipeline = load_edit_pipeline(golden);
+  const auto references = pipeline->reference_tokens(golden.request, golden.batch);
+  ASSERT_TRUE(references.defined());
+  const auto outputs = shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
+  const at::Tensor hidden = outputs->read(golden.output_prefix + "transformer.hidden_states");  // [B, N + M, C]
+  const at::Tensor ids = outputs->read(golden.output_prefix + "transformer.img_ids");
+  const int64_t m = references.latents.size(1);
+  const int64_t n = hidden.size(1) - m;
+  ASSERT_EQ(n, (*golden.request.height / 16) * (*golden.request.width / 16));
+  EXPECT_TRUE(shardit::testing::tensors_close(run_label(GetParam()) + ": reference tokens", references.latents,
+                                              hidden.narrow(1, n, m), shardit::testing::kPipelineAtol,
+                                              shardit::testing::kPipelineRtol));
+  // FLUX.2's ids are batched [B, N + M, 4]; FLUX.1's [N + M, 3].
+  const int64_t sequence_dim = ids.dim() == 3 ? 1 : 0;
+  ASSERT_EQ(references.ids.sizes(), ids.narrow(sequence_dim, n, m).sizes());
+  EXPECT_TRUE(at::equal(references.ids.to(ids.scalar_type()), ids.narrow(sequence_dim, n, m)))
+      << references.ids << "\nexpected\n" << ids.narrow(sequence_dim, n, m);
+}
+
+TEST_P(EditParity, CliWithImageMatchesDiffusers) {
+  const PipelineCase golden = shardit::testing::read_edit_case(GetParam().name, GetParam().run);
+  const auto run = shardit::testing::run_generate_cli(golden, "");
+  shardit::testing::expect_pipeline_matches(golden, run.step_latents, run.image, run_label(GetParam()) + " (CLI)");
+  shardit::testing::expect_pngs_match(golden, run.pngs, run_label(GetParam()) + " (CLI PNG)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, EditParity,
+                         ::testing::Values(EditRun{"edit_flux2_klein", "refs_a"}, EditRun{"edit_flux2_klein", "refs_ab"},
+                                           EditRun{"edit_flux2_dev", "refs_a"},
+                                           EditRun{"edit_flux1_kontext", "refs_a"}),
+                         [](const auto& info) { return run_label(info.param); });
+
+// What a request with images is refused for, before anything runs: named, with the way out.
+TEST(EditErrorsGolden, PipelinesRefuseImagesTheyCannotTake) {
+  const std::string flux1 = shardit::testing::golden_path("pipeline_flux1");
+  PipelineCase text_to_image = shardit::testing::read_pipeline_case(flux1);
+  text_to_image.request.image = {at::zeros({64, 64, 3}, at::kByte)};
+  PipelineLoadOptions options;
+  options.load_text_encoders = false;
+  const auto flux = DiffusionPipeline::open(flux1, options);
+  EXPECT_NE(shardit::testing::error_of([&] { flux->check(text_to_image.request); }).find("FluxKontextPipeline"),
+            std::string::npos);
+  text_to_image.request.image.clear();
+  text_to_image.request.max_area = 4096;
+  EXPECT_NE(shardit::testing::error_of([&] { flux->check(text_to_image.request); }).find("max_area"), std::string::npos);
+
+  PipelineCase klein = shardit::testing::read_edit_case("edit_flux2_klein", "refs_a");
+  const auto flux2 = DiffusionPipeline::open(klein.dir, options);
+  klein.request.image.assign(11, klein.request.image.front());
+  EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); }).find("at most 10"), std::string::npos);
+  // Flux2ImageProcessor.check_image_input's own messages.
+  klein.request.image = {at::zeros({50, 200, 3}, at::kByte)};
+  EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); })
+                .find("Image too small: 200\u00d750. Both dimensions must be at least 64px"),
+            std::string::npos);
+  klein.request.image = {at::zeros({64, 600, 3}, at::kByte)};
+  EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); }).find("Aspect ratio too extreme"),
+            std::string::npos);
+  klein.request.image = {at::zeros({64, 64}, at::kByte)};
+  EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); }).find("uint8 [H, W, 3]"), std::string::npos);
+
+  // Kontext repeats its images to fill the batch: 2 images cannot fill 3.
+  PipelineCase kontext = shardit::testing::read_edit_case("edit_flux1_kontext", "refs_a");
+  options.pipeline_class = "FluxKontextPipeline";
+  const auto kontext_pipeline = DiffusionPipeline::open(kontext.dir, options);
+  EXPECT_EQ(kontext_pipeline->class_name(), "FluxKontextPipeline");
+  kontext.request.image.push_back(kontext.request.image.front());
+  kontext.request.num_images_per_prompt = 3;
+  kontext.request.latents.reset();
+  EXPECT_NE(shardit::testing::error_of([&] { kontext_pipeline->check(kontext.request); }).find("cannot duplicate"),
+            std::string::npos);
+  options.pipeline_class = "NoSuchPipeline";
+  EXPECT_NE(shardit::testing::error_of([&] { DiffusionPipeline::open(flux1, options); }).find("--pipeline"),
+            std::string::npos);
+}
+
+// The FLUX.2 pipelines take the output size from the first reference image when none is given.
+TEST(EditSizesGolden, Flux2TakesTheOutputSizeFromTheFirstImage) {
+  PipelineCase klein = shardit::testing::read_edit_case("edit_flux2_klein", "refs_ab");
+  PipelineLoadOptions options;
+  options.load_text_encoders = false;
+  const auto flux2 = DiffusionPipeline::open(klein.dir, options);
+  klein.request.height.reset();
+  klein.request.width.reset();
+  klein.request.latents.reset();
+  const at::Tensor& first = klein.request.image.front();
+  const auto expected = shardit::pipelines::flux2_condition_size(first.size(0), first.size(1));
+  flux2->check(klein.request);  // the size must be valid
+  EXPECT_EQ(expected.first % 16, 0);
+  EXPECT_EQ(expected.second % 16, 0);
+  // A 3000 x 1500 image is brought to a 1024² area first, then floored to multiples of 16.
+  const auto big = shardit::pipelines::flux2_condition_size(1500, 3000);
+  EXPECT_LE(big.first * big.second, 1024 * 1024);
+  EXPECT_EQ(big, (std::pair<int64_t, int64_t>{720, 1440}));
+}
+
+}  // namespace
