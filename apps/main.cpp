@@ -90,6 +90,7 @@ std::string unknown_command(const CLI::App& app, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardit::nn::exec_with_cpu_blas_kernels(argv);
   // A write past the file-size limit fails with EFBIG (reported, temp file removed) instead of
   // killing the process; a closed stdout pipe is an error, not a silent death.
   ::signal(SIGXFSZ, SIG_IGN);

@@ -761,6 +761,7 @@ int run_encoder(const BenchOptions& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardit::nn::exec_with_cpu_blas_kernels(argv);
   CLI::App app{"shardit-bench: transformer forward and load benchmarks"};
   BenchOptions options;
   app.add_option("--nproc-per-node", options.nproc_per_node, "ranks on this host")->check(CLI::PositiveNumber);

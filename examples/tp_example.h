@@ -15,6 +15,7 @@
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/nn/gemm.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/pipelines/pipeline.h"
 
@@ -31,6 +32,7 @@ struct TpExample {
 
 /// Parses the example's command line, runs it, and returns the exit status (errors on stderr).
 inline int run_tp_example(int argc, char** argv, const TpExample& example) {
+  nn::exec_with_cpu_blas_kernels(argv);
   CLI::App app{example.description};
   std::string model, embeds, latents, out = example.out;
   // Unset: the pipeline's defaults (diffusers' __call__ defaults).

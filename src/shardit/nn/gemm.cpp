@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -148,6 +149,27 @@ int blas_vector_level(const std::string& core_name) {
     if (name == older) return 1;
   }
   return 0;
+}
+
+std::string better_blas_core() {
+  const int blas_level = blas_vector_level(blas_core_name());
+  const int cpu_level = cpu_features().vector_level();
+  if (blas_level == 0 || blas_level >= cpu_level) return "";
+  return cpu_level == 3 ? "SkylakeX" : (cpu_level == 2 ? "Haswell" : "");
+}
+
+void exec_with_cpu_blas_kernels(char** argv) {
+  // SHARDIT_KEEP_BLAS_CORE: the user's way to keep OpenBLAS's own choice, and the guard against
+  // executing again when a build of OpenBLAS lacks the core asked for.
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || std::getenv("SHARDIT_KEEP_BLAS_CORE") != nullptr) return;
+  const std::string core = better_blas_core();
+  if (core.empty()) return;
+  ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  ::setenv("SHARDIT_KEEP_BLAS_CORE", "1", 1);
+  ::execv("/proc/self/exe", argv);
+  // The exec failed (no /proc): run on with OpenBLAS's own choice, as the ranks it starts will.
+  ::unsetenv("OPENBLAS_CORETYPE");
+  ::unsetenv("SHARDIT_KEEP_BLAS_CORE");
 }
 
 GemmBackend auto_gemm_backend() {

@@ -71,6 +71,19 @@ std::string gemm_kernel_summary();
 /// OpenBLAS's choice at process start.
 std::string blas_core_name();
 
+/// The OpenBLAS core whose kernels use this CPU's vector set ("SkylakeX" for AVX-512, "Haswell"
+/// for AVX2 with FMA) when the core OpenBLAS chose at start-up is a narrower one (Debian 12's
+/// OpenBLAS names AMD Zen 4 "Haswell" and some Xeons "Prescott"), "" when its choice is right,
+/// unknown, or not OpenBLAS's. From cpuid and the core name only: the same on every run.
+std::string better_blas_core();
+
+/// Makes every shardit program run OpenBLAS's kernels for this CPU: when better_blas_core() names
+/// one and neither OPENBLAS_CORETYPE nor SHARDIT_KEEP_BLAS_CORE is set, sets OPENBLAS_CORETYPE to it
+/// and executes the program again (OpenBLAS reads it only when it loads, before main). The ranks a
+/// program launches inherit it. Returns (doing nothing) where it does not apply or the exec fails.
+/// Call first thing in main.
+void exec_with_cpu_blas_kernels(char** argv);
+
 /// The kernel that a product of `rows` rows of `dtype` on `device` goes to under the current
 /// selection: Blas or OneDnn. Off CPU, for dtypes other than fp32, and for products too small to
 /// gain (auto: fewer than 64 rows, or under 2^22 multiply-adds) this is Blas.
