@@ -21,6 +21,7 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/nn/gemm.h"
 #include "shardit/pipelines/pipeline.h"
 #include "shardit/pipelines/prompt_encoders.h"
 #include "support/multiprocess.h"
@@ -169,7 +170,8 @@ std::string file_bytes(const std::string& path) {
 }
 
 // The same command on the same machine gives the same bits whatever the load: `auto` takes the
-// GEMM kernel from what the machine is (cpuid, the BLAS library's core), never from a timing. Ten
+// GEMM kernel from what the machine is (cpuid, the BLAS library's core), never from a timing, and
+// OpenBLAS's core is set from cpuid (nn::exec_with_cpu_blas_kernels). Ten
 // runs of one `generate` at 256x256 (its products are large enough for auto to route them) while
 // two busy processes load the cores: the PNG bytes and the tensors equal the first run's.
 TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
@@ -192,6 +194,11 @@ TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
     const auto tensors = shardit::io::SafetensorsFile::open(out + ".safetensors");
     if (run == 0) {
       EXPECT_THAT(output, ::testing::HasSubstr("fp32 matrix products on")) << "the kernel is not reported";
+      // The CLI runs OpenBLAS's kernels for this CPU, as this test process does (both executed
+      // again with OPENBLAS_CORETYPE where OpenBLAS chose a narrower core).
+      const std::string core = shardit::nn::blas_core_name();
+      if (!core.empty()) EXPECT_THAT(output, ::testing::HasSubstr("BLAS core " + core));
+      EXPECT_EQ(shardit::nn::better_blas_core(), "") << "this process runs narrower BLAS kernels than the CPU has";
       first_png = file_bytes(out + ".png");
       first_image = tensors->read("image");
       first_latents = tensors->read("latents");
