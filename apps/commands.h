@@ -125,6 +125,9 @@ void register_run_vae(CLI::App& app, CommandBody& body);
 void register_schedule(CLI::App& app, CommandBody& body);
 /// Adds `tokenize` (prompt ids as JSON, or a check of a tokenizer cases file).
 void register_tokenize(CLI::App& app, CommandBody& body);
+/// Adds `preprocess-image` (an input image as an editing pipeline prepares it, or a check of a
+/// cases file).
+void register_preprocess_image(CLI::App& app, CommandBody& body);
 /// Adds `check-backends` (each attention backend against math on a model).
 void register_check_backends(CLI::App& app, CommandBody& body);
 /// Adds `serve` (an OpenAI-compatible images API over a pipeline).

@@ -126,6 +126,7 @@ int main(int argc, char** argv) {
   shardit::apps::register_run_vae(app, body);
   shardit::apps::register_schedule(app, body);
   shardit::apps::register_tokenize(app, body);
+  shardit::apps::register_preprocess_image(app, body);
   shardit::apps::register_check_backends(app, body);
   shardit::apps::register_serve(app, body);
 

@@ -18,6 +18,8 @@ packages=(
   libopenblas0-openmp
   # libraries
   nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev
+  # input images for editing: JPEG
+  libjpeg62-turbo-dev
   # `shardit serve`: HTTP
   libcpp-httplib-dev
   # tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping)

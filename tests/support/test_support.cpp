@@ -15,10 +15,18 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
+#include "shardit/models/vae/vae.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
 
 namespace shardit::testing {
+
+std::shared_ptr<models::AutoencoderModel> load_golden_vae(const std::string& case_name) {
+  const io::ComponentFolder folder = io::open_component(golden_path(case_name), "vae");
+  auto vae = models::create_vae(folder);
+  vae->load(folder.weights(), {});
+  return vae;
+}
 
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::string& model_dir,
                                                                  const std::string& path, parallel::TpPlanKind kind) {

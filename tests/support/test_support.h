@@ -14,6 +14,9 @@
 namespace shardit::parallel {
 class TensorParallelModule;
 }
+namespace shardit::models {
+class AutoencoderModel;
+}
 
 namespace shardit::testing {
 
@@ -22,6 +25,9 @@ namespace shardit::testing {
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(
     const std::string& model_dir, const std::string& path = "whole",
     parallel::TpPlanKind kind = parallel::TpPlanKind::Full);
+
+/// The VAE of the golden folder `case_name` (its vae/), built from its config and loaded.
+std::shared_ptr<models::AutoencoderModel> load_golden_vae(const std::string& case_name);
 
 /// One forward of `model` on `<inputs_dir>/inputs.safetensors`; returns the sample.
 at::Tensor run_case(parallel::TensorParallelModule& model, const std::string& inputs_dir);

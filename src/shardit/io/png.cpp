@@ -3,7 +3,7 @@
 #include <png.h>
 
 #include <csetjmp>
-#include <cstdio>
+#include <cstring>
 
 #include "shardit/io/file.h"
 
@@ -47,32 +47,78 @@ bool encode_rows(png_structp png, png_infop info, std::string* out, png_text* ch
   return true;
 }
 
+/// The PNG bytes libpng reads from, and how far it has read.
+struct PngSource {
+  const std::string* bytes;
+  size_t offset = 0;
+};
+
+void read_from_source(png_structp png, png_bytep data, png_size_t size) {
+  auto* source = static_cast<PngSource*>(png_get_io_ptr(png));
+  if (source->bytes->size() - source->offset < size) {
+    png_error(png, "the data ends early (a truncated file)");
+  }
+  std::memcpy(data, source->bytes->data() + source->offset, size);
+  source->offset += size;
+}
+
 /// libpng's part of a read into `pixels`, allocated once the header's size is known and checked
-/// (`pixels` null: the header only, its size in `size`).
-bool decode_png(png_structp png, png_infop info, FILE* stream, at::Tensor* pixels, std::pair<int64_t, int64_t>* size,
-                std::string* error) {
+/// (`pixels` null: the header only, its size in `size`). As Pillow's open + convert("RGB"):
+/// palettes expanded (tRNS dropped), grey replicated, low bit depths scaled to 8 bits, alpha
+/// dropped without compositing, 16-bit colour and grey+alpha samples cut to their high byte
+/// (Pillow's "RGB;16B", "LA;16B" unpackers) and 16-bit grey clipped at 255 (Pillow opens it as
+/// "I;16", whose conversion to RGB clips).
+bool decode_png_rows(png_structp png, png_infop info, PngSource* source, at::Tensor* pixels,
+                     std::pair<int64_t, int64_t>* size, std::string* error) {
   if (setjmp(png_jmpbuf(png))) return false;
-  png_init_io(png, stream);
+  png_set_read_fn(png, source, read_from_source);
   png_read_info(png, info);
   *size = {png_get_image_height(png, info), png_get_image_width(png, info)};
+  // libpng refuses a side of 0 itself ("Image width is zero in IHDR").
   if (size->first > kMaxPngSide || size->second > kMaxPngSide) {
     // A small file can declare a huge image (2.6 MB of zeros decode to 30000x30000).
-    *error = "it is " + std::to_string(size->second) + "x" + std::to_string(size->first) +
-             " pixels; at most " + std::to_string(kMaxPngSide) + " per side are read";
+    *error = "it is " + std::to_string(size->second) + "x" + std::to_string(size->first) + " pixels; at most " +
+             std::to_string(kMaxPngSide) + " per side are read";
     return false;
   }
   if (pixels == nullptr) return true;
-  png_set_expand(png);
-  png_set_strip_16(png);
-  png_set_strip_alpha(png);
-  png_set_gray_to_rgb(png);
+  const int color_type = png_get_color_type(png, info);
+  const bool grey16 = color_type == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(png, info) == 16;
+  if (!grey16) {
+    png_set_expand(png);
+    png_set_strip_16(png);  // the high byte (png_set_scale_16 would round)
+    png_set_strip_alpha(png);
+    png_set_gray_to_rgb(png);
+  }
+  const int passes = png_set_interlace_handling(png);
   png_read_update_info(png, info);
   const png_uint_32 height = png_get_image_height(png, info);
   const png_uint_32 width = png_get_image_width(png, info);
+  const size_t row_bytes = png_get_rowbytes(png, info);
+  TORCH_INTERNAL_ASSERT(row_bytes == static_cast<size_t>(width) * (grey16 ? 2 : 3));
   *pixels = at::empty({static_cast<int64_t>(height), static_cast<int64_t>(width), 3}, at::kByte);
   uint8_t* data = pixels->data_ptr<uint8_t>();
-  for (png_uint_32 y = 0; y < height; ++y) png_read_row(png, data + static_cast<size_t>(y) * width * 3, nullptr);
+  // 16-bit grey rows go to the end of each pixel row (2 of its 3 bytes per pixel), then spread.
+  // Row by row (no row-pointer array: only plain locals across the setjmp); an interlaced image
+  // takes one sweep per pass, libpng merging each pass into the rows.
+  const size_t offset = grey16 ? static_cast<size_t>(width) : 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (png_uint_32 y = 0; y < height; ++y) png_read_row(png, data + static_cast<size_t>(y) * width * 3 + offset, nullptr);
+  }
   png_read_end(png, nullptr);
+  if (grey16) {
+    for (png_uint_32 y = 0; y < height; ++y) {
+      uint8_t* row = data + static_cast<size_t>(y) * width * 3;
+      const uint8_t* samples = row + width;  // big-endian 16-bit samples
+      for (png_uint_32 x = 0; x < width; ++x) {
+        // Read before writing: pixel x's 3 bytes end at or before sample x's first byte.
+        const uint8_t high = samples[2 * x];
+        const uint8_t low = samples[2 * x + 1];
+        const uint8_t value = high == 0 ? low : 255;
+        row[3 * x] = row[3 * x + 1] = row[3 * x + 2] = value;
+      }
+    }
+  }
   return true;
 }
 
@@ -122,33 +168,26 @@ void write_png(const std::string& path, const at::Tensor& pixels,
   file.commit();
 }
 
-namespace {
-
-/// Reads `path`'s header, and its pixels unless `pixels` is null.
-std::pair<int64_t, int64_t> read_png_file(const std::string& path, at::Tensor* pixels) {
-  UniqueFd fd = open_regular_file(path);
-  FILE* stream = ::fdopen(fd.get(), "rb");
-  TORCH_CHECK(stream != nullptr, path, ": cannot be read");
-  fd.release();
+std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
   std::string error;
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
   png_infop info = png != nullptr ? png_create_info_struct(png) : nullptr;
   std::pair<int64_t, int64_t> size{0, 0};
-  const bool ok = info != nullptr && decode_png(png, info, stream, pixels, &size, &error);
+  PngSource source{&bytes};
+  const bool ok = info != nullptr && decode_png_rows(png, info, &source, pixels, &size, &error);
   png_destroy_read_struct(&png, &info, nullptr);
-  std::fclose(stream);
-  TORCH_CHECK(ok, path, ": not a readable PNG: ", error);
+  TORCH_CHECK(ok, what, ": not a readable PNG: ", error);
   return size;
 }
 
-}  // namespace
-
 at::Tensor read_png(const std::string& path) {
   at::Tensor pixels;
-  read_png_file(path, &pixels);
+  decode_png(read_regular_file(path, kMaxPngFileBytes), path, &pixels);
   return pixels;
 }
 
-std::pair<int64_t, int64_t> png_size(const std::string& path) { return read_png_file(path, nullptr); }
+std::pair<int64_t, int64_t> png_size(const std::string& path) {
+  return decode_png(read_regular_file(path, kMaxPngFileBytes), path, nullptr);
+}
 
 }  // namespace shardit::io

@@ -1,6 +1,6 @@
 #pragma once
-// PNG output through libpng: 8-bit RGB images with text chunks (the generation parameters, as
-// image tools read them).
+// PNG through libpng: output as 8-bit RGB images with text chunks (the generation parameters, as
+// image tools read them); input of every PNG colour type and bit depth as 8-bit RGB.
 #include <ATen/ATen.h>
 
 #include <string>
@@ -28,8 +28,17 @@ std::string encode_png(const at::Tensor& pixels, const std::vector<std::pair<std
 /// kMaxImageSide), and a small file can declare a huge image.
 constexpr int64_t kMaxPngSide = 16384;
 
-/// Reads an 8-bit RGB or RGBA PNG as uint8 [H, W, 3] (alpha dropped). Errors name the path; a
-/// side above kMaxPngSide is refused from the header, before anything is allocated.
+/// The largest PNG file read_png reads.
+constexpr int64_t kMaxPngFileBytes = int64_t{512} << 20;
+
+/// Decodes the PNG in `bytes` to uint8 [H, W, 3] in `*pixels` as Pillow's open + convert("RGB")
+/// gives it (grey, grey+alpha, palette, tRNS, RGB(A), 1 to 16 bits, interlaced), and returns
+/// {height, width}; with `pixels` null only the header is read. Errors say "<what>: not a
+/// readable PNG: <why>" (truncated or corrupt data, a side of 0 or above kMaxPngSide, refused
+/// from the header before anything is allocated).
+std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels);
+
+/// Reads a PNG file as uint8 [H, W, 3] (decode_png). Errors name the path.
 at::Tensor read_png(const std::string& path);
 
 /// {height, width} from the PNG's header (checked as read_png checks it), without decoding.

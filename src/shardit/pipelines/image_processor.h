@@ -33,10 +33,12 @@ at::Tensor flux2_condition_image(const at::Tensor& pixels, int64_t multiple_of =
 /// diffusers' PREFERRED_KONTEXT_RESOLUTIONS as {width, height}.
 const std::vector<std::pair<int64_t, int64_t>>& preferred_kontext_resolutions();
 
-/// FluxKontextPipeline's size for its input image of `height` x `width` pixels: with
-/// `auto_resize` the preferred resolution whose aspect is nearest, otherwise the image's own
-/// size floored to multiples of the VAE scale factor; then floored to multiples of `multiple_of`
-/// (2 x the VAE scale factor). {height, width}.
+/// FluxKontextPipeline's size for its input image of `height` x `width` pixels: the image's size
+/// floored to multiples of its image processor's factor (2 x `vae_scale_factor`:
+/// get_default_height_width), then with `auto_resize` the preferred resolution whose aspect
+/// (of that floored size) is nearest, ties to the smaller width; then floored to multiples of
+/// `multiple_of` (2 x the VAE scale factor). {height, width}. An image under the factor on a side
+/// is a named error.
 std::pair<int64_t, int64_t> kontext_image_size(int64_t height, int64_t width, bool auto_resize,
                                                int64_t vae_scale_factor = 8, int64_t multiple_of = 16);
 

@@ -23,6 +23,14 @@ AutoencoderKL::AutoencoderKL(const AutoencoderKLConfig& config, const std::strin
         "post_quant_conv",
         std::make_shared<nn::Conv2d>(nn::Conv2dOptions(config.latent_channels, config.latent_channels, 1)));
   }
+  // Registered after the decoder so that the decoder's parameters keep their order (the
+  // built-in model draws its random weights in that order).
+  encoder = register_module("encoder", std::make_shared<Encoder>(encoder_options(config), source));
+  if (config.use_quant_conv) {
+    quant_conv = register_module(
+        "quant_conv",
+        std::make_shared<nn::Conv2d>(nn::Conv2dOptions(2 * config.latent_channels, 2 * config.latent_channels, 1)));
+  }
   tiling = AutoencoderKLTiling::from_config(config.sample_size, config.block_out_channels.size());
 }
 
@@ -39,6 +47,18 @@ at::Tensor AutoencoderKL::denormalize_latents(const at::Tensor& latents, const I
 at::Tensor AutoencoderKL::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
   return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
+}
+
+at::Tensor AutoencoderKL::_encode(const at::Tensor& image, const IntermediateRecorder& record) {
+  check_image(type_name(), image, config_.in_channels, vae_scale_factor());
+  return encode_2d(*encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr, record);
+}
+
+at::Tensor AutoencoderKL::normalize_latents(const at::Tensor& z) const {
+  check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
+  at::Tensor shifted = z;
+  if (config_.shift_factor.has_value()) shifted = shifted - *config_.shift_factor;
+  return shifted * config_.scaling_factor;
 }
 
 }  // namespace shardit::models

@@ -1,7 +1,8 @@
 #pragma once
-// diffusers' AutoencoderKL (autoencoder_kl.py), decode side: FLUX.1's VAE. The pipeline's
-// latents become z = latents / scaling_factor + shift_factor, decoded by post_quant_conv (when
-// the config has one) and the Decoder.
+// diffusers' AutoencoderKL (autoencoder_kl.py): FLUX.1's VAE. The pipeline's latents become z =
+// latents / scaling_factor + shift_factor, decoded by post_quant_conv (when the config has one)
+// and the Decoder; an image is encoded by the Encoder and quant_conv (when the config has one) to
+// its posterior's mean, which FluxKontextPipeline normalises as (z - shift_factor) * scaling_factor.
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -19,6 +20,8 @@ namespace shardit::models {
 struct AutoencoderKLConfig {
   int64_t in_channels = 3;
   int64_t out_channels = 3;
+  /// Empty: one DownEncoderBlock2D per block_out_channels entry (decode-only configs omit it).
+  std::vector<std::string> down_block_types;
   std::vector<std::string> up_block_types{"UpDecoderBlock2D"};
   std::vector<int64_t> block_out_channels{64};
   int64_t layers_per_block = 1;
@@ -44,6 +47,9 @@ class AutoencoderKL : public AutoencoderModel {
   int64_t vae_scale_factor() const override;
   /// [B, C, h, w]: latents / scaling_factor (+ shift_factor) (FluxPipeline).
   at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  bool has_encoder() const override { return true; }
+  /// [B, C, h, w]: (z - shift_factor) * scaling_factor (FluxKontextPipeline._encode_vae_image).
+  at::Tensor normalize_latents(const at::Tensor& z) const override;
   const AutoencoderKLConfig& config() const { return config_; }
 
   /// The tile settings enable_tiling uses (diffusers' attributes; may be changed).
@@ -51,11 +57,16 @@ class AutoencoderKL : public AutoencoderModel {
 
   std::shared_ptr<Decoder> decoder;
   std::shared_ptr<nn::Conv2d> post_quant_conv;  ///< null when use_post_quant_conv is false
+  std::shared_ptr<Encoder> encoder;
+  std::shared_ptr<nn::Conv2d> quant_conv;  ///< null when use_quant_conv is false
 
  protected:
   /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W]; tiled when tiling is on
   /// and z is larger than a tile. `record` gets post_quant_conv and decoder.*.
   at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
+  /// image [B, in_channels, H, W] -> the posterior mean [B, latent_channels, H / f, W / f];
+  /// tiled when tiling is on and the image is larger than a tile.
+  at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record) override;
 
  private:
   AutoencoderKLConfig config_;
@@ -68,6 +79,7 @@ void read_autoencoder_kl_keys(Config& out, const nlohmann::json& config, const s
   TORCH_CHECK(config.is_object(), source, ": expected a JSON object, got ", config.type_name());
   out.in_channels = io::config_value<int64_t>(config, "in_channels", out.in_channels, source);
   out.out_channels = io::config_value<int64_t>(config, "out_channels", out.out_channels, source);
+  out.down_block_types = io::config_value(config, "down_block_types", out.down_block_types, source);
   out.up_block_types = io::config_value(config, "up_block_types", out.up_block_types, source);
   out.block_out_channels = io::config_value(config, "block_out_channels", out.block_out_channels, source);
   out.layers_per_block = io::config_value<int64_t>(config, "layers_per_block", out.layers_per_block, source);
@@ -94,6 +106,24 @@ DecoderOptions decoder_options(const Config& config, std::vector<int64_t> block_
   options.layers_per_block = config.layers_per_block;
   options.norm_num_groups = config.norm_num_groups;
   options.act_fn = config.act_fn;
+  options.mid_block_add_attention = config.mid_block_add_attention;
+  return options;
+}
+
+/// The Encoder of either config (double_z: the posterior's mean and log-variance).
+template <class Config>
+EncoderOptions encoder_options(const Config& config) {
+  EncoderOptions options;
+  options.in_channels = config.in_channels;
+  options.out_channels = config.latent_channels;
+  options.block_out_channels = config.block_out_channels;
+  options.down_block_types = config.down_block_types.empty()
+                                 ? std::vector<std::string>(config.block_out_channels.size(), "DownEncoderBlock2D")
+                                 : config.down_block_types;
+  options.layers_per_block = config.layers_per_block;
+  options.norm_num_groups = config.norm_num_groups;
+  options.act_fn = config.act_fn;
+  options.double_z = true;
   options.mid_block_add_attention = config.mid_block_add_attention;
   return options;
 }

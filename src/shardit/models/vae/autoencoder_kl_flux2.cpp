@@ -32,6 +32,12 @@ AutoencoderKLFlux2::AutoencoderKLFlux2(const AutoencoderKLFlux2Config& config, c
         std::make_shared<nn::Conv2d>(nn::Conv2dOptions(config.latent_channels, config.latent_channels, 1)));
   }
   bn = register_module("bn", std::make_shared<BatchNorm2d>(config.latent_channels * 4));
+  encoder = register_module("encoder", std::make_shared<Encoder>(encoder_options(config), source));
+  if (config.use_quant_conv) {
+    quant_conv = register_module(
+        "quant_conv",
+        std::make_shared<nn::Conv2d>(nn::Conv2dOptions(2 * config.latent_channels, 2 * config.latent_channels, 1)));
+  }
   // diffusers derives the latent tile from the encoder's block count.
   tiling = AutoencoderKLTiling::from_config(config.sample_size, config.block_out_channels.size());
 }
@@ -77,6 +83,23 @@ at::Tensor AutoencoderKLFlux2::denormalize_latents(const at::Tensor& latents, co
 at::Tensor AutoencoderKLFlux2::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
   return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
+}
+
+at::Tensor AutoencoderKLFlux2::_encode(const at::Tensor& image, const IntermediateRecorder& record) {
+  check_image(type_name(), image, config_.in_channels, vae_scale_factor());
+  return encode_2d(*encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr, record);
+}
+
+at::Tensor AutoencoderKLFlux2::normalize_latents(const at::Tensor& z) const {
+  check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
+  TORCH_CHECK(z.size(2) % 2 == 0 && z.size(3) % 2 == 0, type_name(), ": encoded latents have shape ", z.sizes(),
+              "; patchifying needs an even height and width (an image whose sides are multiples of ",
+              2 * vae_scale_factor(), " pixels)");
+  const at::Tensor patched = patchify_latents(z);  // [B, 4C, h / 2, w / 2]
+  const at::Tensor mean = bn->running_mean.view({1, -1, 1, 1}).to(z.device(), z.scalar_type());
+  const at::Tensor std = at::sqrt(bn->running_var.view({1, -1, 1, 1}) + config_.batch_norm_eps)
+                             .to(z.device(), z.scalar_type());
+  return (patched - mean) / std;
 }
 
 }  // namespace shardit::models

@@ -1,8 +1,9 @@
 #pragma once
-// diffusers' AutoencoderKLFlux2 (autoencoder_kl_flux2.py), decode side: FLUX.2's VAE. The
-// pipeline's latents are 2x2-patchified and normalised by the BatchNorm running statistics `bn`;
-// de-normalising multiplies by sqrt(running_var + batch_norm_eps), adds running_mean and
-// unpatchifies, then post_quant_conv and the Decoder decode.
+// diffusers' AutoencoderKLFlux2 (autoencoder_kl_flux2.py): FLUX.2's VAE. The pipeline's latents
+// are 2x2-patchified and normalised by the BatchNorm running statistics `bn`; de-normalising
+// multiplies by sqrt(running_var + batch_norm_eps), adds running_mean and unpatchifies, then
+// post_quant_conv and the Decoder decode. Encoding runs the Encoder and quant_conv to the
+// posterior's mean; the FLUX.2 pipelines then patchify and normalise it (normalize_latents).
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -19,6 +20,8 @@ namespace shardit::models {
 struct AutoencoderKLFlux2Config {
   int64_t in_channels = 3;
   int64_t out_channels = 3;
+  /// Empty: one DownEncoderBlock2D per block_out_channels entry.
+  std::vector<std::string> down_block_types;
   std::vector<std::string> up_block_types{"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D",
                                           "UpDecoderBlock2D"};
   std::vector<int64_t> block_out_channels{128, 256, 512, 512};
@@ -64,6 +67,10 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   /// sqrt(bn.running_var + batch_norm_eps) + bn.running_mean, then unpatchify. `record` gets
   /// z_patchified and z.
   at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  bool has_encoder() const override { return true; }
+  /// z [B, C, h, w] -> [B, 4C, h / 2, w / 2]: patchified, then (x - bn.running_mean) /
+  /// sqrt(bn.running_var + batch_norm_eps) (Flux2Pipeline._encode_vae_image).
+  at::Tensor normalize_latents(const at::Tensor& z) const override;
   const AutoencoderKLFlux2Config& config() const { return config_; }
 
   AutoencoderKLTiling tiling;
@@ -71,10 +78,14 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   std::shared_ptr<Decoder> decoder;
   std::shared_ptr<nn::Conv2d> post_quant_conv;  ///< null when use_post_quant_conv is false
   std::shared_ptr<BatchNorm2d> bn;
+  std::shared_ptr<Encoder> encoder;
+  std::shared_ptr<nn::Conv2d> quant_conv;  ///< null when use_quant_conv is false
 
  protected:
   /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W].
   at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
+  /// image [B, in_channels, H, W] -> the posterior mean [B, latent_channels, H / f, W / f].
+  at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record) override;
 
  private:
   AutoencoderKLFlux2Config config_;

@@ -1,6 +1,7 @@
 #pragma once
-// The VAE decoders' 2-D building blocks from diffusers' resnet.py (ResnetBlock2D) and
-// upsampling.py (Upsample2D), as the Decoder builds them: no time embedding, no up/down path.
+// The VAEs' 2-D building blocks from diffusers' resnet.py (ResnetBlock2D), upsampling.py
+// (Upsample2D) and downsampling.py (Downsample2D), as the Decoder and Encoder build them: no time
+// embedding, no up/down path inside the resnets.
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -9,6 +10,7 @@
 #include "shardit/nn/conv.h"
 #include "shardit/nn/group_norm.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::models {
 
@@ -49,6 +51,21 @@ class Upsample2D : public nn::Module {
   Upsample2D(int64_t channels, int64_t out_channels);
   std::string type_name() const override { return "Upsample2D"; }
   /// [B, C, H, W] -> [B, out, 2H, 2W].
+  at::Tensor forward(const at::Tensor& hidden_states);
+
+  std::shared_ptr<nn::Conv2d> conv;
+};
+
+/// The Encoder's Downsample2D (use_conv=True, padding=0): the map is padded with one zero column
+/// on the right and one zero row at the bottom, then a 3x3 `conv` of stride 2 without padding.
+/// Under spatial parallelism each band must start at an even row and, except the last, hold an
+/// even number of rows: its last output row reads the first row of the band below (the halo),
+/// the last band reads the zero row.
+class Downsample2D : public nn::Module, public nn::SpatialParallelLayer {
+ public:
+  Downsample2D(int64_t channels, int64_t out_channels);
+  std::string type_name() const override { return "Downsample2D"; }
+  /// [B, C, H, W] -> [B, out, floor(H / 2), floor(W / 2)].
   at::Tensor forward(const at::Tensor& hidden_states);
 
   std::shared_ptr<nn::Conv2d> conv;

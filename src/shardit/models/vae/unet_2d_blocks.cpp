@@ -72,14 +72,24 @@ at::Tensor UNetMidBlock2D::forward(const at::Tensor& hidden_states) {
   return x;
 }
 
-UpDecoderBlock2D::UpDecoderBlock2D(const UpDecoderBlock2DOptions& options) {
-  resnets = register_module("resnets", std::make_shared<nn::ModuleList<ResnetBlock2D>>());
-  for (int64_t i = 0; i < options.num_layers; ++i) {
-    const int64_t input_channels = i == 0 ? options.in_channels : options.out_channels;
-    resnets->push_back(std::make_shared<ResnetBlock2D>(ResnetBlock2DOptions(input_channels, options.out_channels)
-                                                           .with_groups(options.resnet_groups)
-                                                           .with_eps(options.resnet_eps)));
+namespace {
+
+/// The resnets of an up or down block: `num_layers` blocks, the first one in -> out.
+std::shared_ptr<nn::ModuleList<ResnetBlock2D>> block_resnets(int64_t in_channels, int64_t out_channels,
+                                                             int64_t num_layers, int64_t groups, double eps) {
+  auto resnets = std::make_shared<nn::ModuleList<ResnetBlock2D>>();
+  for (int64_t i = 0; i < num_layers; ++i) {
+    resnets->push_back(std::make_shared<ResnetBlock2D>(
+        ResnetBlock2DOptions(i == 0 ? in_channels : out_channels, out_channels).with_groups(groups).with_eps(eps)));
   }
+  return resnets;
+}
+
+}  // namespace
+
+UpDecoderBlock2D::UpDecoderBlock2D(const UpDecoderBlock2DOptions& options) {
+  resnets = register_module("resnets", block_resnets(options.in_channels, options.out_channels, options.num_layers,
+                                                     options.resnet_groups, options.resnet_eps));
   if (options.add_upsample) {
     upsamplers = register_module("upsamplers", std::make_shared<nn::ModuleList<Upsample2D>>());
     upsamplers->push_back(std::make_shared<Upsample2D>(options.out_channels, options.out_channels));
@@ -92,6 +102,22 @@ at::Tensor UpDecoderBlock2D::forward(const at::Tensor& hidden_states) {
   for (auto& resnet : *resnets) x = resnet->forward(x);
   if (upsamplers) x = (*upsamplers)[0].forward(x);
   return x;
+}
+
+DownEncoderBlock2D::DownEncoderBlock2D(const DownEncoderBlock2DOptions& options) {
+  resnets = register_module("resnets", block_resnets(options.in_channels, options.out_channels, options.num_layers,
+                                                     options.resnet_groups, options.resnet_eps));
+  if (options.add_downsample) {
+    downsamplers = register_module("downsamplers", std::make_shared<nn::ModuleList<Downsample2D>>());
+    downsamplers->push_back(std::make_shared<Downsample2D>(options.out_channels, options.out_channels));
+  }
+}
+
+at::Tensor DownEncoderBlock2D::forward(const at::Tensor& hidden_states) {
+  // [B, in, H, W] -> [B, out, H / 2, W / 2]
+  at::Tensor x = hidden_states;
+  for (auto& resnet : *resnets) x = resnet->forward(x);
+  return downsamplers ? (*downsamplers)[0].forward(x) : x;
 }
 
 }  // namespace shardit::models

@@ -1,5 +1,6 @@
 #pragma once
-// The VAE decoder's blocks from diffusers' unet_2d_blocks.py (UNetMidBlock2D, UpDecoderBlock2D)
+// The VAE's blocks from diffusers' unet_2d_blocks.py (UNetMidBlock2D, UpDecoderBlock2D,
+// DownEncoderBlock2D)
 // and the spatial self-attention the mid block builds from attention_processor.py's Attention.
 #include <ATen/ATen.h>
 
@@ -77,6 +78,30 @@ class UpDecoderBlock2D : public nn::Module {
 
   std::shared_ptr<nn::ModuleList<ResnetBlock2D>> resnets;
   std::shared_ptr<nn::ModuleList<Upsample2D>> upsamplers;  ///< null without upsampling
+};
+
+struct DownEncoderBlock2DOptions {
+  DownEncoderBlock2DOptions(int64_t in_channels, int64_t out_channels)
+      : in_channels(in_channels), out_channels(out_channels) {}
+  int64_t in_channels;
+  int64_t out_channels;
+  int64_t num_layers = 1;
+  int64_t resnet_groups = 32;
+  double resnet_eps = 1e-6;
+  bool add_downsample = true;
+};
+
+/// num_layers ResnetBlock2D (the first one in -> out), then an optional Downsample2D (padding 0:
+/// pad right and bottom by one, stride-2 conv).
+class DownEncoderBlock2D : public nn::Module {
+ public:
+  explicit DownEncoderBlock2D(const DownEncoderBlock2DOptions& options);
+  std::string type_name() const override { return "DownEncoderBlock2D"; }
+  /// [B, in, H, W] -> [B, out, H / 2, W / 2] (H, W without downsampler).
+  at::Tensor forward(const at::Tensor& hidden_states);
+
+  std::shared_ptr<nn::ModuleList<ResnetBlock2D>> resnets;
+  std::shared_ptr<nn::ModuleList<Downsample2D>> downsamplers;  ///< null without downsampling
 };
 
 }  // namespace shardit::models

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "shardit/nn/spatial_parallel_layer.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -34,19 +36,39 @@ void blend(const at::Tensor& a, const at::Tensor& b, int64_t extent, int64_t dim
   b_head.copy_(a_tail * weight_a + b_head * weight_b);
 }
 
+/// AutoencoderKL's square tiles of `input_tile` input rows and columns (latents to decode, or
+/// image pixels to encode) giving `output_tile`: a tile every input_tile x (1 - overlap), blended
+/// over output_tile x overlap, output_tile minus that kept.
+TileGrid square_tile_grid(int64_t input_tile, int64_t output_tile, double overlap) {
+  const auto stride = static_cast<int64_t>(static_cast<double>(input_tile) * (1.0 - overlap));
+  const auto blend_extent = static_cast<int64_t>(static_cast<double>(output_tile) * overlap);
+  TileGrid grid;
+  grid.tile_latent_height = grid.tile_latent_width = input_tile;
+  grid.latent_stride_height = grid.latent_stride_width = stride;
+  grid.blend_height = grid.blend_width = blend_extent;
+  grid.keep_height = grid.keep_width = output_tile - blend_extent;
+  return grid;
+}
+
+/// The config checks the Encoder and Decoder share: one block of the one supported type per
+/// width (`direction` "up" or "down" names the config key), and SiLU.
+void check_blocks(const std::string& source, const std::string& direction, const std::vector<std::string>& types,
+                  const std::string& supported, const std::vector<int64_t>& widths, const std::string& act_fn) {
+  TORCH_CHECK(!widths.empty(), source, ": block_out_channels is empty");
+  TORCH_CHECK(types.size() == widths.size(), source, ": ", types.size(), " ", direction, "_block_types for ",
+              widths.size(), " block_out_channels; give one block type per entry");
+  TORCH_CHECK(act_fn == "silu" || act_fn == "swish", source, ": act_fn '", act_fn,
+              "' is not supported; the FLUX VAEs use \"silu\"");
+  for (const std::string& type : types) {
+    TORCH_CHECK(type == supported, source, ": ", direction, " block type '", type, "' is not supported; supported: ",
+                supported);
+  }
+}
+
 }  // namespace
 
 Decoder::Decoder(const DecoderOptions& options, const std::string& source) {
-  TORCH_CHECK(!options.block_out_channels.empty(), source, ": block_out_channels is empty");
-  TORCH_CHECK(options.up_block_types.size() == options.block_out_channels.size(), source, ": ",
-              options.up_block_types.size(), " up_block_types for ", options.block_out_channels.size(),
-              " block_out_channels; give one block type per entry");
-  TORCH_CHECK(options.act_fn == "silu" || options.act_fn == "swish", source, ": act_fn '", options.act_fn,
-              "' is not supported; the FLUX VAEs use \"silu\"");
-  for (const std::string& type : options.up_block_types) {
-    TORCH_CHECK(type == "UpDecoderBlock2D", source, ": up block type '", type,
-                "' is not supported; supported: UpDecoderBlock2D");
-  }
+  check_blocks(source, "up", options.up_block_types, "UpDecoderBlock2D", options.block_out_channels, options.act_fn);
   const int64_t top = options.block_out_channels.back();
   conv_in = register_module("conv_in",
                             std::make_shared<nn::Conv2d>(nn::Conv2dOptions(options.in_channels, top, 3).with_padding(1)));
@@ -89,6 +111,55 @@ at::Tensor Decoder::forward(const at::Tensor& sample, const IntermediateRecorder
   x = conv_norm_out->forward(x);
   if (record) record("conv_norm_out", x);
   x = conv_out->forward(at::silu(x));  // [B, out, H, W]
+  if (record) record("conv_out", x);
+  return x;
+}
+
+Encoder::Encoder(const EncoderOptions& options, const std::string& source) {
+  check_blocks(source, "down", options.down_block_types, "DownEncoderBlock2D", options.block_out_channels,
+               options.act_fn);
+  const std::vector<int64_t>& widths = options.block_out_channels;
+  conv_in = register_module(
+      "conv_in", std::make_shared<nn::Conv2d>(nn::Conv2dOptions(options.in_channels, widths[0], 3).with_padding(1)));
+  down_blocks = register_module("down_blocks", std::make_shared<nn::ModuleList<DownEncoderBlock2D>>());
+  int64_t output_channel = widths[0];
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const int64_t input_channel = output_channel;
+    output_channel = widths[i];
+    DownEncoderBlock2DOptions block(input_channel, output_channel);
+    block.num_layers = options.layers_per_block;
+    block.resnet_groups = options.norm_num_groups;
+    block.add_downsample = i + 1 != widths.size();
+    down_blocks->push_back(std::make_shared<DownEncoderBlock2D>(block));
+  }
+  UNetMidBlock2DOptions mid(widths.back());
+  mid.resnet_groups = options.norm_num_groups;
+  mid.add_attention = options.mid_block_add_attention;
+  mid.attention_head_dim = widths.back();
+  mid_block = register_module("mid_block", std::make_shared<UNetMidBlock2D>(mid));
+  conv_norm_out = register_module(
+      "conv_norm_out",
+      std::make_shared<nn::GroupNorm>(nn::GroupNormOptions(options.norm_num_groups, widths.back()).with_eps(1e-6)));
+  const int64_t conv_out_channels = options.double_z ? 2 * options.out_channels : options.out_channels;
+  conv_out = register_module(
+      "conv_out",
+      std::make_shared<nn::Conv2d>(nn::Conv2dOptions(widths.back(), conv_out_channels, 3).with_padding(1)));
+}
+
+at::Tensor Encoder::forward(const at::Tensor& sample, const IntermediateRecorder& record) {
+  // [B, in, H, W]
+  at::Tensor x = conv_in->forward(sample);
+  if (record) record("conv_in", x);
+  for (size_t i = 0; i < down_blocks->size(); ++i) {
+    x = (*down_blocks)[i].forward(x);
+    if (record) record("down_blocks." + std::to_string(i), x);
+  }
+  // [B, C, H / f, W / f]
+  x = mid_block->forward(x);
+  if (record) record("mid_block", x);
+  x = conv_norm_out->forward(x);
+  if (record) record("conv_norm_out", x);
+  x = conv_out->forward(at::silu(x));  // [B, 2 out, H / f, W / f]
   if (record) record("conv_out", x);
   return x;
 }
@@ -143,14 +214,54 @@ bool AutoencoderKLTiling::applies(const at::Tensor& z) const {
 }
 
 TileGrid AutoencoderKLTiling::grid() const {
-  const auto overlap_size = static_cast<int64_t>(static_cast<double>(tile_latent_min_size) * (1.0 - tile_overlap_factor));
-  const auto blend_extent = static_cast<int64_t>(static_cast<double>(tile_sample_min_size) * tile_overlap_factor);
-  TileGrid grid;
-  grid.tile_latent_height = grid.tile_latent_width = tile_latent_min_size;
-  grid.latent_stride_height = grid.latent_stride_width = overlap_size;
-  grid.blend_height = grid.blend_width = blend_extent;
-  grid.keep_height = grid.keep_width = tile_sample_min_size - blend_extent;
-  return grid;
+  return square_tile_grid(tile_latent_min_size, tile_sample_min_size, tile_overlap_factor);
+}
+
+bool AutoencoderKLTiling::applies_to_image(const at::Tensor& image) const {
+  return image.size(-1) > tile_sample_min_size || image.size(-2) > tile_sample_min_size;
+}
+
+TileGrid AutoencoderKLTiling::encode_grid() const {
+  return square_tile_grid(tile_sample_min_size, tile_latent_min_size, tile_overlap_factor);
+}
+
+at::Tensor encode_2d(Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
+                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record) {
+  const auto moments_of = [&](const at::Tensor& pixels, const IntermediateRecorder& recorder) {
+    at::Tensor moments = encoder.forward(pixels, prefixed_recorder(recorder, "encoder."));
+    if (quant_conv != nullptr) {
+      moments = quant_conv->forward(moments);
+      if (recorder) recorder("quant_conv", moments);
+    }
+    return moments;  // [B, 2 latent, h, w]
+  };
+  at::Tensor moments;
+  if (tiling != nullptr && tiling->applies_to_image(image)) {
+    const int64_t factor = int64_t{1} << (encoder.down_blocks->size() - 1);
+    moments = tiled_decode(image, tiling->encode_grid(), [&](const at::Tensor& tile) {
+      TORCH_CHECK(tile.size(-2) >= factor && tile.size(-1) >= factor, "tiled encode: a tile of ", tile.size(-2), "x",
+                  tile.size(-1), " pixels at the edge of an image of ", image.size(-2), "x", image.size(-1),
+                  " is smaller than the encoder's ", factor, "-pixel downsampling; change the tile size ",
+                  "(tile_sample_min_size ", tiling->tile_sample_min_size, ") or disable tiling");
+      return moments_of(tile, {});
+    });
+  } else {
+    moments = moments_of(image, record);
+  }
+  if (record) record("moments", moments);
+  // DiagonalGaussianDistribution(moments).mode(): the mean, the first half of the channels.
+  return moments.narrow(1, 0, moments.size(1) / 2).contiguous();
+}
+
+void check_image(const std::string& model, const at::Tensor& image, int64_t channels, int64_t factor) {
+  TORCH_CHECK(image.defined() && image.dim() == 4 && image.size(1) == channels, model, ": image has shape ",
+              image.defined() ? image.sizes() : c10::IntArrayRef{}, ", expected [B, ", channels,
+              ", H, W] (float pixels in [-1, 1])");
+  TORCH_CHECK(at::isFloatingType(image.scalar_type()), model, ": image has dtype ", image.scalar_type(),
+              ", expected a floating-point dtype (pixels in [-1, 1])");
+  TORCH_CHECK(image.size(0) > 0 && image.size(2) >= factor && image.size(3) >= factor, model, ": image has shape ",
+              image.sizes(), "; the encoder needs a batch of at least 1 and sides of at least ", factor,
+              " pixels (one latent pixel)");
 }
 
 at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
@@ -181,7 +292,30 @@ at::Tensor AutoencoderModel::decode(const at::Tensor& z, const IntermediateRecor
 }
 
 at::Tensor AutoencoderModel::encode(const at::Tensor& image, const IntermediateRecorder& record) {
-  return _encode(image, record);
+  TORCH_CHECK(has_encoder(), type_name(), " has no encoder in shardit: it cannot encode reference images");
+  TORCH_CHECK(image.defined() && image.dim() == 4, type_name(), ": image has shape ",
+              image.defined() ? image.sizes() : c10::IntArrayRef{}, ", expected [B, C, H, W]");
+  // Checked on the whole image, so that every member of a parallel encode refuses it together.
+  TORCH_CHECK(!at::isFloatingType(image.scalar_type()) || at::isfinite(image).all().item<bool>(), type_name(),
+              ": image of shape ", image.sizes(), " holds non-finite values (NaN or infinity); expected pixels in [-1, 1]");
+  if (spatial_.degree() == 1) return _encode(image, record);
+  TORCH_CHECK(!use_tiling_, type_name(), ": tiled encoding and a parallel encode over ", spatial_.degree(),
+              " ranks do not combine; disable one (the parallel encode already splits the activations over the ranks)");
+  // Bands of whole latent rows: every band starts at a multiple of the downsampling factor, so
+  // that each stride-2 convolution sees the rows it sees on the whole image (Downsample2D reads
+  // one row of the band below); the last band takes the rows left over.
+  const int64_t factor = vae_scale_factor();
+  const int64_t rows = image.size(2);
+  const int64_t units = rows / factor;
+  const int degree = spatial_.degree();
+  TORCH_CHECK(units >= degree, type_name(), ": an image of ", rows, " rows (", image.sizes(), ") has ", units,
+              " latent rows, too few to encode over ", degree, " ranks of group '", spatial_.group->name(),
+              "' (each needs at least one); the largest degree that works for this height is ", std::max<int64_t>(units, 1));
+  const int rank = spatial_.group->rank();
+  const auto [first, count] = nn::row_band(units, degree, rank);
+  const int64_t length = count * factor + (rank + 1 == degree ? rows % factor : 0);
+  const at::Tensor band = image.narrow(2, first * factor, length);
+  return spatial_.gather(_encode(band, record), -2);
 }
 
 at::Tensor AutoencoderModel::_encode(const at::Tensor&, const IntermediateRecorder&) {
@@ -209,8 +343,9 @@ const parallel::TpPlan& AutoencoderModel::tp_plan() const {
 
 parallel::ModelTraits AutoencoderModel::traits() const {
   parallel::ModelTraits traits;
-  // Decode-only: the encoder half of a diffusers VAE checkpoint is not loaded.
-  traits.ignored_checkpoint_keys = {"encoder.*", "quant_conv.*"};
+  // A decode-only model does not load the encoder half of a diffusers VAE checkpoint; a model
+  // with an encoder declares those weights and needs them all.
+  if (!has_encoder()) traits.ignored_checkpoint_keys = {"encoder.*", "quant_conv.*"};
   return traits;
 }
 

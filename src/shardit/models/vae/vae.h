@@ -1,7 +1,8 @@
 #pragma once
-// diffusers' vae.py: the 2-D `Decoder` of AutoencoderKL and AutoencoderKLFlux2, the interface
-// every shardit VAE offers the pipelines (AutoencoderMixin's role), and tiled decoding: tiles
-// decoded one at a time and blended linearly over their overlaps, as diffusers' tiled_decode.
+// diffusers' vae.py: the 2-D `Encoder` and `Decoder` of AutoencoderKL and AutoencoderKLFlux2, the
+// interface every shardit VAE offers the pipelines (AutoencoderMixin's role), and tiled decoding
+// and encoding: tiles run one at a time and blended linearly over their overlaps, as diffusers'
+// tiled_decode and _tiled_encode.
 #include <ATen/ATen.h>
 
 #include <functional>
@@ -56,6 +57,38 @@ class Decoder : public nn::Module {
   std::shared_ptr<nn::Conv2d> conv_out;
 };
 
+struct EncoderOptions {
+  int64_t in_channels = 3;
+  int64_t out_channels = 3;
+  std::vector<std::string> down_block_types{"DownEncoderBlock2D"};
+  std::vector<int64_t> block_out_channels{64};
+  int64_t layers_per_block = 2;
+  int64_t norm_num_groups = 32;
+  std::string act_fn = "silu";
+  bool double_z = true;
+  bool mid_block_add_attention = true;
+};
+
+/// conv_in -> down_blocks (block_out_channels in order, each with layers_per_block resnets and a
+/// 2x downsampler except the last) -> mid_block -> conv_norm_out -> SiLU -> conv_out (2 x
+/// out_channels with double_z: the posterior's mean and log-variance).
+class Encoder : public nn::Module {
+ public:
+  /// `source` names the config in errors.
+  Encoder(const EncoderOptions& options, const std::string& source);
+  std::string type_name() const override { return "Encoder"; }
+  /// [B, in, H, W] -> [B, out (x2), H / 2^(blocks-1), W / 2^(blocks-1)] (each downsampler
+  /// floors). `record` receives conv_in, down_blocks.{i}, mid_block, conv_norm_out (before the
+  /// SiLU) and conv_out.
+  at::Tensor forward(const at::Tensor& sample, const IntermediateRecorder& record = {});
+
+  std::shared_ptr<nn::Conv2d> conv_in;
+  std::shared_ptr<nn::ModuleList<DownEncoderBlock2D>> down_blocks;
+  std::shared_ptr<UNetMidBlock2D> mid_block;
+  std::shared_ptr<nn::GroupNorm> conv_norm_out;
+  std::shared_ptr<nn::Conv2d> conv_out;
+};
+
 /// Where the tiles of a tiled decode lie, in the last two dimensions (height, width) of the
 /// latents and of the decoded sample.
 struct TileGrid {
@@ -91,6 +124,12 @@ struct AutoencoderKLTiling {
   /// True when a latent of this size is decoded in tiles.
   bool applies(const at::Tensor& z) const;
   TileGrid grid() const;
+  /// True when an image of this size is encoded in tiles (a side above tile_sample_min_size).
+  bool applies_to_image(const at::Tensor& image) const;
+  /// _tiled_encode's tiles, in tiled_decode's terms: tiles of tile_sample_min_size image pixels
+  /// every tile_sample_min_size x (1 - overlap) pixels, their latents blended over
+  /// tile_latent_min_size x overlap rows and columns.
+  TileGrid encode_grid() const;
 };
 
 /// AutoencoderKL's and AutoencoderKLFlux2's _decode: post_quant_conv (when not null) and the
@@ -98,6 +137,18 @@ struct AutoencoderKLTiling {
 /// post_quant_conv and decoder.* (untiled only).
 at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
                      const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
+
+/// AutoencoderKL's and AutoencoderKLFlux2's _encode followed by the posterior's mode: the
+/// encoder and quant_conv (when not null), in tiles when `tiling` is given and the image is larger
+/// than a tile, then the mean half of the moments. image [B, in, H, W] -> [B, latent, h, w].
+/// `record` gets encoder.*, quant_conv and moments (untiled only).
+at::Tensor encode_2d(Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
+                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
+
+/// Checks an image for an encoder of `channels` input channels and `factor` pixels per latent
+/// pixel, naming `model`: float [B, channels, H, W], every size positive, H and W at least
+/// `factor`, finite values.
+void check_image(const std::string& model, const at::Tensor& image, int64_t channels, int64_t factor);
 
 /// The interface of shardit's VAEs, as the pipelines use them. VAEs are replicated: their
 /// tensor-parallel plan is empty. Those with an encoder (has_encoder) also encode images for the

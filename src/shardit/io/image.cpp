@@ -1,0 +1,181 @@
+#include "shardit/io/image.h"
+
+// jpeglib.h needs FILE and size_t declared first.
+#include <cstddef>
+#include <cstdio>
+
+#include <jerror.h>
+#include <jpeglib.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <csetjmp>
+#include <cstring>
+
+#include "shardit/io/file.h"
+#include "shardit/io/png.h"
+
+namespace shardit::io {
+
+static_assert(kMaxInputImageSide == kMaxPngSide, "PNG and JPEG inputs share one size bound");
+
+namespace {
+
+constexpr char kPngSignature[] = "\x89PNG\r\n\x1a\n";
+
+/// libjpeg's error manager, extended with the jump back into our decode and the message. Its
+/// error_exit longjmps (the default calls exit()); no C++ object lives across the setjmp.
+struct JpegErrors {
+  jpeg_error_mgr manager;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+
+[[noreturn]] void on_jpeg_error(j_common_ptr cinfo) {
+  auto* errors = reinterpret_cast<JpegErrors*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, errors->message);
+  std::longjmp(errors->jump, 1);
+}
+
+/// Warnings are tolerated as Pillow tolerates them, except the end of the data before the
+/// image's end: Pillow refuses a truncated JPEG ("image file is truncated").
+void on_jpeg_message(j_common_ptr cinfo, int level) {
+  if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) on_jpeg_error(cinfo);
+}
+
+/// Pillow's MULDIV255: a * b / 255, rounded.
+inline int muldiv255(int a, int b) {
+  const int tmp = a * b + 128;
+  return ((tmp >> 8) + tmp) >> 8;
+}
+
+/// libjpeg's part of a decode, with only plain locals across its setjmp; false on an error
+/// (errors->message says why, or `limit_error` for a size out of bounds).
+bool decode_jpeg_rows(jpeg_decompress_struct* cinfo, JpegErrors* errors, const std::string* bytes, at::Tensor* pixels,
+                      std::pair<int64_t, int64_t>* size, bool* out_of_bounds) {
+  if (setjmp(errors->jump)) return false;
+  jpeg_create_decompress(cinfo);
+  jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(bytes->data()), static_cast<unsigned long>(bytes->size()));
+  jpeg_read_header(cinfo, TRUE);
+  *size = {cinfo->image_height, cinfo->image_width};
+  if (size->first > kMaxInputImageSide || size->second > kMaxInputImageSide || size->first == 0 ||
+      size->second == 0) {
+    *out_of_bounds = true;
+    return false;
+  }
+  if (pixels == nullptr) return true;
+  // As Pillow: YCbCr and RGB to RGB, grey replicated, CMYK (and YCCK, converted by libjpeg) kept
+  // as CMYK and converted with Pillow's cmyk2rgb; an Adobe marker means inverted CMYK ("CMYK;I").
+  const bool cmyk = cinfo->jpeg_color_space == JCS_CMYK || cinfo->jpeg_color_space == JCS_YCCK;
+  const bool grey = cinfo->jpeg_color_space == JCS_GRAYSCALE;
+  cinfo->out_color_space = cmyk ? JCS_CMYK : grey ? JCS_GRAYSCALE : JCS_RGB;
+  jpeg_start_decompress(cinfo);
+  const JDIMENSION width = cinfo->output_width;
+  const int components = cinfo->output_components;
+  *pixels = at::empty({static_cast<int64_t>(cinfo->output_height), static_cast<int64_t>(width), 3}, at::kByte);
+  uint8_t* data = pixels->data_ptr<uint8_t>();
+  // A CMYK row is decoded into a scratch row libjpeg allocates (freed with the decompressor).
+  JSAMPARRAY scratch =
+      components == 4 ? (*cinfo->mem->alloc_sarray)(reinterpret_cast<j_common_ptr>(cinfo), JPOOL_IMAGE, width * 4, 1)
+                      : nullptr;
+  const bool inverted = cinfo->saw_Adobe_marker;
+  while (cinfo->output_scanline < cinfo->output_height) {
+    uint8_t* row = data + static_cast<size_t>(cinfo->output_scanline) * width * 3;
+    if (components == 3) {
+      JSAMPROW target = row;
+      jpeg_read_scanlines(cinfo, &target, 1);
+    } else if (components == 1) {
+      JSAMPROW target = row + 2 * static_cast<size_t>(width);  // the row's last third, then spread
+      jpeg_read_scanlines(cinfo, &target, 1);
+      for (JDIMENSION x = 0; x < width; ++x) {
+        const uint8_t value = row[2 * static_cast<size_t>(width) + x];
+        row[3 * x] = row[3 * x + 1] = row[3 * x + 2] = value;
+      }
+    } else {
+      jpeg_read_scanlines(cinfo, scratch, 1);
+      const uint8_t* in = scratch[0];
+      for (JDIMENSION x = 0; x < width; ++x, in += 4) {
+        const int k = inverted ? 255 - in[3] : in[3];
+        const int nk = 255 - k;
+        for (int c = 0; c < 3; ++c) {
+          const int value = inverted ? 255 - in[c] : in[c];
+          row[3 * x + c] = static_cast<uint8_t>(std::clamp(nk - muldiv255(value, nk), 0, 255));
+        }
+      }
+    }
+  }
+  jpeg_finish_decompress(cinfo);
+  return true;
+}
+
+std::pair<int64_t, int64_t> decode_jpeg(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegErrors errors;
+  std::memset(&cinfo, 0, sizeof(cinfo));
+  cinfo.err = jpeg_std_error(&errors.manager);
+  errors.manager.error_exit = on_jpeg_error;
+  errors.manager.emit_message = on_jpeg_message;
+  errors.message[0] = '\0';
+  std::pair<int64_t, int64_t> size{0, 0};
+  bool out_of_bounds = false;
+  const bool ok = decode_jpeg_rows(&cinfo, &errors, &bytes, pixels, &size, &out_of_bounds);
+  jpeg_destroy_decompress(&cinfo);
+  TORCH_CHECK(!out_of_bounds, what, ": not a readable JPEG: it is ", size.second, "x", size.first,
+              " pixels; at least 1 and at most ", kMaxInputImageSide, " per side are read");
+  TORCH_CHECK(ok, what, ": not a readable JPEG: ", errors.message);
+  return size;
+}
+
+/// The format of `bytes`, or a named error for an empty file or another format.
+std::string checked_format(const std::string& bytes, const std::string& what) {
+  TORCH_CHECK(!bytes.empty(), what, ": the image is empty (0 bytes); expected a PNG or JPEG image");
+  const std::string format = sniff_image_format(bytes.substr(0, 8));
+  if (!format.empty()) return format;
+  // Say what it starts with: printable bytes as text, others as hex.
+  std::string start;
+  for (size_t i = 0; i < std::min<size_t>(bytes.size(), 8); ++i) {
+    const unsigned char c = static_cast<unsigned char>(bytes[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      start += static_cast<char>(c);
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      start += hex;
+    }
+  }
+  TORCH_CHECK(false, what, ": not a PNG or JPEG image (its ", bytes.size(), " bytes start with \"", start,
+              "\", neither signature); give a .png or .jpg file");
+  return "";
+}
+
+std::pair<int64_t, int64_t> decode_any(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
+  return checked_format(bytes, what) == "png" ? decode_png(bytes, what, pixels) : decode_jpeg(bytes, what, pixels);
+}
+
+}  // namespace
+
+std::string sniff_image_format(const std::string& head) {
+  if (head.compare(0, 8, kPngSignature, 8) == 0 && head.size() >= 8) return "png";
+  if (head.size() >= 3 && static_cast<unsigned char>(head[0]) == 0xFF && static_cast<unsigned char>(head[1]) == 0xD8 &&
+      static_cast<unsigned char>(head[2]) == 0xFF) {
+    return "jpeg";
+  }
+  return "";
+}
+
+at::Tensor decode_image(const std::string& bytes, const std::string& what) {
+  at::Tensor pixels;
+  decode_any(bytes, what, &pixels);
+  return pixels;
+}
+
+at::Tensor read_image(const std::string& path) {
+  return decode_image(read_regular_file(path, static_cast<uint64_t>(kMaxInputImageFileBytes)), path);
+}
+
+std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what) {
+  return decode_any(bytes, what, nullptr);
+}
+
+}  // namespace shardit::io
