@@ -152,23 +152,33 @@ void check_flux2_image_input(int64_t height, int64_t width) {
   }
 }
 
+namespace {
+
+/// The size _resize_to_target_area gives an image of `height` x `width`: unchanged up to a 1024²
+/// area, else scaled to it with int() truncating the scaled sides. {height, width}.
+std::pair<int64_t, int64_t> flux2_resized_size(int64_t height, int64_t width) {
+  constexpr int64_t kTargetArea = 1024 * 1024;
+  if (width * height <= kTargetArea) return {height, width};
+  const double scale = std::sqrt(static_cast<double>(kTargetArea) / static_cast<double>(width * height));
+  return {static_cast<int64_t>(static_cast<double>(height) * scale),
+          static_cast<int64_t>(static_cast<double>(width) * scale)};
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> flux2_condition_size(int64_t height, int64_t width, int64_t multiple_of) {
+  TORCH_CHECK(multiple_of > 0, "flux2_condition_size: multiple_of must be positive, got ", multiple_of);
+  const auto [resized_height, resized_width] = flux2_resized_size(height, width);
+  return {resized_height / multiple_of * multiple_of, resized_width / multiple_of * multiple_of};
+}
+
 at::Tensor flux2_condition_image(const at::Tensor& pixels, int64_t multiple_of) {
   check_pixels(pixels, "flux2_condition_image");
-  TORCH_CHECK(multiple_of > 0, "flux2_condition_image: multiple_of must be positive, got ", multiple_of);
-  int64_t height = pixels.size(0);
-  int64_t width = pixels.size(1);
-  check_flux2_image_input(height, width);
-  at::Tensor image = pixels;
-  constexpr int64_t kTargetArea = 1024 * 1024;
-  if (width * height > kTargetArea) {
-    // Flux2ImageProcessor._resize_to_target_area: int() truncates the scaled sides.
-    const double scale = std::sqrt(static_cast<double>(kTargetArea) / static_cast<double>(width * height));
-    width = static_cast<int64_t>(static_cast<double>(width) * scale);
-    height = static_cast<int64_t>(static_cast<double>(height) * scale);
-    image = resize_lanczos(image, height, width);
-  }
-  const int64_t crop_width = width / multiple_of * multiple_of;
-  const int64_t crop_height = height / multiple_of * multiple_of;
+  check_flux2_image_input(pixels.size(0), pixels.size(1));
+  const auto [height, width] = flux2_resized_size(pixels.size(0), pixels.size(1));
+  const at::Tensor image =
+      height == pixels.size(0) && width == pixels.size(1) ? pixels : resize_lanczos(pixels, height, width);
+  const auto [crop_height, crop_width] = flux2_condition_size(pixels.size(0), pixels.size(1), multiple_of);
   // Flux2ImageProcessor._resize_and_crop: a centre crop, no resampling.
   const int64_t left = (width - crop_width) / 2;
   const int64_t top = (height - crop_height) / 2;
