@@ -111,6 +111,54 @@ std::string field_at_first_error(const std::string& body) {
   return locator.field;
 }
 
+/// The body's "lora": [{"name": NAME, "scale": W}, ...], every name loaded and given once.
+std::vector<LoraChoice> lora_field(const json& value, const RequestLimits& limits) {
+  if (limits.lora_fused) {
+    throw ApiError(400, "'lora' cannot be chosen per request: the server merged its adapters into the weights "
+                        "(--fuse-lora); start it without --fuse-lora to choose adapters per request",
+                   "lora");
+  }
+  if (!value.is_array()) throw bad_type("lora", "an array of {\"name\": ..., \"scale\": ...}", value);
+  std::vector<std::string> loaded;
+  for (const auto& choice : limits.lora) loaded.push_back(choice.name);
+  std::vector<LoraChoice> choices;
+  std::vector<std::string> unknown;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const json& item = value[i];
+    const std::string field = fmt::format("lora[{}]", i);
+    if (!item.is_object()) throw bad_type(field, "an object {\"name\": ..., \"scale\": ...}", item);
+    for (const auto& [key, unused] : item.items()) {
+      if (key != "name" && key != "scale") {
+        throw ApiError(400, fmt::format("unknown field {} in '{}' (fields: name, scale)", io::quoted(key), field),
+                       "lora");
+      }
+    }
+    if (!item.contains("name")) throw ApiError(400, fmt::format("'{}.name' is required", field), "lora");
+    LoraChoice choice;
+    choice.name = string_field(item["name"], field + ".name");
+    // The adapters' own bound on a weight (parallel/lora.cpp), refused here before any rank sees it.
+    if (item.contains("scale")) choice.scale = number_field(item["scale"], field + ".scale", -1e4, 1e4);
+    for (const auto& earlier : choices) {
+      if (earlier.name == choice.name) {
+        throw ApiError(400, fmt::format("'lora' names the adapter {} twice", io::quoted(choice.name)), "lora");
+      }
+    }
+    if (std::find(loaded.begin(), loaded.end(), choice.name) == loaded.end())
+      unknown.push_back(io::quoted(choice.name));
+    choices.push_back(choice);
+  }
+  if (!unknown.empty()) {
+    throw ApiError(400,
+                   fmt::format("unknown LoRA adapter{} {} in 'lora' (this server loaded: {}; GET /v1/models lists "
+                               "them)",
+                               unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", "),
+                               loaded.empty() ? "none, start it with --lora NAME=FILE"
+                                              : fmt::format("{}", fmt::join(loaded, ", "))),
+                   "lora");
+  }
+  return choices;
+}
+
 uint64_t random_seed() {
   static std::mutex mutex;
   static std::mt19937_64 engine{std::random_device{}()};
@@ -145,7 +193,7 @@ const std::vector<std::string>& request_fields() {
   static const std::vector<std::string> fields = {
       "prompt",         "model",          "n",          "size",           "response_format",
       "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-      "cache",          "user"};
+      "cache",          "lora",           "user"};
   return fields;
 }
 
@@ -179,10 +227,17 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   request.max_sequence_length = limits.max_sequence_length;
   if (!document.contains("prompt")) throw ApiError(400, "'prompt' is required", "prompt");
   request.prompt = checked_prompt(document["prompt"], "prompt", limits, false);
+  request.lora = limits.lora;
   if (document.contains("model")) {
     const std::string model = string_field(document["model"], "model");
-    if (model != model_id) {
-      throw ApiError(404, fmt::format("the model {} does not exist; this server serves '{}'", io::quoted(model), model_id),
+    // An adapter's name (as GET /v1/models lists it) is the base model with that adapter alone.
+    const auto adapter = std::find_if(limits.lora.begin(), limits.lora.end(),
+                                      [&model](const LoraChoice& choice) { return choice.name == model; });
+    if (adapter != limits.lora.end()) {
+      if (!limits.lora_fused) request.lora = {*adapter};  // fused: every adapter is in the weights
+    } else if (model != model_id) {
+      throw ApiError(404,
+                     fmt::format("the model {} does not exist; this server serves '{}'", io::quoted(model), model_id),
                      "model", "model_not_found");
     }
   }
@@ -257,6 +312,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
       }
     }
   }
+  if (document.contains("lora")) request.lora = lora_field(document["lora"], limits);
   if (document.contains("user")) string_field(document["user"], "user");
   return request;
 }
@@ -282,7 +338,8 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.max_sequence_length = max_sequence_length;
   request.seed = seed;
   request.cache = cache;
-  request.notes = false;  // a server's stderr is its log, not the client's
+  // Notes go to the client's answer ("warnings"): the server collects them (core/notes.h).
+  request.notes = true;
   return request;
 }
 
@@ -296,6 +353,9 @@ nlohmann::json ImageRequest::to_json() const {
   if (guidance_scale) out["guidance_scale"] = *guidance_scale;
   if (true_cfg_scale) out["true_cfg_scale"] = *true_cfg_scale;
   if (cache) out["cache"] = cache->to_json();
+  json adapters = json::array();
+  for (const auto& choice : lora) adapters.push_back({{"name", choice.name}, {"scale", choice.scale}});
+  out["lora"] = adapters;
   return out;
 }
 
@@ -313,6 +373,9 @@ ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   if (json.contains("guidance_scale")) request.guidance_scale = json["guidance_scale"].get<double>();
   if (json.contains("true_cfg_scale")) request.true_cfg_scale = json["true_cfg_scale"].get<double>();
   if (json.contains("cache")) request.cache = models::StepCacheConfig::from_json(json["cache"]);
+  for (const auto& choice : json.at("lora")) {
+    request.lora.push_back({choice.at("name").get<std::string>(), choice.at("scale").get<double>()});
+  }
   return request;
 }
 
