@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <regex>
 #include <string>
 
 #include "apps/commands.h"
@@ -28,6 +29,35 @@ struct ServeCommandOptions {
   serving::ServeOptions serve;
   PipelineCliOptions pipeline;
 };
+
+// `--lora NAME=FILE[:W]`: the name requests give in "lora"; without NAME= (or when the whole
+// argument is an existing file, whose name may hold '='), the file's name without extension.
+std::pair<std::string, models::LoraRequest> parse_named_lora(const std::string& argument) {
+  static const std::regex name_re("^([A-Za-z0-9._-]{1,128})=(.+)$");
+  std::smatch match;
+  if (std::regex_match(argument, match, name_re) && !fs::exists(parse_lora_request(argument).path)) {
+    return {match[1].str(), parse_lora_request(match[2].str())};
+  }
+  models::LoraRequest request = parse_lora_request(argument);
+  return {models::lora_adapter_name(request.path), request};
+}
+
+// Opens and names every --lora file for the transformer (no weight read yet): a bad file or a
+// name given twice fails here, before the long load.
+std::vector<models::LoraFile> open_named_lora(const LoraCliOptions& options, parallel::TensorParallelModule& model) {
+  std::vector<models::LoraFile> files;
+  for (const std::string& argument : options.files) {
+    const auto [name, request] = parse_named_lora(argument);
+    for (const auto& earlier : files) {
+      TORCH_CHECK(earlier.name != name, "serve: two --lora adapters are named '", name, "' (", earlier.file->path(),
+                  " and ", request.path, "); name them apart with --lora NAME=FILE[:WEIGHT]");
+    }
+    models::LoraFile file = std::move(models::open_lora_files({request}, model).at(0));
+    file.name = name;
+    files.push_back(std::move(file));
+  }
+  return files;
+}
 
 int serve(ServeCommandOptions options) {
   dist::World& world = dist::World::get();
@@ -59,8 +89,12 @@ int serve(ServeCommandOptions options) {
                           pipeline_options.lora.fuse) +
                   "|" + pipeline_options.cache);
 
-  const auto load = pipeline_load_options(world, pipeline_options);
+  auto load = pipeline_load_options(world, pipeline_options);
+  load.lora.clear();  // the server loads them, named, once the weights are in (ServeOptions::lora)
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
+  serve.lora = open_named_lora(pipeline_options.lora, *pipeline->transformer());
+  serve.lora_scale = pipeline_options.lora.scale;
+  serve.fuse_lora = pipeline_options.lora.fuse;
   serve.limits.size_multiple = 2 * pipeline->vae_scale_factor();
   // Every request without a "cache" of its own gets --cache; checked against the model now.
   serve.limits.cache = pipeline_options.cache_config();
@@ -127,7 +161,18 @@ void register_serve(CLI::App& app, CommandBody& body) {
              [options](int64_t megabytes) { options->serve.http.max_body_bytes = static_cast<size_t>(megabytes) << 20; },
              "largest request body in MiB (default 16; /v1/images/edits carries its images in it); larger get 413")
       ->check(integer_in(1, 1024));
+  command->add_option_function<double>(
+             "--generation-timeout",
+             [options](double seconds) {
+               options->serve.generation_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+             },
+             "seconds from a generation request's arrival to its answer (queue wait included); a later one is "
+             "cancelled at its next step boundary and answered 504 (default: no limit)")
+      ->check(number_in(0.1, 86400.0));
   add_pipeline_options(command, options->pipeline);
+  command->get_option("--lora")->description(
+      "LoRA adapter [NAME=]FILE[:WEIGHT], loaded once at start (repeatable; NAME defaults to the file's name): "
+      "a request chooses adapters by NAME in \"lora\" and without one gets all of them at their weights");
   command->callback([&body, options] { body = [options] { return serve(*options); }; });
 }
 

@@ -5,6 +5,7 @@
 //   shardit-bench forward [--nproc-per-node N] [--dtype f32|bf16] [--height 512 --width 512]
 //                         [--text-tokens 512] [--double 2 --single 4] [--model <folder>]
 //                         [--ulysses U --ring R]  (context parallel; TP = N / (U x R))
+//                         [--lora-rank R]  (two unfused adapters, both active; times switching them)
 //   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
 //   shardit-bench encoder [--nproc-per-node N] --encoder clip|t5|qwen3|qwen2_5_vl [--layers 2]
 //                         [--text-tokens 512] [--dtype f32|bf16]
@@ -56,6 +57,8 @@
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/gemm.h"
+#include "shardit/models/lora_formats.h"
+#include "shardit/parallel/lora.h"
 #include "shardit/parallel/tensor_parallel.h"
 
 #include "op_profile.h"
@@ -96,10 +99,46 @@ struct BenchOptions {
   int attention_head_dim = 128;
   int ulysses = 1;
   int ring = 1;
+  int lora_rank = 0;  // forward: two adapters of this rank, unfused and both active (0: none)
 };
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// An adapter of rank `rank` on every attention projection of every block of `config`'s model, in
+/// diffusers' PEFT keys, written once by rank 0 under the cache folder (random, seeded by `seed`).
+std::string bench_adapter(const BenchOptions& options, const FluxTransformer2DModelConfig& config, int seed,
+                          shardit::dist::World& world) {
+  const std::string path = (fs::path(options.cache_dir) / ("lora-r" + std::to_string(options.lora_rank) + "-d" +
+                                                           std::to_string(options.num_double) + "-s" +
+                                                           std::to_string(options.num_single) + "-" +
+                                                           std::to_string(seed) + ".safetensors"))
+                               .string();
+  if (world.rank() == 0 && !fs::exists(path)) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const int64_t width = config.inner_dim();
+    std::vector<std::pair<std::string, at::Tensor>> factors;
+    const auto add = [&](const std::string& module) {
+      factors.emplace_back("transformer." + module + ".lora_A.weight",
+                           at::normal(0.0, 0.01, {options.lora_rank, width}, generator));
+      factors.emplace_back("transformer." + module + ".lora_B.weight",
+                           at::normal(0.0, 0.01, {width, options.lora_rank}, generator));
+    };
+    for (int64_t i = 0; i < config.num_layers; ++i) {
+      for (const char* m : {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}) {
+        add("transformer_blocks." + std::to_string(i) + ".attn." + m);
+      }
+    }
+    for (int64_t i = 0; i < config.num_single_layers; ++i) {
+      for (const char* m : {"to_q", "to_k", "to_v"}) add("single_transformer_blocks." + std::to_string(i) + ".attn." + m);
+    }
+    fs::create_directories(options.cache_dir);
+    shardit::io::save_safetensors(path + ".partial", factors);
+    fs::rename(path + ".partial", path);
+  }
+  world.group()->barrier();
+  return path;
 }
 
 /// Peak resident set of this process so far, in bytes.
@@ -355,6 +394,32 @@ int run_forward(const BenchOptions& options) {
   }
   const int64_t parameter_bytes = model->parameter_bytes();
 
+  // --lora-rank: two adapters read once and kept unfused (as `serve --lora` keeps them), then the
+  // change of the active set between requests is timed; the forward below runs with both active.
+  std::unique_ptr<shardit::parallel::LoraAdapters> adapters;
+  nlohmann::json lora_result;
+  if (options.lora_rank > 0) {
+    std::vector<shardit::models::LoraRequest> requests = {{bench_adapter(options, config, 1, world), 0.8},
+                                                          {bench_adapter(options, config, 2, world), 0.5}};
+    adapters = std::make_unique<shardit::parallel::LoraAdapters>(*model);
+    const auto load_start = Clock::now();
+    shardit::models::load_lora_files(*adapters, shardit::models::open_lora_files(requests, *model), 1.0, false);
+    const double load_seconds = seconds_since(load_start);
+    const std::vector<std::string> names = adapters->names();
+    const std::vector<std::pair<std::vector<std::string>, std::vector<double>>> sets = {
+        {{}, {}}, {{names[0]}, {0.8}}, {{names[1]}, {1.0}}, {names, {0.8, 0.5}}};
+    constexpr int kSwitches = 10000;
+    const auto switch_start = Clock::now();
+    for (int i = 0; i < kSwitches; ++i) adapters->set_adapters(sets[i % 4].first, sets[i % 4].second);
+    const double switch_seconds = seconds_since(switch_start) / kSwitches;
+    adapters->set_adapters(names, {0.8, 0.5});
+    lora_result = {{"rank", options.lora_rank}, {"adapters", 2}, {"load_seconds", load_seconds},
+                   {"switch_seconds", switch_seconds}};
+    std::printf("LoRA: 2 adapters of rank %d read in %.3f s (this rank's slices); switching the active set takes "
+                "%.2f us (mean of %d switches); the forward runs with both active\n",
+                options.lora_rank, load_seconds, switch_seconds * 1e6, kSwitches);
+  }
+
   // One all-reduce per rowwise layer: what the plan the model was loaded with implies, to compare
   // with what was counted.
   using shardit::parallel::ShardStyle;
@@ -499,6 +564,7 @@ int run_forward(const BenchOptions& options) {
       {"attention_dispatches", shardit::nn::attention_dispatch_counts()},
       {"gemm", gemm_report()},
   };
+  if (!lora_result.is_null()) result["lora"] = lora_result;
   if (const auto* cache = model->step_cache()) {
     const auto median_of = [](std::vector<double> v) {
       if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
@@ -788,6 +854,10 @@ int main(int argc, char** argv) {
   forward->add_option("--cache", options.step_cache,
                       "a step cache (first_block_cache:threshold=..., taylorseer_lite:...): each step gets its own "
                       "timestep, and computed and skipped steps are timed apart");
+  forward->add_option("--lora-rank", options.lora_rank,
+                      "two LoRA adapters of this rank on every attention projection, unfused and both active; also "
+                      "times switching the active set (0: none)")
+      ->check(CLI::NonNegativeNumber);
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   forward->add_flag("--op-profile", options.op_profile,
                     "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");

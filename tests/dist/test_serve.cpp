@@ -359,21 +359,45 @@ struct BadRequest {
   std::string param;    ///< "" for null
 };
 
-// `serve --lora` loads the adapter once with the transformer and applies it to every request: the
-// served image equals `generate --lora` with the same seed at the same TP degree, and differs
-// from the image without the adapter. The adapter (rank 4 on every attention projection of the
-// built-in transformer's first double block) is made here from a seeded generator.
-TEST(Serve, LoraAppliesToEveryRequestAsInGenerate) {
-  const std::string dir = make_temp_dir("serve_lora");
-  const std::string lora = dir + "/style.safetensors";
-  at::manual_seed(11);
+// kValid's image from `shardit generate` at TP=2 with `options` added, written to `png`.
+at::Tensor generate_valid(const std::string& png, const std::string& options) {
+  std::string output;
+  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + served_model() +
+                                   " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
+                                   "--height 48 --steps 2 --max-sequence-length " + kMaxSequenceLength + " " +
+                                   options + " --out " + png,
+                               &output);
+  EXPECT_EQ(code, 0) << output;
+  return shardit::io::read_png(png);
+}
+
+// A LoRA adapter on the built-in transformer's first double block (rank 4 on every attention
+// projection), from a seeded generator.
+std::string write_adapter(const std::string& path, int seed) {
+  at::manual_seed(seed);
   std::vector<std::pair<std::string, at::Tensor>> factors;
   for (const std::string module : {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}) {
     const std::string key = "transformer.transformer_blocks.0.attn." + module;
     factors.emplace_back(key + ".lora_A.weight", at::randn({4, 192}) * 0.5);
     factors.emplace_back(key + ".lora_B.weight", at::randn({192, 4}) * 0.5);
   }
-  shardit::io::save_safetensors(lora, factors);
+  shardit::io::save_safetensors(path, factors);
+  return path;
+}
+
+// The value of a metric line "name value" (or "name{labels} value") in a /metrics answer; -1 when absent.
+double metric_value(const std::string& metrics, const std::string& name) {
+  const size_t at = metrics.find("\n" + name + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(metrics.substr(at + name.size() + 2));
+}
+
+// `serve --lora` loads the adapter once with the transformer and applies it to every request: the
+// served image equals `generate --lora` with the same seed at the same TP degree, and differs
+// from the image without the adapter.
+TEST(Serve, LoraAppliesToEveryRequestAsInGenerate) {
+  const std::string dir = make_temp_dir("serve_lora");
+  const std::string lora = write_adapter(dir + "/style.safetensors", 11);
 
   auto server = start_server(dir, {"--lora", lora + ":0.8"});
   const int port = server->wait_listening();
@@ -383,23 +407,99 @@ TEST(Serve, LoraAppliesToEveryRequestAsInGenerate) {
   ASSERT_EQ(answer->status, 200) << answer->body;
   const at::Tensor served = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, "served.png");
 
-  const auto generate = [&](const std::string& name, const std::string& options) {
-    std::string output;
-    const std::string png = dir + "/" + name + ".png";
-    const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + served_model() +
-                                     " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
-                                     "--height 48 --steps 2 --max-sequence-length " + kMaxSequenceLength + " " +
-                                     options + " --out " + png,
-                                 &output);
-    EXPECT_EQ(code, 0) << output;
-    return shardit::io::read_png(png);
-  };
-  const at::Tensor with_lora = generate("lora", "--lora " + lora + ":0.8");
-  const at::Tensor without = generate("base", "");
+  const at::Tensor with_lora = generate_valid(dir + "/lora.png", "--lora " + lora + ":0.8");
+  const at::Tensor without = generate_valid(dir + "/base.png", "");
   ASSERT_EQ(served.sizes(), with_lora.sizes());
   EXPECT_TRUE(served.equal(with_lora)) << "the served image differs from generate --lora's in "
                                        << served.ne(with_lora).sum().item<int64_t>() << " values";
   EXPECT_FALSE(with_lora.equal(without)) << "the adapter does not change the image";
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
+// Two adapters loaded at start (one named on the command line, one after its file); requests that
+// alternate between none, either and both get the images `generate --lora` makes with the same
+// adapters, weights and seed at the same TP degree, and no adapter is read again (the load counter
+// stays at 2 while the switch counter grows).
+TEST(Serve, LoraChosenPerRequestEqualsGenerateWithoutReload) {
+  const std::string dir = make_temp_dir("serve_lora_choice");
+  const std::string style = write_adapter(dir + "/style_v1.safetensors", 11);
+  const std::string detail = write_adapter(dir + "/detail.safetensors", 12);
+  auto server = start_server(dir, {"--lora", "style=" + style + ":0.8", "--lora", detail});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+
+  auto models = client(port)->Get("/v1/models");
+  ASSERT_TRUE(models);
+  const json listed = json::parse(models->body)["data"];
+  ASSERT_EQ(listed.size(), 3u) << models->body;
+  EXPECT_EQ(listed[1]["id"], "style");
+  EXPECT_EQ(listed[1]["parent"], kModelId);
+  EXPECT_EQ(listed[1]["default_scale"], 0.8);
+  EXPECT_EQ(listed[2]["id"], "detail");
+
+  // None, style, detail, both, none again, and the server's default (both at their start weights).
+  const std::vector<std::pair<std::string, json>> choices = {
+      {"none", json::array()},
+      {"style", json::array({{{"name", "style"}, {"scale", 0.8}}})},
+      {"detail", json::array({{{"name", "detail"}}})},
+      {"both", json::array({{{"name", "style"}, {"scale", 0.8}}, {{"name", "detail"}, {"scale", 1.0}}})},
+      {"none_again", json::array()},
+      {"default", json(nullptr)}};
+  std::map<std::string, at::Tensor> served;
+  for (const auto& [name, lora] : choices) {
+    json request = kValid;
+    if (!lora.is_null()) request["lora"] = lora;
+    auto answer = post(port, request.dump());
+    ASSERT_TRUE(answer) << name << ": " << httplib::to_string(answer.error());
+    ASSERT_EQ(answer->status, 200) << name << ": " << answer->body;
+    served[name] = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, name + ".png");
+  }
+  // An adapter named as the `model` (as vLLM serves them): the base model with that adapter alone.
+  json as_model = kValid;
+  as_model["model"] = "detail";
+  auto answer = post(port, as_model.dump());
+  ASSERT_TRUE(answer);
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  EXPECT_EQ(json::parse(answer->body)["lora"], json::parse(R"([{"name": "detail", "scale": 1.0}])"));
+  served["detail_as_model"] = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, "as_model.png");
+
+  const auto generate = [&](const std::string& name, const std::string& options) {
+    return generate_valid(dir + "/generated_" + name + ".png", options);
+  };
+  const std::map<std::string, at::Tensor> expected = {
+      {"none", generate("none", "")},
+      {"style", generate("style", "--lora " + style + ":0.8")},
+      {"detail", generate("detail", "--lora " + detail)},
+      {"both", generate("both", "--lora " + style + ":0.8 --lora " + detail + ":1.0")}};
+  const auto same = [](const at::Tensor& a, const at::Tensor& b) { return a.sizes() == b.sizes() && a.equal(b); };
+  for (const auto& [name, image] : served) {
+    const std::string as = name == "none_again"        ? "none"
+                           : name == "default"         ? "both"
+                           : name == "detail_as_model" ? "detail"
+                                                       : name;
+    EXPECT_TRUE(same(image, expected.at(as))) << name << ": the served image differs from generate's ("
+                                              << as << ")";
+  }
+  // The adapters change the image, each differently: the comparisons above can fail.
+  EXPECT_FALSE(same(expected.at("none"), expected.at("style")));
+  EXPECT_FALSE(same(expected.at("style"), expected.at("detail")));
+  EXPECT_FALSE(same(expected.at("style"), expected.at("both")));
+
+  // An unknown adapter is named in a 400, and changes nothing.
+  auto unknown = post(port, json{{"prompt", "a"}, {"lora", {{{"name", "style"}}, {{"name", "nope"}}}}}.dump());
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 400);
+  EXPECT_EQ(json::parse(unknown->body)["error"]["message"],
+            "unknown LoRA adapter \"nope\" in 'lora' (this server loaded: style, detail; GET /v1/models lists them)");
+
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metric_value(metrics->body, "shardit_lora_loads_total"), 2) << metrics->body;
+  EXPECT_EQ(metric_value(metrics->body, "shardit_lora_adapters"), 2);
+  // both -> none -> style -> detail -> both -> none -> both -> detail: seven switches, none for a repeat.
+  EXPECT_EQ(metric_value(metrics->body, "shardit_lora_switches_total"), 7);
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
@@ -417,7 +517,7 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   };
   const std::string fields =
       "prompt, model, n, size, response_format, seed, negative_prompt, num_inference_steps, guidance_scale, "
-      "true_cfg_scale, cache, user";
+      "true_cfg_scale, cache, lora, user";
   const std::vector<BadRequest> cases = {
       {"{not json", 400, "the request body is not valid JSON: ...", ""},
       {R"({"prompt": "a", "prompt": "b"})", 400, "the request body is not valid JSON: ...", ""},
@@ -450,6 +550,16 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
       {with({{"seed", -1}}), 400, "'seed' must be between 0 and 9223372036854775807, got -1", "seed"},
       {with({{"model", "dall-e-3"}}), 404,
        "the model \"dall-e-3\" does not exist; this server serves '" + kModelId + "'", "model"},
+      {with({{"lora", "style"}}), 400, "'lora' must be an array of {\"name\": ..., \"scale\": ...}, got string",
+       "lora"},
+      {with({{"lora", {{{"name", "style"}, {"weight", 1}}}}}), 400,
+       "unknown field \"weight\" in 'lora[0]' (fields: name, scale)", "lora"},
+      {with({{"lora", {{{"name", "style"}, {"scale", "high"}}}}}), 400,
+       "'lora[0].scale' must be a number, got string", "lora[0].scale"},
+      {with({{"lora", {{{"name", "style"}}, {{"name", "ink"}}}}}), 400,
+       "unknown LoRA adapters \"style\", \"ink\" in 'lora' (this server loaded: none, start it with --lora "
+       "NAME=FILE; GET /v1/models lists them)",
+       "lora"},
       {with({{"quality", "hd"}}), 400, "unknown field \"quality\" (fields: " + fields + ")", "quality"},
       {"{\"prompt\": \"a cat \xff\xfe\", \"n\": 1}", 400, "'prompt' is not valid UTF-8; send text as UTF-8", "prompt"},
       {"{\"pro\xc3mpt\": \"a cat\"}", 400,
@@ -682,6 +792,159 @@ TEST(Serve, FullQueueAnswers429) {
   auto health = client(port)->Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+}
+
+// A slow request (256x256, `steps` steps) written on a raw connection with the X-Request-Id `id`,
+// so that the test can close the connection while the server computes.
+std::unique_ptr<RawConnection> post_raw(int port, int steps, const std::string& id) {
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = steps;
+  const std::string body = slow.dump();
+  auto raw = std::make_unique<RawConnection>(port);
+  EXPECT_TRUE(raw->connected());
+  EXPECT_TRUE(raw->send("POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-Id: " + id +
+                        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                        "\r\n\r\n" + body));
+  return raw;
+}
+
+// GET /v1/jobs/{id} once it has reached step `step` (or after 60 s; {} when never found).
+json wait_for_step(int port, const std::string& id, int64_t step) {
+  json job;
+  const auto begin = Clock::now();
+  while (Clock::now() - begin < std::chrono::seconds(60)) {
+    auto answer = client(port)->Get(("/v1/jobs/" + id).c_str());
+    if (answer && answer->status == 200) {
+      job = json::parse(answer->body);
+      if (job["step"].get<int64_t>() >= step || (job["status"] != "running" && job["status"] != "queued")) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return job;
+}
+
+// A client that closes its connection mid-generation cancels its job at the next step boundary
+// on every rank: GET /v1/jobs/{id} follows the job step by step, the next request starts and is
+// answered at once, both ranks stay alive, and /metrics counts the cancellation.
+TEST(Serve, DisconnectCancelsAtTheNextStepAndJobsReportProgress) {
+  const std::string dir = make_temp_dir("serve_cancel");
+  auto server = start_server(dir, {"--max-steps", "1000"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  auto health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  const json ranks = json::parse(health->body)["ranks"];
+  ASSERT_EQ(ranks.size(), 2u);
+
+  auto raw = post_raw(port, 1000, "slow-1");
+  json job = wait_for_step(port, "slow-1", 3);
+  ASSERT_EQ(job["status"], "running") << job.dump();
+  EXPECT_EQ(job["num_inference_steps"], 1000);
+  // The time of one step, from the progress itself.
+  const auto timed_from = Clock::now();
+  const int64_t timed_step = job["step"];
+  job = wait_for_step(port, "slow-1", timed_step + 5);
+  const double step_seconds = std::chrono::duration<double>(Clock::now() - timed_from).count() /
+                              static_cast<double>(job["step"].get<int64_t>() - timed_step);
+  // An id still in use is refused.
+  auto twice = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "slow-1"}}, kValid.dump(),
+                                  "application/json");
+  ASSERT_TRUE(twice);
+  EXPECT_EQ(twice->status, 409) << twice->body;
+
+  job = json::parse(client(port)->Get("/v1/jobs/slow-1")->body);
+  const int64_t step_at_close = job["step"];
+  const auto closed_at = Clock::now();
+  raw.reset();
+  auto next = post(port, kValid.dump());
+  const double waited = std::chrono::duration<double>(Clock::now() - closed_at).count();
+  ASSERT_TRUE(next) << httplib::to_string(next.error());
+  EXPECT_EQ(next->status, 200) << next->body;
+  EXPECT_FALSE(next->get_header_value("X-Request-Id").empty());
+  EXPECT_EQ(json::parse(next->body)["id"], next->get_header_value("X-Request-Id"));
+
+  job = json::parse(client(port)->Get("/v1/jobs/slow-1")->body);
+  EXPECT_EQ(job["status"], "cancelled") << job.dump();
+  EXPECT_EQ(job["cancel_reason"], "disconnected");
+  const int64_t steps_after_close = job["step"].get<int64_t>() - step_at_close;
+  std::printf("one step: %.1f ms; the job ran %lld step(s) after its client left; the next request was answered "
+              "%.2f s after\n",
+              step_seconds * 1e3, static_cast<long long>(steps_after_close), waited);
+  // The server looks for a closed connection every 50 ms and stops at the step boundary after:
+  // generous bounds, still far below the 1000 steps the job asked for.
+  EXPECT_LE(steps_after_close, 3 + static_cast<int64_t>(0.5 / step_seconds)) << "the job did not stop at once";
+  EXPECT_LT(steps_after_close + step_at_close, 1000);
+
+  // Every rank is still serving, and the cancellation is counted.
+  health = client(port)->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200) << health->body;
+  for (const auto& rank : ranks) EXPECT_EQ(::kill(static_cast<pid_t>(rank["pid"].get<int64_t>()), 0), 0);
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_cancelled_total{reason=\"disconnected\"} 1\n"));
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_cancelled_total{reason=\"timeout\"} 0\n"));
+}
+
+// --generation-timeout cancels a request that runs too long at its next step boundary (answered
+// 504, the job says why); a prompt truncated to the server's token limit is answered with a
+// warning; a bad X-Request-Id or an unknown job id is refused.
+TEST(Serve, GenerationTimeoutCancelsAndWarningsAreAnswered) {
+  const std::string dir = make_temp_dir("serve_timeout");
+  auto server = start_server(dir, {"--max-steps", "1000", "--generation-timeout", "2"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+
+  json long_prompt = kValid;
+  std::string words;
+  for (int i = 0; i < 100; ++i) words += "a red cat ";
+  long_prompt["prompt"] = words;
+  auto truncated = post(port, long_prompt.dump());
+  ASSERT_TRUE(truncated);
+  ASSERT_EQ(truncated->status, 200) << truncated->body;
+  const json warnings = json::parse(truncated->body)["warnings"];
+  ASSERT_FALSE(warnings.empty()) << truncated->body;
+  EXPECT_THAT(warnings.dump(), HasSubstr("more than max_length " + kMaxSequenceLength)) << warnings.dump();
+  EXPECT_THAT(warnings.dump(), Not(HasSubstr(served_model()))) << "the server's folders are not the client's business";
+  auto plain = post(port, kValid.dump());
+  ASSERT_TRUE(plain);
+  ASSERT_EQ(plain->status, 200) << plain->body;
+  EXPECT_EQ(json::parse(plain->body)["warnings"], json::array());
+
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = 1000;
+  const auto begin = Clock::now();
+  auto late = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "late-1"}}, slow.dump(),
+                                 "application/json");
+  const double took = std::chrono::duration<double>(Clock::now() - begin).count();
+  ASSERT_TRUE(late);
+  EXPECT_EQ(late->status, 504) << late->body;
+  EXPECT_THAT(json::parse(late->body)["error"]["message"].get<std::string>(),
+              HasSubstr("the request took longer than --generation-timeout (2 s) and was cancelled at step "));
+  EXPECT_LT(took, 30) << "the timeout did not cancel the generation";
+  const json job = json::parse(client(port)->Get("/v1/jobs/late-1")->body);
+  EXPECT_EQ(job["status"], "cancelled");
+  EXPECT_EQ(job["cancel_reason"], "timeout");
+  EXPECT_LT(job["step"].get<int64_t>(), 1000);
+
+  auto bad_id = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "two words"}}, kValid.dump(),
+                                   "application/json");
+  ASSERT_TRUE(bad_id);
+  EXPECT_EQ(bad_id->status, 400);
+  EXPECT_EQ(json::parse(bad_id->body)["error"]["param"], "X-Request-Id");
+  auto unknown = client(port)->Get("/v1/jobs/nope");
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 404);
+
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_cancelled_total{reason=\"timeout\"} 1\n"));
+  EXPECT_GE(metric_value(metrics->body, "shardit_warnings_total"), 1);
+  auto again = post(port, kValid.dump());
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200) << again->body;
 }
 
 // Two ranks started by hand, as torchrun would (no launcher to report or forward anything).

@@ -72,7 +72,43 @@ TEST(ServingApi, ParsesEveryFieldAndRoundTripsToTheRanks) {
   EXPECT_EQ(generate.num_images_per_prompt, 2);
   EXPECT_EQ(generate.seed, 9u);
   EXPECT_FALSE(generate.on_progress);
-  EXPECT_FALSE(generate.notes);
+  // Notes are on: the server collects them into the answer's "warnings" (core/notes.h).
+  EXPECT_TRUE(generate.notes);
+}
+
+TEST(ServingApi, LoraChoicesAreCheckedDefaultedAndSentToTheRanks) {
+  RequestLimits limits;
+  limits.lora = {{"style", 0.8}, {"detail", 1.0}};
+  // Without "lora": every adapter at its start weight; [] for none; any subset, in the request's order.
+  const auto names = [](const ImageRequest& r) {
+    std::vector<std::pair<std::string, double>> out;
+    for (const auto& choice : r.lora) out.emplace_back(choice.name, choice.scale);
+    return out;
+  };
+  using Choices = std::vector<std::pair<std::string, double>>;
+  EXPECT_EQ(names(parse_image_request(R"({"prompt": "a"})", limits, "tiny")),
+            (Choices{{"style", 0.8}, {"detail", 1.0}}));
+  EXPECT_TRUE(parse_image_request(R"({"prompt": "a", "lora": []})", limits, "tiny").lora.empty());
+  const ImageRequest chosen = parse_image_request(
+      R"({"prompt": "a", "lora": [{"name": "detail", "scale": -0.5}, {"name": "style"}]})", limits, "tiny");
+  EXPECT_EQ(names(chosen), (Choices{{"detail", -0.5}, {"style", 1.0}}));
+  EXPECT_EQ(names(ImageRequest::from_json(chosen.to_json())), names(chosen));
+  // An adapter named as the model: the base model with it alone.
+  EXPECT_EQ(names(parse_image_request(R"({"prompt": "a", "model": "style"})", limits, "tiny")),
+            (Choices{{"style", 0.8}}));
+
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": [{"name": "ink"}, {"name": "style"}, {"name": "oil"}]})", limits).second,
+            "unknown LoRA adapters \"ink\", \"oil\" in 'lora' (this server loaded: style, detail; GET /v1/models "
+            "lists them)");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": [{"name": "style"}, {"name": "style", "scale": 2}]})", limits).second,
+            "'lora' names the adapter \"style\" twice");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": [{"scale": 2}]})", limits).second, "'lora[0].name' is required");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": [{"name": "style", "scale": 1e5}]})", limits).second,
+            "'lora[0].scale' must be between -10000 and 10000, got 100000.0");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": [7]})", limits).second,
+            "'lora[0]' must be an object {\"name\": ..., \"scale\": ...}, got integer");
+  limits.lora_fused = true;
+  EXPECT_EQ(refusal(R"({"prompt": "a", "lora": []})", limits).first, 400);
 }
 
 TEST(ServingApi, DrawsASeedWhenNoneIsGiven) {

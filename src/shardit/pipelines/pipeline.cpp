@@ -13,6 +13,7 @@
 #include <limits>
 #include <tuple>
 
+#include "shardit/core/notes.h"
 #include "shardit/core/units.h"
 #include "shardit/dist/mesh.h"
 #include "shardit/parallel/context_parallel.h"
@@ -571,8 +572,8 @@ std::pair<int64_t, int64_t> DiffusionPipeline::resolve_size(const GenerateReques
               " (height x width) is too small: both sides must be at least ", multiple,
               " pixels (2 x the VAE's scale factor ", vae_scale_factor_, ")");
   if (note && (rounded_height != height || rounded_width != width) && dist::World::get().rank() == 0) {
-    fmt::print(stderr, "note: height and width must be multiples of {}; {}x{} is resized to {}x{}\n", multiple, height,
-               width, rounded_height, rounded_width);
+    shardit::note(fmt::format("height and width must be multiples of {}; {}x{} is resized to {}x{}", multiple, height,
+                              width, rounded_height, rounded_width));
   }
   return {rounded_height, rounded_width};
 }

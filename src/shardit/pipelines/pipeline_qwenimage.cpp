@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "shardit/core/notes.h"
 #include "shardit/dist/world.h"
 
 namespace shardit::pipelines {
@@ -49,8 +50,8 @@ at::Tensor QwenImagePipeline::prepare_latents(const GenerateRequest& request, in
 GenerateResult QwenImagePipeline::generate_prepared(PreparedRequest& call, const GenerateRequest& request) {
   models::QwenImageTransformer2DModel& transformer = qwen_transformer();
   if (call.true_cfg_scale > 1 && !has_negative_prompt(request) && request.notes && dist::World::get().rank() == 0) {
-    fmt::print(stderr, "note: true_cfg_scale is {} but no negative prompt is given; CFG is not applied\n",
-               call.true_cfg_scale);
+    shardit::note(fmt::format("true_cfg_scale is {} but no negative prompt is given; CFG is not applied",
+                              call.true_cfg_scale));
   }
   // A mask of all ones is dropped (the pipeline then passes None).
   const auto drop_full_mask = [](PromptEmbeds& embeds) {

@@ -146,6 +146,52 @@ std::vector<std::string> checked_images(const json& value) {
     images.push_back(std::move(*bytes));
   }
   return images;
+/// The body's "lora": [{"name": NAME, "scale": W}, ...], every name loaded and given once.
+std::vector<LoraChoice> lora_field(const json& value, const RequestLimits& limits) {
+  if (limits.lora_fused) {
+    throw ApiError(400, "'lora' cannot be chosen per request: the server merged its adapters into the weights "
+                        "(--fuse-lora); start it without --fuse-lora to choose adapters per request",
+                   "lora");
+  }
+  if (!value.is_array()) throw bad_type("lora", "an array of {\"name\": ..., \"scale\": ...}", value);
+  std::vector<std::string> loaded;
+  for (const auto& choice : limits.lora) loaded.push_back(choice.name);
+  std::vector<LoraChoice> choices;
+  std::vector<std::string> unknown;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const json& item = value[i];
+    const std::string field = fmt::format("lora[{}]", i);
+    if (!item.is_object()) throw bad_type(field, "an object {\"name\": ..., \"scale\": ...}", item);
+    for (const auto& [key, unused] : item.items()) {
+      if (key != "name" && key != "scale") {
+        throw ApiError(400, fmt::format("unknown field {} in '{}' (fields: name, scale)", io::quoted(key), field),
+                       "lora");
+      }
+    }
+    if (!item.contains("name")) throw ApiError(400, fmt::format("'{}.name' is required", field), "lora");
+    LoraChoice choice;
+    choice.name = string_field(item["name"], field + ".name");
+    // The adapters' own bound on a weight (parallel/lora.cpp), refused here before any rank sees it.
+    if (item.contains("scale")) choice.scale = number_field(item["scale"], field + ".scale", -1e4, 1e4);
+    for (const auto& earlier : choices) {
+      if (earlier.name == choice.name) {
+        throw ApiError(400, fmt::format("'lora' names the adapter {} twice", io::quoted(choice.name)), "lora");
+      }
+    }
+    if (std::find(loaded.begin(), loaded.end(), choice.name) == loaded.end())
+      unknown.push_back(io::quoted(choice.name));
+    choices.push_back(choice);
+  }
+  if (!unknown.empty()) {
+    throw ApiError(400,
+                   fmt::format("unknown LoRA adapter{} {} in 'lora' (this server loaded: {}; GET /v1/models lists "
+                               "them)",
+                               unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", "),
+                               loaded.empty() ? "none, start it with --lora NAME=FILE"
+                                              : fmt::format("{}", fmt::join(loaded, ", "))),
+                   "lora");
+  }
+  return choices;
 }
 
 uint64_t random_seed() {
@@ -182,7 +228,7 @@ const std::vector<std::string>& request_fields(ImageEndpoint endpoint) {
   static const std::vector<std::string> fields = {
       "prompt",         "model",          "n",          "size",           "response_format",
       "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-      "cache",          "user"};
+      "cache",          "lora",           "user"};
   static const std::vector<std::string> edit_fields = [] {
     std::vector<std::string> all = {"image"};
     all.insert(all.end(), fields.begin(), fields.end());
@@ -222,10 +268,17 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   request.max_sequence_length = limits.max_sequence_length;
   if (!document.contains("prompt")) throw ApiError(400, "'prompt' is required", "prompt");
   request.prompt = checked_prompt(document["prompt"], "prompt", limits, false);
+  request.lora = limits.lora;
   if (document.contains("model")) {
     const std::string model = string_field(document["model"], "model");
-    if (model != model_id) {
-      throw ApiError(404, fmt::format("the model {} does not exist; this server serves '{}'", io::quoted(model), model_id),
+    // An adapter's name (as GET /v1/models lists it) is the base model with that adapter alone.
+    const auto adapter = std::find_if(limits.lora.begin(), limits.lora.end(),
+                                      [&model](const LoraChoice& choice) { return choice.name == model; });
+    if (adapter != limits.lora.end()) {
+      if (!limits.lora_fused) request.lora = {*adapter};  // fused: every adapter is in the weights
+    } else if (model != model_id) {
+      throw ApiError(404,
+                     fmt::format("the model {} does not exist; this server serves '{}'", io::quoted(model), model_id),
                      "model", "model_not_found");
     }
   }
@@ -300,6 +353,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
       }
     }
   }
+  if (document.contains("lora")) request.lora = lora_field(document["lora"], limits);
   if (document.contains("user")) string_field(document["user"], "user");
   if (endpoint == ImageEndpoint::Edits) {
     if (!document.contains("image")) {
@@ -333,7 +387,8 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.cache = cache;
   request.max_area = max_area;
   for (size_t i = 0; i < images.size(); ++i) request.image.push_back(io::decode_image(images[i], fmt::format("image[{}]", i)));
-  request.notes = false;  // a server's stderr is its log, not the client's
+  // Notes go to the client's answer ("warnings"): the server collects them (core/notes.h).
+  request.notes = true;
   return request;
 }
 
@@ -353,6 +408,9 @@ nlohmann::json ImageRequest::to_json() const {
     for (const std::string& bytes : images) encoded.push_back(base64_encode(bytes));
     out["images"] = encoded;
   }
+  json adapters = json::array();
+  for (const auto& choice : lora) adapters.push_back({{"name", choice.name}, {"scale", choice.scale}});
+  out["lora"] = adapters;
   return out;
 }
 
@@ -373,6 +431,9 @@ ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   if (json.contains("max_area")) request.max_area = json["max_area"].get<int64_t>();
   if (json.contains("images")) {
     for (const auto& encoded : json["images"]) request.images.push_back(base64_decode(encoded.get<std::string>()).value());
+  }
+  for (const auto& choice : json.at("lora")) {
+    request.lora.push_back({choice.at("name").get<std::string>(), choice.at("scale").get<double>()});
   }
   return request;
 }

@@ -35,6 +35,13 @@ class ApiError : public std::exception {
   std::string code_;
 };
 
+/// One LoRA adapter a request turns on: a name the server loaded (`serve --lora NAME=FILE[:W]`)
+/// and its weight (diffusers' set_adapters weight).
+struct LoraChoice {
+  std::string name;
+  double scale = 1.0;
+};
+
 /// What the server accepts (set by `shardit serve` options).
 struct RequestLimits {
   int64_t max_images = 4;            ///< largest `n`
@@ -46,6 +53,10 @@ struct RequestLimits {
   bool url_output = false;           ///< whether response_format "url" is served (an output folder is set)
   /// The step cache of requests that do not say (`serve --cache`); none: off.
   std::optional<models::StepCacheConfig> cache;
+  /// The LoRA adapters loaded at start, at the weights a request without "lora" gets.
+  std::vector<LoraChoice> lora;
+  /// Whether they were merged into the weights (--fuse-lora): then no request may choose.
+  bool lora_fused = false;
 };
 
 /// One POST /v1/images/generations request, checked. `seed` is always set (drawn by the server
@@ -70,6 +81,9 @@ struct ImageRequest {
   /// FluxKontextPipeline's output area: the server sets width x height when the client gave a
   /// size, so that `size` is the answer's size (Kontext would rescale it to 1024² otherwise).
   std::optional<int64_t> max_area;
+  /// The LoRA adapters active for this request, in order: the body's "lora" ([{"name", "scale"}];
+  /// [] for none), or the server's (RequestLimits::lora).
+  std::vector<LoraChoice> lora;
 
   /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;

@@ -63,6 +63,12 @@ std::pair<ControlKind, std::string> ControlPlane::receive() {
   return {static_cast<ControlKind>(kind), payload};
 }
 
+bool ControlPlane::step_boundary(bool cancel) {
+  at::Tensor flag = at::tensor({static_cast<int64_t>(group_->rank() == 0 && cancel)}, at::kLong);
+  group_->broadcast(flag, 0);
+  return flag.item<int64_t>() != 0;
+}
+
 std::vector<RankReport> ControlPlane::report(bool failed) {
   const auto [rss, peak] = resident_memory();
   at::Tensor mine = at::tensor({static_cast<int64_t>(::getpid()), rss, peak, static_cast<int64_t>(failed)}, at::kLong)

@@ -44,6 +44,10 @@ class ControlPlane {
   void send(ControlKind kind, const std::string& payload = "");
   /// Other ranks: the next message (waits at most the group's timeout).
   std::pair<ControlKind, std::string> receive();
+  /// At a step boundary of a generation (every rank after the same step): rank 0's `cancel`,
+  /// the same on every rank, so that every rank stops at the same step and none is left waiting
+  /// in a collective. The other ranks' `cancel` is ignored.
+  bool step_boundary(bool cancel);
   /// Every rank's report (this rank's `failed` flag and memory), in rank order.
   std::vector<RankReport> report(bool failed);
 

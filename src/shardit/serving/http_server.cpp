@@ -394,6 +394,18 @@ int HttpServer::bind_to_any_port(const std::string& host) {
   return port > 0 && ::listen(svr_sock_, kListenBacklog) == 0 ? port : -1;
 }
 
+bool HttpServer::client_disconnected() {
+  if (t_connection == nullptr) return false;
+  const socket_t sock = t_connection->socket();
+  pollfd p{sock, POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if ((p.revents & (POLLERR | POLLHUP | POLLRDHUP)) != 0) return true;
+  // Readable: either the end of the stream (closed) or bytes the client sent ahead (still there).
+  char byte = 0;
+  const ssize_t got = ::recv(sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 void HttpServer::stop_now() {
   stopping_.store(true);
   if (is_running()) stop();

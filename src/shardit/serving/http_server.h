@@ -63,6 +63,10 @@ class HttpServer : public httplib::Server {
 
   /// POST `path` (an exact path), its body read under the limits before `handler` runs.
   void post_with_body(const std::string& path, BodyHandler handler);
+  /// Whether the client whose request this thread is handling has closed its connection (an end
+  /// of stream or an error is waiting on its socket; data it sent ahead is left unread). False
+  /// outside a handler.
+  static bool client_disconnected();
   /// Stops accepting, and ends at once every connection waiting for (part of) a request; answers
   /// being computed or written finish.
   void stop_now();

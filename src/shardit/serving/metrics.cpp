@@ -46,24 +46,47 @@ void Metrics::set_ready(bool ready) {
   ready_ = ready;
 }
 
+void Metrics::count_lora_loads(int64_t count, int64_t loaded) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lora_loads_ += static_cast<uint64_t>(count);
+  lora_loaded_ = loaded;
+}
+
+void Metrics::observe_lora_switch(double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++lora_switches_;
+  lora_switch_seconds_ += seconds;
+}
+
+void Metrics::count_cancelled(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++cancelled_[reason];
+}
+
+void Metrics::count_warnings(int64_t count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  warnings_ += static_cast<uint64_t>(count);
+}
+
 std::string Metrics::render() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string out;
   const auto header = [&out](const char* name, const char* type, const char* help) {
     out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
   };
-  header("shardit_ready", "gauge", "1 when the pipeline is loaded and every rank is serving");
-  out += fmt::format("shardit_ready {}\n", ready_ ? 1 : 0);
+  // A metric of one value, without labels.
+  const auto scalar = [&out, &header](const char* name, const char* type, const char* help, const auto& value) {
+    header(name, type, help);
+    out += fmt::format("{} {}\n", name, value);
+  };
+  scalar("shardit_ready", "gauge", "1 when the pipeline is loaded and every rank is serving", ready_ ? 1 : 0);
   header("shardit_requests_total", "counter", "HTTP requests answered, by endpoint and status");
   for (const auto& [key, count] : requests_) {
     out += fmt::format("shardit_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", key.first, key.second, count);
   }
-  header("shardit_queue_depth", "gauge", "generation requests waiting (not counting the running one)");
-  out += fmt::format("shardit_queue_depth {}\n", waiting_);
-  header("shardit_queue_capacity", "gauge", "generation requests that may wait before 429");
-  out += fmt::format("shardit_queue_capacity {}\n", capacity_);
-  header("shardit_generation_running", "gauge", "1 while a generation runs");
-  out += fmt::format("shardit_generation_running {}\n", running_ ? 1 : 0);
+  scalar("shardit_queue_depth", "gauge", "generation requests waiting (not counting the running one)", waiting_);
+  scalar("shardit_queue_capacity", "gauge", "generation requests that may wait before 429", capacity_);
+  scalar("shardit_generation_running", "gauge", "1 while a generation runs", running_ ? 1 : 0);
   header("shardit_request_duration_seconds", "histogram",
          "time from arrival to answer of successful generation requests (queue wait included)");
   uint64_t cumulative = 0;
@@ -74,14 +97,28 @@ std::string Metrics::render() const {
   out += fmt::format("shardit_request_duration_seconds_bucket{{le=\"+Inf\"}} {}\n", latency_count_);
   out += fmt::format("shardit_request_duration_seconds_sum {}\n", latency_sum_);
   out += fmt::format("shardit_request_duration_seconds_count {}\n", latency_count_);
-  header("shardit_images_total", "counter", "images generated");
-  out += fmt::format("shardit_images_total {}\n", images_);
-  header("shardit_denoising_steps_total", "counter", "denoising steps run");
-  out += fmt::format("shardit_denoising_steps_total {}\n", steps_);
-  header("shardit_generation_seconds_total", "counter", "seconds spent generating (text encoding to decoded image)");
-  out += fmt::format("shardit_generation_seconds_total {}\n", generation_seconds_);
-  header("shardit_steps_per_second", "gauge", "denoising steps per second of the last generation");
-  out += fmt::format("shardit_steps_per_second {}\n", last_steps_per_second_);
+  scalar("shardit_images_total", "counter", "images generated", images_);
+  scalar("shardit_denoising_steps_total", "counter", "denoising steps run", steps_);
+  scalar("shardit_generation_seconds_total", "counter", "seconds spent generating (text encoding to decoded image)",
+         generation_seconds_);
+  scalar("shardit_steps_per_second", "gauge", "denoising steps per second of the last generation",
+         last_steps_per_second_);
+  scalar("shardit_lora_loads_total", "counter",
+         "LoRA adapters read from their files (at start only: choosing adapters per request reloads nothing)",
+         lora_loads_);
+  scalar("shardit_lora_adapters", "gauge", "LoRA adapters loaded", lora_loaded_);
+  scalar("shardit_lora_switches_total", "counter", "changes of the active LoRA adapters between generations",
+         lora_switches_);
+  scalar("shardit_lora_switch_seconds_total", "counter", "seconds spent changing the active LoRA adapters",
+         lora_switch_seconds_);
+  header("shardit_cancelled_total", "counter",
+         "generation requests cancelled (client disconnected, or --generation-timeout), by reason");
+  for (const char* reason : {"disconnected", "timeout"}) {
+    const auto found = cancelled_.find(reason);
+    out += fmt::format("shardit_cancelled_total{{reason=\"{}\"}} {}\n", reason,
+                       found == cancelled_.end() ? 0 : found->second);
+  }
+  scalar("shardit_warnings_total", "counter", "warnings returned in answers (a prompt truncated, ...)", warnings_);
   header("shardit_rank_resident_memory_bytes", "gauge", "resident memory of each rank");
   for (const auto& rank : ranks_) {
     out += fmt::format("shardit_rank_resident_memory_bytes{{rank=\"{}\"}} {}\n", rank.rank, rank.rss_bytes);

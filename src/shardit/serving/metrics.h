@@ -22,6 +22,14 @@ class Metrics {
   void set_queue(int64_t waiting, int64_t capacity, bool running);
   void set_ranks(const std::vector<RankReport>& reports);
   void set_ready(bool ready);
+  /// `count` LoRA adapters read from their files (onto every rank), `loaded` in all now.
+  void count_lora_loads(int64_t count, int64_t loaded);
+  /// A change of the active adapters between two generations, which took `seconds` (no reload).
+  void observe_lora_switch(double seconds);
+  /// A generation request cancelled before its answer: `reason` "disconnected" or "timeout".
+  void count_cancelled(const std::string& reason);
+  /// A generation answered with `count` warnings.
+  void count_warnings(int64_t count);
   /// Prometheus text format, version 0.0.4.
   std::string render() const;
 
@@ -41,6 +49,12 @@ class Metrics {
   bool running_ = false;
   bool ready_ = false;
   std::vector<RankReport> ranks_;
+  uint64_t lora_loads_ = 0;
+  int64_t lora_loaded_ = 0;
+  uint64_t lora_switches_ = 0;
+  double lora_switch_seconds_ = 0;
+  std::map<std::string, uint64_t> cancelled_;
+  uint64_t warnings_ = 0;
 };
 
 }  // namespace shardit::serving

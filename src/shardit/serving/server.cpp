@@ -12,11 +12,14 @@
 #include <deque>
 #include <filesystem>
 #include <future>
+#include <map>
 #include <mutex>
+#include <random>
 #include <regex>
 #include <thread>
 
 #include "shardit/core/error.h"
+#include "shardit/core/notes.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/file.h"
 #include "shardit/io/png.h"
@@ -55,13 +58,32 @@ struct Reply {
 
 Reply error_reply(const ApiError& error) { return {error.status(), error.body().dump()}; }
 
-/// A generation request accepted into the queue.
+enum class JobStatus { Queued, Running, Succeeded, Failed, Cancelled };
+
+const char* status_name(JobStatus status) {
+  static const char* names[] = {"queued", "running", "succeeded", "failed", "cancelled"};
+  return names[static_cast<int>(status)];
+}
+
+/// A generation request accepted into the queue: a job, known by its id until jobs_kept newer
+/// ones have finished.
 struct Job {
+  std::string id;
   ImageRequest request;
   std::string base_url;  ///< "http://host:port" as the client addressed the server
   Clock::time_point arrived;
+  time_t created = 0;
+  std::optional<Clock::time_point> deadline;  ///< --generation-timeout after arrival
   std::promise<Reply> reply;
   bool answered = false;
+  // Guarded by State::mutex.
+  JobStatus status = JobStatus::Queued;
+  std::string cancel_reason;
+  // Set by the generating thread, read by GET /v1/jobs/{id}.
+  std::atomic<int64_t> step{0};
+  std::atomic<int64_t> steps{0};
+  // Read by rank 0 at every step boundary.
+  std::atomic<bool> cancel_asked{false};
 
   void answer(Reply r) {
     if (answered) return;
@@ -70,6 +92,38 @@ struct Job {
   }
 };
 
+/// Thrown on every rank at the same step boundary when rank 0 cancels the running generation.
+struct GenerationCancelled : std::exception {
+  const char* what() const noexcept override { return "the generation was cancelled"; }
+};
+
+/// An X-Request-Id a client may choose: what is safe to echo in a header, a path and a log.
+bool is_plain_request_id(const std::string& id) {
+  static const std::regex plain(R"(^[A-Za-z0-9._:-]{1,128}$)");
+  return std::regex_match(id, plain);
+}
+
+std::string new_request_id() {
+  static std::mutex mutex;
+  static std::mt19937_64 engine{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mutex);
+  return fmt::format("img-{:016x}", engine());
+}
+
+/// A note as a client may read it: the server's folders left out of every path it names
+/// ("/srv/models/FLUX.1-dev/tokenizer_2: prompt has ..." -> "tokenizer_2: prompt has ...").
+std::string client_note(const std::string& note) {
+  static const std::regex path(R"((?:[^\s:'"/]*/)+([^\s:'"/]+))");
+  return std::regex_replace(note, path, "$1");
+}
+
+/// The adapters of a request as set_adapters takes them, and as the answer lists them.
+nlohmann::json lora_json(const std::vector<LoraChoice>& lora) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& choice : lora) out.push_back({{"name", choice.name}, {"scale", choice.scale}});
+  return out;
+}
+
 /// The endpoint label of a path in the request counters.
 std::string endpoint_of(const std::string& path) {
   if (path == "/v1/images/generations") return "generations";
@@ -77,6 +131,7 @@ std::string endpoint_of(const std::string& path) {
   if (path == "/v1/models") return "models";
   if (path == "/health") return "health";
   if (path == "/metrics") return "metrics";
+  if (path.rfind("/v1/jobs/", 0) == 0) return "jobs";
   if (path.rfind("/images/", 0) == 0) return "images";
   return "other";
 }
@@ -107,17 +162,99 @@ struct Server::State {
   std::string failure;
   std::deque<std::shared_ptr<Job>> waiting;
   std::shared_ptr<Job> running;
+  std::map<std::string, std::shared_ptr<Job>> jobs;  // queued, running, and the last jobs_kept finished
+  std::deque<std::string> finished;                  // ids of finished jobs, oldest first
   std::vector<RankReport> ranks;
   const pipelines::DiffusionPipeline* pipeline = nullptr;
   uint64_t images_written = 0;
 
   void publish_queue() { metrics.set_queue(static_cast<int64_t>(waiting.size()), options.queue_depth, running != nullptr); }
 
+  // The adapters active now on every rank (lora_json of what was set last); only generate() changes it.
+  std::string active_lora;
+
+  // Answers `job` and keeps it for GET /v1/jobs/{id} (the caller holds the lock).
+  void finish(const std::shared_ptr<Job>& job, JobStatus status, Reply reply) {
+    job->status = status;
+    job->answer(std::move(reply));
+    finished.push_back(job->id);
+    while (finished.size() > options.jobs_kept) {
+      const auto found = jobs.find(finished.front());
+      if (found != jobs.end() && found->second->status != JobStatus::Queued &&
+          found->second->status != JobStatus::Running) {
+        jobs.erase(found);
+      }
+      finished.pop_front();
+    }
+  }
+
   // Answers every waiting request with `error` (the caller holds the lock).
   void fail_waiting(const ApiError& error) {
-    for (auto& job : waiting) job->answer(error_reply(error));
+    for (auto& job : waiting) finish(job, JobStatus::Failed, error_reply(error));
     waiting.clear();
     publish_queue();
+  }
+
+  // The answer to a cancelled job.
+  Reply cancelled_reply(const Job& job, const std::string& reason) const {
+    const std::string at = job.steps.load() > 0 ? fmt::format(" at step {} of {}", job.step.load(), job.steps.load())
+                                                : " before it started";
+    if (reason == "timeout") {
+      return error_reply(ApiError(
+          504, fmt::format("the request took longer than --generation-timeout ({} s) and was cancelled{}",
+                           std::chrono::duration<double>(options.generation_timeout).count(), at)));
+    }
+    // 499 (nginx's "client closed request"): nobody reads it, but the logs and metrics say why.
+    return error_reply(ApiError(499, "the client closed its connection; the request was cancelled" + at));
+  }
+
+  // Cancels `job` for `reason` ("disconnected", "timeout"; the caller holds the lock): a queued
+  // job leaves the queue and is answered now; a running one stops at its next step boundary, on
+  // every rank (the serving loop answers it).
+  void cancel(const std::shared_ptr<Job>& job, const std::string& reason) {
+    if (job->status == JobStatus::Queued) {
+      const auto found = std::find(waiting.begin(), waiting.end(), job);
+      if (found != waiting.end()) waiting.erase(found);
+      job->cancel_reason = reason;
+      finish(job, JobStatus::Cancelled, cancelled_reply(*job, reason));
+      metrics.count_cancelled(reason);
+      publish_queue();
+    } else if (job->status == JobStatus::Running && !job->cancel_asked.load()) {
+      job->cancel_reason = reason;
+      job->cancel_asked.store(true);
+    }
+  }
+
+  // Runs `request` on this rank (collective: every rank calls it with the same request): its
+  // LoRA adapters (switched, never reloaded), then the pipeline, with a step boundary after every
+  // step at which rank 0 tells every rank whether `job` (rank 0's; null elsewhere) is cancelled.
+  pipelines::GenerateResult generate(pipelines::DiffusionPipeline& pipeline, const ImageRequest& request,
+                                     ControlPlane& plane, Job* job) {
+    if (!options.lora.empty() && !options.fuse_lora) {
+      const std::string wanted = lora_json(request.lora).dump();
+      if (wanted != active_lora) {
+        const auto start = Clock::now();
+        std::vector<std::string> names;
+        std::vector<double> weights;
+        for (const auto& choice : request.lora) {
+          names.push_back(choice.name);
+          weights.push_back(choice.scale);
+        }
+        pipeline.lora_adapters().set_adapters(names, weights);
+        active_lora = wanted;
+        metrics.observe_lora_switch(seconds_between(start, Clock::now()));
+      }
+    }
+    pipelines::GenerateRequest call = request.to_generate();
+    call.on_progress = [&plane, job](int64_t done, int64_t total) {
+      if (job != nullptr) {
+        job->steps.store(total);
+        job->step.store(done);
+      }
+      if (done == 0) return;
+      if (plane.step_boundary(job != nullptr && job->cancel_asked.load())) throw GenerationCancelled();
+    };
+    return pipeline.generate(call);
   }
 
   // The phase clients see (the caller holds the lock): a stop signal shows at once, before the
@@ -154,10 +291,41 @@ struct Server::State {
 
   Reply models() {
     json model = {{"id", options.model_id}, {"object", "model"}, {"created", started}, {"owned_by", "shardit"}};
-    return {200, json{{"object", "list"}, {"data", json::array({model})}}.dump()};
+    json data = json::array({model});
+    // The adapters as vLLM lists them (an entry whose parent is the base model), with the weight a
+    // request gets without "lora"; a request names them in "lora".
+    for (const auto& choice : options.limits.lora) {
+      data.push_back({{"id", choice.name}, {"object", "model"}, {"created", started}, {"owned_by", "shardit"},
+                      {"parent", options.model_id}, {"type", "lora"}, {"default_scale", choice.scale},
+                      {"fused", options.fuse_lora}});
+    }
+    return {200, json{{"object", "list"}, {"data", data}}.dump()};
   }
 
-  Reply generations(const httplib::Request& request, const std::string& body, ImageEndpoint endpoint) {
+  Reply job_status(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto found = jobs.find(id);
+    if (found == jobs.end()) {
+      return error_reply(ApiError(404, fmt::format("no job '{}' (finished jobs are kept until {} newer ones finish)",
+                                                   id, options.jobs_kept)));
+    }
+    const Job& job = *found->second;
+    json body = {{"id", job.id},
+                 {"object", "image.generation.job"},
+                 {"status", status_name(job.status)},
+                 {"created", job.created},
+                 {"step", job.step.load()},
+                 {"num_inference_steps", job.steps.load()}};
+    if (job.status == JobStatus::Queued) {
+      const auto at = std::find(waiting.begin(), waiting.end(), found->second);
+      body["queue_position"] = at - waiting.begin();
+    }
+    if (job.status == JobStatus::Cancelled) body["cancel_reason"] = job.cancel_reason;
+    return {200, body.dump()};
+  }
+
+  Reply generations(const httplib::Request& request, const std::string& body, httplib::Response& response,
+                    ImageEndpoint endpoint) {
     const pipelines::DiffusionPipeline* loaded = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -165,6 +333,13 @@ struct Server::State {
       loaded = pipeline;
     }
     std::shared_ptr<Job> job = std::make_shared<Job>();
+    job->id = request.get_header_value("X-Request-Id");
+    if (request.has_header("X-Request-Id") && !is_plain_request_id(job->id)) {
+      return error_reply(ApiError(400, "the header X-Request-Id must be 1 to 128 letters, digits or ._:- characters",
+                                  "X-Request-Id"));
+    }
+    if (job->id.empty()) job->id = new_request_id();
+    response.set_header("X-Request-Id", job->id);
     try {
       job->request = parse_image_request(body, options.limits, options.model_id, endpoint);
       if (loaded->takes_max_area() && job->request.width && job->request.height) {
@@ -175,6 +350,8 @@ struct Server::State {
       return error_reply(error);
     }
     job->arrived = Clock::now();
+    job->created = std::time(nullptr);
+    if (options.generation_timeout.count() > 0) job->deadline = job->arrived + options.generation_timeout;
     // The Host header goes into the answer's URLs: only a plain host[:port] is taken from it.
     const std::string host = request.get_header_value("Host");
     job->base_url = "http://" + (is_plain_host(host) ? host : options.host + ":" + std::to_string(options.port));
@@ -187,16 +364,29 @@ struct Server::State {
             429, fmt::format("the queue is full ({} requests waiting behind the running one); retry later",
                              options.queue_depth)));
       }
+      const auto same = jobs.find(job->id);
+      if (same != jobs.end() &&
+          (same->second->status == JobStatus::Queued || same->second->status == JobStatus::Running)) {
+        return error_reply(ApiError(409, fmt::format("the X-Request-Id '{}' belongs to a job that is still {}; choose "
+                                                     "another id", job->id, status_name(same->second->status)),
+                                    "X-Request-Id"));
+      }
+      jobs[job->id] = job;
       waiting.push_back(job);
       publish_queue();
     }
     wake.notify_all();
     // A stop signal answers a request still in the queue at once (the launcher kills the ranks a
-    // few seconds after forwarding it, and the running generation may take longer).
+    // few seconds after forwarding it, and the running generation may take longer). A client that
+    // closes its connection, or a request past --generation-timeout, is cancelled: at once while
+    // queued, at the next step boundary while running.
     while (reply.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
-      if (g_stop_signal.load() == 0) continue;
+      const bool gone = HttpServer::client_disconnected();
+      const bool late = job->deadline && Clock::now() > *job->deadline;
+      if (g_stop_signal.load() == 0 && !gone && !late) continue;
       std::lock_guard<std::mutex> lock(mutex);
-      stop_accepting();
+      if (g_stop_signal.load() != 0) stop_accepting();
+      if (gone || late) cancel(job, gone ? "disconnected" : "timeout");
     }
     return reply.get();
   }
@@ -220,13 +410,17 @@ struct Server::State {
       const std::string route = path;
       http->post_with_body(route, [this, send, endpoint = endpoint](const httplib::Request& req, const std::string& body,
                                                                      httplib::Response& res) {
-        send(res, generations(req, body, endpoint));
+        send(res, generations(req, body, res, endpoint));
       });
       http->Get(route, [send, route](const httplib::Request&, httplib::Response& res) {
         send(res, error_reply(ApiError(405, "use POST for " + route)));
       });
     }
     http->Get("/v1/models", [this, send](const httplib::Request&, httplib::Response& res) { send(res, models()); });
+    http->Get(R"(/v1/jobs/([A-Za-z0-9._:-]{1,128}))",
+              [this, send](const httplib::Request& req, httplib::Response& res) {
+                send(res, job_status(req.matches[1].str()));
+              });
     http->Get("/health", [this, send](const httplib::Request&, httplib::Response& res) { send(res, health()); });
     http->Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {
       send(res, {200, metrics.render()}, "text/plain; version=0.0.4");
@@ -266,7 +460,8 @@ struct Server::State {
   }
 
   // The answer to a finished generation: the PNGs as base64 or as files under output_dir.
-  Reply images_reply(const Job& job, const pipelines::GenerateResult& result) {
+  Reply images_reply(const Job& job, const pipelines::GenerateResult& result,
+                     const std::vector<std::string>& warnings) {
     json data = json::array();
     const std::vector<std::pair<std::string, std::string>> text = {
         {"prompt", job.request.prompt},
@@ -293,7 +488,11 @@ struct Server::State {
                  {"data", data},
                  {"seed", job.request.seed},
                  {"size", fmt::format("{}x{}", result.width, result.height)},
-                 {"num_inference_steps", result.num_inference_steps}};
+                 {"num_inference_steps", result.num_inference_steps},
+                 {"id", job.id},
+                 {"lora", lora_json(job.request.lora)},
+                 // Where the request was not taken exactly as given (a prompt truncated, ...).
+                 {"warnings", warnings}};
     return {200, body.dump()};
   }
 };
@@ -301,6 +500,9 @@ struct Server::State {
 Server::Server(ServeOptions options) : state_(std::make_unique<State>()) {
   TORCH_CHECK(options.queue_depth >= 1, "serve: --queue-depth must be at least 1, got ", options.queue_depth);
   options.limits.url_output = !options.output_dir.empty();
+  options.limits.lora.clear();
+  for (const auto& file : options.lora) options.limits.lora.push_back({file.name, file.weight});
+  options.limits.lora_fused = options.fuse_lora;
   state_->options = std::move(options);
 }
 
@@ -347,6 +549,14 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
   ControlPlane plane(world.group());
   State& s = *state_;
 
+  // The adapters, read once by every rank (each its slices) and then only switched per request.
+  if (!s.options.lora.empty()) {
+    models::load_lora_files(pipeline.lora_adapters(), s.options.lora, s.options.lora_scale, s.options.fuse_lora);
+    const auto count = static_cast<int64_t>(s.options.lora.size());
+    s.metrics.count_lora_loads(count, s.options.fuse_lora ? 0 : count);
+    s.active_lora = lora_json(s.options.limits.lora).dump();  // load_lora_files made exactly them active
+  }
+
   if (world.rank() != 0) {
     plane.report(false);
     for (;;) {
@@ -354,7 +564,10 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       bool failed = false;
       if (kind == ControlKind::Generate) {
         try {
-          pipeline.generate(ImageRequest::from_json(json::parse(payload)).to_generate());
+          NoteCollector notes;  // rank 0 answers the notes; here they would only repeat in the log
+          s.generate(pipeline, ImageRequest::from_json(json::parse(payload)), plane, nullptr);
+        } catch (const GenerationCancelled&) {
+          // rank 0 answers it
         } catch (const std::exception&) {
           failed = true;  // rank 0 names the failure; a lost rank fails the report below
         }
@@ -370,7 +583,8 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       s.phase = Phase::Failed;
       s.failure = message;
       s.metrics.set_ready(false);
-      if (s.running) s.running->answer(error_reply(ApiError(500, "the generation failed: " + message)));
+      if (s.running)
+        s.finish(s.running, JobStatus::Failed, error_reply(ApiError(500, "the generation failed: " + message)));
       s.running.reset();
       s.fail_waiting(ApiError(503, "the server failed: " + message));
     }
@@ -410,6 +624,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
           job = s.waiting.front();
           s.waiting.pop_front();
           s.running = job;
+          job->status = JobStatus::Running;
           s.publish_queue();
         }
       }
@@ -428,8 +643,14 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       const auto start = Clock::now();
       pipelines::GenerateResult result;
       std::string failure;
+      std::vector<std::string> warnings;
+      bool cancelled = false;
       try {
-        result = pipeline.generate(job->request.to_generate());
+        NoteCollector notes;
+        result = s.generate(pipeline, job->request, plane, job.get());
+        for (const auto& note : notes.notes()) warnings.push_back(client_note(note));
+      } catch (const GenerationCancelled&) {
+        cancelled = true;
       } catch (const std::exception& e) {
         failure = error_message(e);
       }
@@ -440,11 +661,23 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
         if (failure.empty() && r.failed) failure = fmt::format("the generation failed on rank {}", r.rank);
       }
       Reply reply;
-      if (failure.empty()) {
+      JobStatus status = JobStatus::Failed;
+      if (cancelled && failure.empty()) {
+        std::string reason;
+        {
+          std::lock_guard<std::mutex> lock(s.mutex);
+          reason = job->cancel_reason;
+        }
+        reply = s.cancelled_reply(*job, reason);
+        status = JobStatus::Cancelled;
+        s.metrics.count_cancelled(reason);
+      } else if (failure.empty()) {
         try {
-          reply = s.images_reply(*job, result);
+          reply = s.images_reply(*job, result, warnings);
+          status = JobStatus::Succeeded;
           s.metrics.observe_generation(seconds_between(job->arrived, Clock::now()), result.image.size(0),
                                        result.num_inference_steps, seconds_between(start, end));
+          s.metrics.count_warnings(static_cast<int64_t>(warnings.size()));
         } catch (const std::exception& e) {
           reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
         }
@@ -454,7 +687,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       std::lock_guard<std::mutex> lock(s.mutex);
       s.ranks = reports;
       s.metrics.set_ranks(reports);
-      job->answer(std::move(reply));
+      s.finish(job, status, std::move(reply));
       s.running.reset();
       s.publish_queue();
     }

@@ -1,7 +1,9 @@
 #pragma once
 // `shardit serve`: an OpenAI-compatible images API over a tensor-parallel pipeline. Rank 0 answers
 // HTTP (cpp-httplib) and runs one generation at a time from a bounded queue; every rank computes,
-// told what to run by the control plane (control.h).
+// told what to run by the control plane (control.h). Each request is a job (its id from
+// X-Request-Id or drawn): GET /v1/jobs/{id} reports its step, and a client that disconnects (or
+// --generation-timeout) cancels it at the next step boundary on every rank.
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -25,6 +27,17 @@ struct ServeOptions {
   std::chrono::milliseconds tick{1000};
   /// How long /health reports a lost rank before the server exits.
   std::chrono::milliseconds linger{1000};
+  /// LoRA adapters every rank loads once at start (opened and named by the caller, see
+  /// models::open_lora_files), unfused: each request chooses among them (ImageRequest::lora)
+  /// without reloading; a request without "lora" gets all of them at their weights.
+  std::vector<models::LoraFile> lora;
+  double lora_scale = 1.0;  ///< the runtime scale multiplying every adapter (--lora-scale)
+  bool fuse_lora = false;   ///< merge them into the weights instead: no request may choose
+  /// The most time from a generation request's arrival to its answer (queue wait included); a
+  /// later one is cancelled at its next step boundary and answered 504. Zero: no limit.
+  std::chrono::milliseconds generation_timeout{0};
+  /// Finished jobs GET /v1/jobs/{id} still reports (the oldest are forgotten first).
+  size_t jobs_kept = 256;
 };
 
 /// Installs SIGINT/SIGTERM handlers that ask the server to stop gracefully (on rank 0; the other

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "shardit/core/notes.h"
 #include "shardit/tokenizers/clip_tokenizer.h"
 #include "shardit/tokenizers/t5_tokenizer.h"
 #include "shardit/tokenizers/tokenizer_config.h"
@@ -18,8 +19,7 @@ std::string Tokenizer::valid_utf8(std::string_view text) const {
   bool replaced = false;
   std::string out = sanitize_utf8(text, &replaced);
   if (replaced) {
-    std::fprintf(stderr, "note: %s: the text is not valid UTF-8; invalid bytes were replaced by U+FFFD\n",
-                 source().c_str());
+    note(source() + ": the text is not valid UTF-8; invalid bytes were replaced by U+FFFD");
   }
   return out;
 }
@@ -48,9 +48,8 @@ std::vector<Encoding> Tokenizer::operator()(const std::vector<std::string>& text
     if (total > max_length) {
       row.truncated_tokens = total - max_length;
       ids.resize(ids.size() - static_cast<size_t>(row.truncated_tokens));
-      std::fprintf(stderr, "note: %s: prompt has %lld tokens, more than max_length %lld; the last %lld were dropped\n",
-                   source().c_str(), static_cast<long long>(total), static_cast<long long>(max_length),
-                   static_cast<long long>(row.truncated_tokens));
+      note(source() + ": prompt has " + std::to_string(total) + " tokens, more than max_length " +
+           std::to_string(max_length) + "; the last " + std::to_string(row.truncated_tokens) + " were dropped");
     }
     row.input_ids = add_special_tokens ? this->add_special_tokens(std::move(ids)) : std::move(ids);
     row.attention_mask.assign(row.input_ids.size(), 1);
