@@ -168,7 +168,7 @@ int generate(const GenerateOptions& given) {
                           options.seed, options.latents, options.pipeline.dtype,
                           fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
                           options.pipeline.lora.fuse) +
-                  "|" + options.pipeline.cache);
+                  "|" + options.pipeline.cache + "|" + options.pipeline.weights_dtype);
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/plan.h"
 
 namespace shardit::parallel {
@@ -19,9 +20,11 @@ namespace shardit::testing {
 
 /// Loads the transformer of `model_dir` through `path`: "whole", "shard-on-load" (TP over the
 /// whole world, each rank reading its slices) or "enable-parallelism" (load whole, then shard).
+/// `weights` and `quantize_kept`: parallel::LoadOptions::weights and quantize_kept_layers.
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(
     const std::string& model_dir, const std::string& path = "whole",
-    parallel::TpPlanKind kind = parallel::TpPlanKind::Full);
+    parallel::TpPlanKind kind = parallel::TpPlanKind::Full, nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint,
+    bool quantize_kept = false);
 
 /// One forward of `model` on `<inputs_dir>/inputs.safetensors`; returns the sample.
 at::Tensor run_case(parallel::TensorParallelModule& model, const std::string& inputs_dir);

@@ -18,6 +18,7 @@
 #include "shardit/models/lora_formats.h"
 #include "shardit/models/step_cache.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/lora.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -168,6 +169,9 @@ struct PipelineLoadOptions {
   /// Merge the adapters into the weights once, at load (diffusers' fuse_lora): the steps then cost
   /// what the base model's cost.
   bool fuse_lora = false;
+  /// The transformer's Linears in 8 bits (parallel::LoadOptions::weights; docs/quantization.md).
+  /// The text encoders and the VAE load in `dtype`.
+  nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().
