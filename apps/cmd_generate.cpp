@@ -177,7 +177,7 @@ int generate(const GenerateOptions& given) {
                           options.seed, options.latents, options.pipeline.dtype,
                           fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
                           options.pipeline.lora.fuse) +
-                  "|" + options.pipeline.cache + "|" + options.pipeline.pipeline_class +
+                  "|" + options.pipeline.cache + "|" + options.pipeline.pipeline_class + "|" + options.pipeline.weights_dtype +
                   fmt::format("|{}|{}|{}", fmt::join(options.images, "\x1f"), options.max_area.value_or(-1),
                               options.no_auto_resize));
 

@@ -36,6 +36,7 @@ struct InspectOptions {
   bool plan = false;
   int tp = 1;
   std::string dtype;  ///< byte counts of --plan in this dtype; "": the checkpoint's
+  std::string weights_dtype = "checkpoint";  ///< --plan: the transformer's Linears in 8 bits (fp8, int8)
   std::string tp_plan = "full";
   bool json = false;  ///< --plan: only the memory summary, as JSON
   int64_t height = 0;  ///< with --width: activation estimates of one step
@@ -84,8 +85,9 @@ at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
     std::map<at::ScalarType, uint64_t> bytes;
     for (const auto& name : weights.names()) {
       const io::TensorInfo& info = weights.info(name);
-      const at::ScalarType type = io::to_scalar_type(info.dtype);
-      if (at::isFloatingType(type)) bytes[type] += info.nbytes();
+      // FP8 weights are held as they are; the compute dtype is that of the other floating tensors.
+      if (!io::st_dtype_is_floating(info.dtype) || io::st_dtype_is_fp8(info.dtype)) continue;
+      bytes[io::to_scalar_type(info.dtype)] += info.nbytes();
     }
     at::ScalarType best = at::kFloat;
     uint64_t most = 0;
@@ -112,7 +114,7 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
     kind = parallel::TpPlanKind::Full;
   }
   fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, parallel::tp_plan_kind_name(kind),
-             model->resolve(options.tp, dtype, kind).to_table());
+             model->resolve(options.tp, dtype, kind, nn::parse_weights_dtype(options.weights_dtype)).to_table());
 }
 
 /// The summary's request: byte counts in --dtype, else the transformer checkpoint's dtype.
@@ -120,6 +122,7 @@ MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const Inspe
   MemoryPlanRequest request;
   request.tp = options.tp;
   request.plan = parallel::parse_tp_plan_kind(options.tp_plan);
+  request.weights = nn::parse_weights_dtype(options.weights_dtype);
   if (!options.dtype.empty()) {
     request.dtype = parse_compute_dtype(options.dtype);
   } else {
@@ -268,6 +271,12 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       ->needs("--plan");
   command->add_option("--dtype", options->dtype,
                       "dtype of the --plan byte counts: f32, bf16 or f16 (default: the checkpoint's)");
+  command
+      ->add_option("--weights-dtype", options->weights_dtype,
+                   "with --plan: count the transformer's Linears as --weights-dtype loads them: checkpoint (as "
+                   "stored), fp8 or int8 (1 byte each; the model's high-precision layers stay in --dtype)")
+      ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}))
+      ->needs("--plan");
   command->add_option("--tp-plan", options->tp_plan,
                       "full (ours: modulation sharded too) or reference (diffusers' _tp_plan); the summary shows both")
       ->check(CLI::IsMember({"full", "reference"}))

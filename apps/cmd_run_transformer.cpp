@@ -35,6 +35,7 @@ struct RunTransformerOptions {
   std::string inputs;
   std::string out;
   std::string dtype = "f32";
+  std::string weights_dtype = "checkpoint";
   int tp = 0;  ///< 0: the world size
   bool check_finite = false;
   LoraCliOptions lora;
@@ -86,6 +87,7 @@ int run_transformer(const RunTransformerOptions& given) {
   // Ranks given different work would meet in a collective with different shapes (a transport
   // error at best): agree first, through the store, and name the difference.
   world.agree("compute dtype", options.dtype);
+  world.agree("weights dtype", options.weights_dtype);
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
   world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
@@ -100,7 +102,8 @@ int run_transformer(const RunTransformerOptions& given) {
     }
   }
 
-  const parallel::LoadOptions load_options = command_load_options(world, dtype, options.tp);
+  parallel::LoadOptions load_options = command_load_options(world, dtype, options.tp);
+  load_options.weights = nn::parse_weights_dtype(options.weights_dtype);
   const int tp = load_options.tensor_parallel ? load_options.tensor_parallel->tp_degree() : 1;
 
   const auto load_start = std::chrono::steady_clock::now();
@@ -144,6 +147,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
                       "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
+  add_weights_dtype_option(command, options->weights_dtype);
   command->add_option("--tp", options->tp,
                       "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
                       "ranks hold replicas")

@@ -79,6 +79,9 @@ std::vector<models::LoraRequest> lora_requests(const LoraCliOptions& options);
 /// Adds --lora, --lora-scale and --fuse-lora.
 void add_lora_options(CLI::App* command, LoraCliOptions& options);
 
+/// Adds --weights-dtype (checkpoint, fp8, int8: nn::parse_weights_dtype) to a command.
+void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype);
+
 /// The options generate and serve share: how the pipeline is loaded and laid out on the ranks.
 struct PipelineCliOptions {
   std::string dtype = "f32";
@@ -92,6 +95,7 @@ struct PipelineCliOptions {
   LoraCliOptions lora;
   std::string cache;  ///< --cache KIND:key=value,... as given; empty: no step cache
   std::string pipeline_class;  ///< --pipeline CLASS; empty: the class model_index.json names
+  std::string weights_dtype = "checkpoint";  ///< --weights-dtype: the transformer's Linears in 8 bits
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
   parallel::ParallelDims dims() const;
   /// --cache parsed (errors name the key); nullopt without.
@@ -103,7 +107,7 @@ struct PipelineCliOptions {
 /// the VAE tiled or decoding in parallel, the LoRA adapters.
 pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
 
-/// Adds --pipeline, --dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp,
+/// Adds --pipeline, --dtype, --weights-dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp,
 /// --tiled-vae, --vae-parallel, --cache and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
 

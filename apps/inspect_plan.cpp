@@ -39,10 +39,12 @@ struct PlannedComponent {
   bool shardable() const { return !model->tp_plan().empty(); }
   bool has_reference() const { return model->reference_tp_plan() != nullptr; }
 
-  /// Its memory at `tp` under `kind` (the full plan for a class the reference has no plan for).
-  models::ComponentMemory memory(int tp, TpPlanKind kind, at::ScalarType dtype) const {
+  /// Its memory at `tp` under `kind` (the full plan for a class the reference has no plan for),
+  /// a transformer's 8-bit Linears in one byte (`weights`: pipelines quantize the transformer only).
+  models::ComponentMemory memory(int tp, TpPlanKind kind, at::ScalarType dtype, nn::WeightsDtype weights) const {
     const TpPlanKind used = kind == TpPlanKind::Reference && !has_reference() ? TpPlanKind::Full : kind;
-    models::ComponentMemory memory = models::memory_of(model->resolve(shardable() ? tp : 1, dtype, used));
+    const nn::WeightsDtype held = this->kind == models::ComponentKind::Transformer ? weights : nn::WeightsDtype::Checkpoint;
+    models::ComponentMemory memory = models::memory_of(model->resolve(shardable() ? tp : 1, dtype, used, held));
     memory.component = name;
     memory.class_name = class_name;
     if (!shardable()) memory.plan = "replicated";
@@ -160,10 +162,11 @@ Activations activations(const Planned& planned, int tp, const MemoryPlanRequest&
 }
 
 /// The weights one rank holds at `tp` under `kind`, over every counted component.
-int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, at::ScalarType dtype) {
+int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, at::ScalarType dtype,
+                         nn::WeightsDtype weights) {
   int64_t bytes = 0;
   for (const auto& component : planned.components) {
-    if (component.counted) bytes += component.memory(tp, kind, dtype).per_rank_bytes;
+    if (component.counted) bytes += component.memory(tp, kind, dtype, weights).per_rank_bytes;
   }
   return bytes;
 }
@@ -193,12 +196,15 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
   std::vector<std::vector<models::ComponentMemory>> rows;
   for (const auto& component : planned.components) {
     std::vector<models::ComponentMemory> both;
-    for (TpPlanKind kind : kinds) both.push_back(component.memory(request.tp, kind, request.dtype));
+    for (TpPlanKind kind : kinds) both.push_back(component.memory(request.tp, kind, request.dtype, request.weights));
     rows.push_back(both);
   }
   const size_t chosen = request.plan == TpPlanKind::Full ? 0 : 1;
 
-  nlohmann::json json = {{"tp_degree", request.tp}, {"plan", parallel::tp_plan_kind_name(request.plan)}, {"dtype", dtype}};
+  nlohmann::json json = {{"tp_degree", request.tp},
+                         {"plan", parallel::tp_plan_kind_name(request.plan)},
+                         {"dtype", dtype},
+                         {"weights_dtype", nn::weights_dtype_name(request.weights)}};
   nlohmann::json components = nlohmann::json::array();
   for (size_t c = 0; c < rows.size(); ++c) {
     const auto& both = rows[c];
@@ -239,7 +245,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
       for (TpPlanKind kind : kinds) {
         nlohmann::json verdict = {{"tp_degree", tp}, {"plan", parallel::tp_plan_kind_name(kind)}};
         try {
-          const int64_t needed = per_rank_weights(planned, tp, kind, request.dtype) + activations(planned, tp, request).peak();
+          const int64_t needed = per_rank_weights(planned, tp, kind, request.dtype, request.weights) + activations(planned, tp, request).peak();
           verdict["per_rank_bytes"] = needed;
           verdict["fits"] = needed <= capacity;
           verdict["headroom_bytes"] = capacity - needed;
@@ -263,7 +269,10 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
     fmt::print("{}\n", json.dump(2));
     return;
   }
-  fmt::print("memory plan at TP={}, {} (plan '{}' chosen; both shown):\n", request.tp, dtype,
+  fmt::print("memory plan at TP={}, {}{} (plan '{}' chosen; both shown):\n", request.tp, dtype,
+             request.weights == nn::WeightsDtype::Checkpoint
+                 ? std::string()
+                 : fmt::format(", transformer Linears in {} (--weights-dtype)", nn::weights_dtype_name(request.weights)),
              parallel::tp_plan_kind_name(request.plan));
   fmt::print("| component | class | plan | TP | parameters | replicated | sharded | per rank | per rank bytes |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|\n");

@@ -11,6 +11,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/models/memory_plan.h"
 #include "shardit/models/registry.h"
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/plan.h"
 
 namespace shardit::apps {
@@ -24,6 +25,9 @@ struct MemoryPlanRequest {
   int tp = 1;
   parallel::TpPlanKind plan = parallel::TpPlanKind::Full;
   at::ScalarType dtype = at::kFloat;
+  /// The transformer's Linears in 8 bits (but its keep-high-precision ones), as --weights-dtype
+  /// loads them; Checkpoint: all in `dtype`.
+  nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
   /// With a step shape: activation estimates of one transformer step and of the VAE decode.
   std::optional<models::StepShape> step;
   /// Device memory in GiB: a verdict per TP degree.

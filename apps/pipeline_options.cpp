@@ -44,6 +44,7 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
   load.lora_scale = options.lora.scale;
   load.fuse_lora = options.lora.fuse;
   if (!options.pipeline_class.empty()) load.pipeline_class = options.pipeline_class;
+  load.weights = nn::parse_weights_dtype(options.weights_dtype);
   return load;
 }
 
@@ -52,6 +53,7 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
                       "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
                       "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
   command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
+  add_weights_dtype_option(command, options.weights_dtype);
   command
       ->add_option("--tp", options.tp,
                    "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
@@ -80,6 +82,15 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
 std::optional<models::StepCacheConfig> PipelineCliOptions::cache_config() const {
   if (cache.empty()) return std::nullopt;
   return models::StepCacheConfig::parse(cache);
+}
+
+void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype) {
+  command
+      ->add_option("--weights-dtype", weights_dtype,
+                   "the transformer's Linear weights in memory: checkpoint (as stored: F8_E4M3/F8_E5M2 stay 8-bit, "
+                   "the rest --dtype), fp8 or int8 (quantized on load, per-row scales; the model's embedders, "
+                   "modulation and output head stay in --dtype); see docs/quantization.md")
+      ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}));
 }
 
 models::LoraRequest parse_lora_request(const std::string& argument) {

@@ -78,6 +78,7 @@ struct BenchOptions {
   int num_double = 2;
   int num_single = 4;
   std::string dtype = "f32";
+  std::string weights_dtype = "checkpoint";  // forward: --weights-dtype (8-bit Linears)
   int height = 512;
   int width = 512;
   int text_tokens = 512;
@@ -378,6 +379,7 @@ int run_forward(const BenchOptions& options) {
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
   load.dtype = dtype;
+  load.weights = shardit::nn::parse_weights_dtype(options.weights_dtype);
   if (mesh) {
     if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig(*mesh, "tp");
   } else if (tp > 1) {
@@ -541,6 +543,7 @@ int run_forward(const BenchOptions& options) {
       {"ring_degree", options.ring},
       {"threads_per_rank", at::get_num_threads()},
       {"dtype", options.dtype},
+      {"weights_dtype", options.weights_dtype},
       {"batch", b},
       {"image_tokens", image_tokens},
       {"text_tokens", options.text_tokens},
@@ -587,8 +590,8 @@ int run_forward(const BenchOptions& options) {
   std::snprintf(row, sizeof(row),
                 "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f (%s) "
                 "| %.0f all-reduce (plan: %lld), %.1f MiB/rank | %s params, %s peak RSS (rank 0) |",
-                options.dtype.c_str(), tp, options.ulysses, options.ring, at::get_num_threads(),
-                static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
+                (options.dtype + (options.weights_dtype == "checkpoint" ? "" : " weights " + options.weights_dtype)).c_str(),
+                tp, options.ulysses, options.ring, at::get_num_threads(), static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
                 gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 shardit::gib(parameter_bytes).c_str(), shardit::gib(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
@@ -845,6 +848,9 @@ int main(int argc, char** argv) {
   forward->add_option("--height", options.height, "image height in pixels (16 px per latent token)");
   forward->add_option("--width", options.width, "image width in pixels");
   forward->add_option("--text-tokens", options.text_tokens, "text sequence length");
+  forward->add_option("--weights-dtype", options.weights_dtype,
+                      "the Linear weights in memory: checkpoint, fp8 or int8 (docs/quantization.md)")
+      ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}));
   forward->add_option("--batch", options.batch, "batch size");
   forward->add_option("--warmup", options.warmup, "untimed steps first");
   forward->add_option("--repeats", options.repeats, "timed steps");

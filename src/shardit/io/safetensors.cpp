@@ -14,6 +14,7 @@
 #include <set>
 
 #include "shardit/core/error.h"
+#include "shardit/core/fp8.h"
 #include "shardit/io/file.h"
 #include "shardit/io/json.h"
 
@@ -50,9 +51,14 @@ void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::str
   }
 }
 
-at::Tensor maybe_convert(at::Tensor tensor, std::optional<at::ScalarType> dtype) {
-  if (dtype && *dtype != tensor.scalar_type()) return tensor.to(*dtype);
-  return tensor;
+at::Tensor maybe_convert(at::Tensor tensor, StDtype stored, std::optional<at::ScalarType> dtype) {
+  if (!dtype || *dtype == tensor.scalar_type()) return tensor;
+  if (st_dtype_is_fp8(stored) && tensor.scalar_type() == at::kByte) {
+    TORCH_CHECK(at::isFloatingType(*dtype), "an ", st_dtype_name(stored), " tensor converts to a floating dtype only, not ",
+                *dtype);
+    return fp8_decode(tensor, stored == StDtype::F8_E4M3 ? Fp8Format::E4M3 : Fp8Format::E5M2, *dtype);
+  }
+  return tensor.to(*dtype);
 }
 
 }  // namespace
@@ -80,6 +86,18 @@ at::ScalarType to_scalar_type(StDtype dtype) {
 #endif
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled StDtype ", static_cast<int>(dtype));
+}
+
+at::ScalarType storage_scalar_type(StDtype dtype) {
+  if (st_dtype_is_fp8(dtype) && !SHARDIT_HAS_FLOAT8) return at::kByte;
+  return to_scalar_type(dtype);
+}
+
+bool st_dtype_is_fp8(StDtype dtype) { return dtype == StDtype::F8_E4M3 || dtype == StDtype::F8_E5M2; }
+
+bool st_dtype_is_floating(StDtype dtype) {
+  return dtype == StDtype::F64 || dtype == StDtype::F32 || dtype == StDtype::F16 || dtype == StDtype::BF16 ||
+         st_dtype_is_fp8(dtype);
 }
 
 StDtype from_scalar_type(at::ScalarType type) {
@@ -161,7 +179,7 @@ const TensorInfo& SafetensorsFile::info(const std::string& name) const {
 
 at::Tensor SafetensorsFile::view(const std::string& name) const {
   const TensorInfo& tensor = info(name);
-  const at::ScalarType type = to_scalar_type(tensor.dtype);
+  const at::ScalarType type = storage_scalar_type(tensor.dtype);
   std::shared_ptr<void> keep_alive = mapping_;
   void* ptr = const_cast<char*>(data_ + tensor.begin);
   return at::from_blob(ptr, tensor.shape, [keep_alive](void*) {}, at::TensorOptions().dtype(type));
@@ -169,7 +187,7 @@ at::Tensor SafetensorsFile::view(const std::string& name) const {
 
 at::Tensor SafetensorsFile::read(const std::string& name, std::optional<at::ScalarType> dtype) const {
   const TensorInfo& tensor = info(name);
-  at::Tensor out = at::empty(tensor.shape, at::TensorOptions().dtype(to_scalar_type(tensor.dtype)));
+  at::Tensor out = at::empty(tensor.shape, at::TensorOptions().dtype(storage_scalar_type(tensor.dtype)));
   const auto* mapping = static_cast<const Mapping*>(mapping_.get());
   const uint64_t file_offset =
       static_cast<uint64_t>(data_ - static_cast<const char*>(mapping->base)) + tensor.begin;
@@ -178,7 +196,7 @@ at::Tensor SafetensorsFile::read(const std::string& name, std::optional<at::Scal
     stats_->bytes_read += tensor.nbytes();
     stats_->tensors_read += 1;
   }
-  return maybe_convert(std::move(out), dtype);
+  return maybe_convert(std::move(out), tensor.dtype, dtype);
 }
 
 at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
@@ -202,7 +220,7 @@ at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
 
   std::vector<int64_t> out_shape = tensor.shape;
   out_shape[dim] = total;
-  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(to_scalar_type(tensor.dtype)));
+  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(storage_scalar_type(tensor.dtype)));
 
   // The tensor is [outer, extent, inner]: each (outer index, range) is one contiguous span.
   int64_t outer = 1;
@@ -233,7 +251,7 @@ at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
     stats_->bytes_read += copied;
     stats_->tensors_read += 1;
   }
-  return maybe_convert(std::move(out), dtype);
+  return maybe_convert(std::move(out), tensor.dtype, dtype);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -241,7 +259,8 @@ at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
 
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata,
+                      const std::map<std::string, StDtype>& stored_as) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<at::Tensor> contiguous;
@@ -251,7 +270,14 @@ void save_safetensors(const std::string& path,
     TORCH_CHECK(tensor.defined(), path, ": tensor '", name, "' is undefined");
     TORCH_CHECK(name != "__metadata__", path, ": '__metadata__' is reserved and cannot name a tensor");
     TORCH_CHECK(!header.contains(name), path, ": tensor '", name, "' is given twice");
-    const StDtype dtype = from_scalar_type(tensor.scalar_type());
+    StDtype dtype = from_scalar_type(tensor.scalar_type());
+    const auto raw = stored_as.find(name);
+    if (raw != stored_as.end()) {
+      TORCH_CHECK(tensor.element_size() == 1 && st_dtype_size(raw->second) == 1, path, ": tensor '", name,
+                  "' is ", tensor.scalar_type(), ", which cannot be written as ", st_dtype_name(raw->second),
+                  " (give the raw bytes as uint8)");
+      dtype = raw->second;
+    }
     at::Tensor data = tensor.to(at::kCPU).contiguous();
     const uint64_t nbytes = static_cast<uint64_t>(data.numel()) * st_dtype_size(dtype);
     header[name] = {{"dtype", st_dtype_name(dtype)},

@@ -23,6 +23,13 @@ const char* st_dtype_name(StDtype dtype);
 int64_t st_dtype_size(StDtype dtype);
 /// The LibTorch scalar type of a safetensors dtype (F8 types need LibTorch >= 2.1: error otherwise).
 at::ScalarType to_scalar_type(StDtype dtype);
+/// The type a read holds a tensor's bytes in: to_scalar_type, except F8 types before LibTorch 2.1,
+/// whose raw bytes are read as uint8 (decode them with shardit::fp8_decode, core/fp8.h).
+at::ScalarType storage_scalar_type(StDtype dtype);
+/// F64, F32, F16, BF16, F8_E4M3, F8_E5M2.
+bool st_dtype_is_floating(StDtype dtype);
+/// True for F8_E4M3 and F8_E5M2.
+bool st_dtype_is_fp8(StDtype dtype);
 StDtype from_scalar_type(at::ScalarType type);
 
 /// One tensor's entry in a safetensors header.
@@ -79,7 +86,8 @@ class SafetensorsFile {
   /// A CPU tensor aliasing the mapped bytes (no copy). It keeps the file mapped while alive.
   /// Read-only in spirit: writing to it is undefined.
   at::Tensor view(const std::string& name) const;
-  /// An owned copy, converted to `dtype` when given.
+  /// An owned copy, converted to `dtype` when given (F8 tensors: decoded exactly to a floating
+  /// `dtype`; without one, held as storage_scalar_type).
   at::Tensor read(const std::string& name, std::optional<at::ScalarType> dtype = std::nullopt) const;
   /// Reads only the elements of `ranges` along `dim` and concatenates them along `dim`, converted
   /// to `dtype` when given. Only the bytes of those ranges are copied from the file (for dim > 0
@@ -101,9 +109,12 @@ class SafetensorsFile {
 };
 
 /// Writes tensors (any layout; written contiguous, in the given order) as a safetensors file.
+/// `stored_as` names tensors held as raw uint8 bytes of another one-byte dtype (F8_E4M3, F8_E5M2:
+/// FP8 bytes on a LibTorch without float8 types), written under that dtype.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      const std::map<std::string, StDtype>& stored_as = {});
 
 /// A checkpoint made of one or several safetensors files: a single file, a folder with one
 /// `*.safetensors` file, or a sharded set described by `*.safetensors.index.json`.

@@ -6,7 +6,7 @@ namespace shardit::models {
 JointForward::JointForward(JointTransformer2DModel& model, const at::Tensor& hidden_states, int64_t in_channels,
                            const at::Tensor& encoder_hidden_states, int64_t joint_attention_dim)
     : where(model.type_name()),
-      dtype(model.dtype()),
+      dtype(model.proj_out->weight_dtype()),  // the compute dtype, also when proj_out is 8-bit
       device(model.device()),
       cp(model.context_parallel_forward()) {
   model.check_loaded(where);
@@ -46,6 +46,7 @@ parallel::ModelTraits JointTransformer2DModel::traits() const {
   // Heads are the unit of the attention split: a rank must hold whole heads.
   parallel::ModelTraits traits;
   traits.divisors = {{"num_attention_heads", num_attention_heads_}};
+  traits.keep_high_precision = high_precision_modules();
   return traits;
 }
 

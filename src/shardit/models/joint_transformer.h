@@ -98,6 +98,9 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
  public:
   /// Heads are the unit of the attention split: a rank must hold whole heads.
   parallel::ModelTraits traits() const override;
+  /// The Linears `--weights-dtype fp8|int8` leaves dense (ModelTraits::keep_high_precision),
+  /// as module globs: the model's data, beside its tp_plan.
+  virtual std::vector<std::string> high_precision_modules() const = 0;
 
   /// How many double-stream (transformer_blocks) and single-stream (single_transformer_blocks)
   /// blocks the stack has, in that order.

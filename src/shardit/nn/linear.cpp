@@ -49,6 +49,9 @@ at::Tensor Linear::forward(const at::Tensor& x) {
               weight.size(1), "]");
   TORCH_CHECK(x.size(-1) == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): input has ", x.size(-1),
               " features, the weight ", weight.sizes(), " expects ", weight.size(1));
+  // A quantized weight is dequantized here, block by block as layers run, so only one layer's
+  // dense weight is alive at a time.
+  const at::Tensor weight = dense_weight(x.scalar_type());
   switch (mode_) {
     case LinearParallel::None:
     case LinearParallel::Colwise: {
@@ -100,7 +103,8 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   // oneDNN reads a weight in place only whole (a column block would be copied, which costs more
   // than the input's concatenation), so a product it computes takes the concatenated path too.
   const int64_t leading_rows = parts.front().size(-1) == 0 ? 0 : parts.front().numel() / parts.front().size(-1);
-  if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather ||
+  // A quantized weight is dequantized whole once, which the concatenated path does.
+  if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather || weight_format_ != WeightFormat::Dense ||
       gemm_backend_for(parts.front().device(), parts.front().scalar_type(), leading_rows, weight.numel()) ==
           GemmBackend::OneDnn) {
     return forward(parts.size() == 1 ? parts.front() : at::cat(parts, -1));
@@ -129,6 +133,29 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   if (!loras_.empty()) add_lora_deltas(y, at::cat(parts, -1));  // a rowwise partial joins the all-reduce
   if (rowwise) finish_rowwise(y);
   return y;
+}
+
+void Linear::set_quantized_weight(at::Tensor codes, WeightFormat format, at::Tensor scale, at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(format != WeightFormat::Dense, "Linear::set_quantized_weight: a dense format");
+  // The shape is this rank's, which the loader checked against the plan.
+  TORCH_CHECK(codes.dim() == 2, "Linear '", path(), "': quantized weight has shape ", codes.sizes(),
+              ", expected [out, in]");
+  TORCH_CHECK(codes.scalar_type() == (format == WeightFormat::Int8 ? at::kChar : at::kByte), "Linear '", path(),
+              "': ", weight_format_name(format), " codes must be ", format == WeightFormat::Int8 ? "int8" : "uint8",
+              ", got ", codes.scalar_type());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == codes.size(0), "Linear '", path(), "': weight scale has shape ",
+              scale.sizes(), ", expected one per output row [", codes.size(0), "]");
+  TORCH_CHECK(loras_.empty(), "Linear '", path(), "': quantize the weight before adding LoRA adapters");
+  weight = std::move(codes);
+  weight_scale_ = scale.to(at::kFloat).contiguous();
+  weight_format_ = format;
+  dense_dtype_ = dtype;
+}
+
+at::Tensor Linear::dense_weight(at::ScalarType dtype) const {
+  if (weight_format_ == WeightFormat::Dense) return weight;
+  SHARDIT_PROFILE_SCOPE("Linear.dequantize");
+  return dequantize_rows(weight, weight_format_, weight_scale_, dtype);
 }
 
 void Linear::finish_rowwise(at::Tensor& y) {

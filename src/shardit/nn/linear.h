@@ -18,6 +18,7 @@
 
 #include "shardit/dist/group.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/quantized_weight.h"
 
 namespace shardit::nn {
 
@@ -89,11 +90,29 @@ class Linear : public Module {
   const std::shared_ptr<const LoraSelection>& lora_selection() const { return lora_selection_; }
   const LinearOptions& options() const { return options_; }
 
-  at::Tensor weight;  ///< [out, in] (a shard of it once parallel)
+  /// Holds this rank's weight in 8 bits: `codes` [out_local, in_local] (uint8 FP8 bytes or int8)
+  /// replace `weight`, `scale` [out_local] fp32 (positive, finite) scales each row. Each forward
+  /// dequantizes the weight to the input's dtype (nn/quantized_weight.h). `dtype`: the dtype the
+  /// weight would have had dense (what adapters and callers that cast inputs use).
+  void set_quantized_weight(at::Tensor codes, WeightFormat format, at::Tensor scale, at::ScalarType dtype);
+  /// The dtype of the dense weight (of its dequantized form when quantized).
+  at::ScalarType weight_dtype() const {
+    return weight_format_ == WeightFormat::Dense ? weight.scalar_type() : dense_dtype_;
+  }
+  WeightFormat weight_format() const { return weight_format_; }
+  /// [out_local] fp32; undefined when dense.
+  const at::Tensor& weight_scale() const { return weight_scale_; }
+  /// The weight as the product uses it, in `dtype`: `weight` when dense, else dequantized.
+  at::Tensor dense_weight(at::ScalarType dtype) const;
+
+  at::Tensor weight;  ///< [out, in] (a shard of it once parallel); 8-bit codes when quantized
   at::Tensor bias;    ///< [out] or undefined
 
  private:
   LinearOptions options_;
+  WeightFormat weight_format_ = WeightFormat::Dense;
+  at::Tensor weight_scale_;
+  at::ScalarType dense_dtype_ = at::kFloat;
   LinearParallel mode_ = LinearParallel::None;
   std::shared_ptr<dist::Group> group_;
   std::vector<int64_t> gather_blocks_;

@@ -164,7 +164,7 @@ void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, co
     TORCH_CHECK(layer.loras().empty() || layer.lora_selection() == selection_, spec.path, ": module '",
                 target.module, "' holds adapters of another LoraAdapters object; keep one per model");
     auto [lora_A, lora_B] = read_target(file, target, weight_spec, tp_rank);
-    const auto options = layer.weight.options();
+    const auto options = layer.weight.options().dtype(layer.weight_dtype());
     TORCH_INTERNAL_ASSERT(lora_A.size(1) == layer.weight.size(1) && lora_B.size(0) == layer.weight.size(0),
                           "LoRA slice of '", target.module, "' does not match the local weight");
     pending.push_back({&layer, nn::LoraLayer{name, lora_A.to(options), lora_B.to(options), target.scaling}});
@@ -212,6 +212,10 @@ void LoraAdapters::fuse(double lora_scale) {
   for (auto& [path, module] : model_.named_modules()) {
     auto* layer = dynamic_cast<nn::Linear*>(module);
     if (layer == nullptr || layer->loras().empty()) continue;
+    TORCH_CHECK(layer->weight_format() == nn::WeightFormat::Dense, "--fuse-lora: module '", path, "' holds ",
+                nn::weight_format_name(layer->weight_format()),
+                " weights, which a fused adapter would need re-quantizing; keep the adapters unfused (drop "
+                "--fuse-lora) or load the weights dense");
     // One adapter after the other, in set_adapters order, in fp32.
     at::Tensor fused = layer->weight.to(at::kFloat);
     for (const auto& [adapter, adapter_weight] : selection_->weights) {

@@ -312,8 +312,15 @@ int64_t loaded_element_size(const std::string& name, at::ScalarType dtype, const
       c10::elementSize(nn::keeps_fp32(name, traits.keep_in_fp32_modules) ? at::kFloat : dtype));
 }
 
+/// The Linear whose weight `slot` is; null for any other tensor.
+nn::Linear* linear_of_weight(const nn::Module::TensorSlot& slot) {
+  auto* linear = dynamic_cast<nn::Linear*>(slot.owner);
+  return linear != nullptr && slot.tensor == &linear->weight && !slot.is_buffer ? linear : nullptr;
+}
+
 Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits,
-                   at::ScalarType dtype) {
+                   at::ScalarType dtype, nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint,
+                   bool quantize_kept = false) {
   TORCH_CHECK(tp_degree >= 1, "tensor parallel: tp_degree must be >= 1, got ", tp_degree);
   const auto modules = model.named_modules();
 
@@ -422,6 +429,12 @@ Resolution resolve(nn::Module& model, const TpPlan& plan, int tp_degree, const M
     spec.element_size = slot.tensor->is_floating_point()
                             ? loaded_element_size(slot.name, dtype, traits)
                             : static_cast<int64_t>(slot.tensor->element_size());
+    if (linear_of_weight(slot) != nullptr &&
+        (quantizes_on_load(slot.name, weights, traits, quantize_kept) ||
+         linear_of_weight(slot)->weight_format() != nn::WeightFormat::Dense)) {
+      spec.quantized = true;
+      spec.element_size = 1;
+    }
     const auto found = slot.is_buffer ? layer_of.end() : layer_of.find(slot.owner);
     if (found != layer_of.end()) {
       const LayerMatch& layer = *found->second;
@@ -641,8 +654,8 @@ std::string ResolvedPlan::to_table() const {
 // Resolving, sharding, loading
 
 ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits,
-                          at::ScalarType dtype) {
-  return resolve(model, plan, tp_degree, traits, dtype).plan;
+                          at::ScalarType dtype, nn::WeightsDtype weights) {
+  return resolve(model, plan, tp_degree, traits, dtype, weights).plan;
 }
 
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_rank) {
@@ -660,6 +673,20 @@ at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_ra
   for (const io::Range& range : ranges) pieces.push_back(full.narrow(spec.dim, range.begin, range.size()));
   return at::cat(pieces, spec.dim);  // a fresh contiguous tensor
 }
+
+namespace {
+
+/// This rank's per-output-row scales of a weight laid out by `spec`, from the whole [out] scales:
+/// the rows' own when the weight is split by rows (colwise, packed colwise: each block's scales
+/// follow the block), all of them when it is split by columns or replicated.
+at::Tensor row_scales_for_rank(const at::Tensor& full, const ShardSpec& spec, int tp_rank) {
+  if (spec.dim != 0) return full.clone();
+  std::vector<at::Tensor> pieces;
+  for (const io::Range& range : spec.ranges_per_rank[tp_rank]) pieces.push_back(full.narrow(0, range.begin, range.size()));
+  return at::cat(pieces, 0);
+}
+
+}  // namespace
 
 ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const TensorParallelConfig& config,
                                    const ModelTraits& traits) {
@@ -685,6 +712,13 @@ ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const 
     const ShardSpec& spec = resolution.plan.parameters[i];
     TORCH_INTERNAL_ASSERT(spec.parameter == slots[i].name);
     if (!spec.is_sharded()) continue;
+    nn::Linear* linear = linear_of_weight(slots[i]);
+    if (linear != nullptr && linear->weight_format() != nn::WeightFormat::Dense) {
+      // The per-row scales go with the rows: split like dim 0 when the rows are, else whole.
+      linear->set_quantized_weight(shard_tensor(linear->weight, spec, rank), linear->weight_format(),
+                                   row_scales_for_rank(linear->weight_scale(), spec, rank), linear->weight_dtype());
+      continue;
+    }
     // Assigning drops the slot's reference to the full tensor, so its memory is released.
     *slots[i].tensor = shard_tensor(*slots[i].tensor, spec, rank);
   }
@@ -722,21 +756,154 @@ std::vector<std::string> source_keys(const std::vector<nn::Module::TensorSlot>& 
   return keys;
 }
 
+/// How one Linear weight is stored once loaded.
+struct WeightSource {
+  nn::WeightFormat format = nn::WeightFormat::Dense;
+  /// The codes are read as stored (an F8 or scaled I8 tensor); otherwise a dense tensor is
+  /// quantized while it is read.
+  bool stored_quantized = false;
+  at::Tensor full_scale;  ///< [out] fp32, the checkpoint's (stored_quantized only)
+};
+
+/// Checkpoint names of a weight's scales, tried in this order: compressed-tensors / vLLM's
+/// `<module>.weight_scale`, ComfyUI's `<module>.scale_weight`.
+const char* const kWeightScaleNames[] = {"weight_scale", "scale_weight"};
+/// Activation scales of static FP8 recipes (`input_scale`, ComfyUI's `scale_input`): accepted and
+/// unused, since activations stay in the compute dtype.
+const char* const kInputScaleNames[] = {"input_scale", "scale_input"};
+
+/// "a.b" for "a.b.weight"; "" for a name without that suffix.
+std::string module_of_weight(const std::string& key) {
+  const std::string suffix = ".weight";
+  if (key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) return "";
+  return key.substr(0, key.size() - suffix.size());
+}
+
+/// The scale `scale_key` of the 8-bit weight `weight_key` ([out, in]), checked and expanded to one
+/// per output row ([out] fp32). A per-tensor scale ([] or [1]) applies to every row, so each
+/// block of a fused projection gets it too.
+at::Tensor read_weight_scale(const io::Checkpoint& checkpoint, const std::string& scale_key,
+                             const std::string& weight_key, const std::vector<int64_t>& weight_shape) {
+  const io::TensorInfo& info = checkpoint.info(scale_key);
+  const std::string& file = checkpoint.file_of(scale_key).path();
+  const int64_t out = weight_shape.at(0);
+  const int64_t count = info.numel();
+  const bool per_tensor = count == 1 && info.shape.size() <= 1;
+  const bool per_row = count == out && (info.shape.size() == 1 || (info.shape.size() == 2 && info.shape[1] == 1));
+  TORCH_CHECK(per_tensor || per_row, file, ": scale '", scale_key, "' has shape ", c10::IntArrayRef(info.shape),
+              ", expected [], [1], [", out, "] or [", out, ", 1] for weight '", weight_key, "' ",
+              c10::IntArrayRef(weight_shape), " (per-tensor or per-output-channel scales; block-wise scales are "
+              "not supported)");
+  TORCH_CHECK(io::st_dtype_is_floating(info.dtype), file, ": scale '", scale_key, "' is ",
+              io::st_dtype_name(info.dtype), ", expected a floating dtype (F32, BF16, F16)");
+  const at::Tensor scale = checkpoint.read(scale_key, at::kFloat).reshape({-1});
+  const at::Tensor bad = (~at::isfinite(scale)).nonzero();
+  TORCH_CHECK(bad.numel() == 0, file, ": scale '", scale_key, "' of weight '", weight_key, "' holds ",
+              scale[bad[0][0].item<int64_t>()].item<float>(), " at index ", bad[0][0].item<int64_t>(),
+              "; scales must be finite (the checkpoint is corrupt)");
+  const at::Tensor nonpositive = (scale <= 0).nonzero();
+  TORCH_CHECK(nonpositive.numel() == 0, file, ": scale '", scale_key, "' of weight '", weight_key, "' holds ",
+              scale[nonpositive[0][0].item<int64_t>()].item<float>(), " at index ", nonpositive[0][0].item<int64_t>(),
+              "; scales must be positive (a zero scale would erase the row)");
+  return per_tensor ? scale.expand({out}).clone() : scale;
+}
+
+/// The largest |w| of each whole row of the 2-D tensor `key` ([out] fp32), read from the file in
+/// bands of rows: a rank holding only some columns of each row (rowwise) still scales by the
+/// whole row, so every degree quantizes alike. The maximum is exact in any order.
+at::Tensor full_row_absmax(const io::Checkpoint& checkpoint, const std::string& key) {
+  const io::TensorInfo& info = checkpoint.info(key);
+  const int64_t rows = info.shape[0];
+  const int64_t cols = std::max<int64_t>(1, info.shape[1]);
+  const int64_t band = std::max<int64_t>(1, (int64_t{16} << 20) / (cols * 4));  // ~16 MiB of fp32 per read
+  std::vector<at::Tensor> pieces;
+  for (int64_t begin = 0; begin < rows; begin += band) {
+    const int64_t end = std::min(rows, begin + band);
+    pieces.push_back(checkpoint.read_slices(key, 0, {{begin, end}}, at::kFloat).abs().amax(1));
+  }
+  return at::cat(pieces, 0);
+}
+
+/// NaN (and, for e5m2, infinity) codes in FP8 bytes: the mask of their bit patterns.
+bool has_nonfinite_fp8(const at::Tensor& codes, io::StDtype dtype) {
+  const int mask = dtype == io::StDtype::F8_E4M3 ? 0x7F : 0x7C;
+  return (codes.bitwise_and(mask) == mask).any().item<bool>();
+}
+
 }  // namespace
+
+bool quantizes_on_load(const std::string& parameter, nn::WeightsDtype weights, const ModelTraits& traits,
+                       bool quantize_kept) {
+  if (weights == nn::WeightsDtype::Checkpoint || nn::keeps_fp32(parameter, traits.keep_in_fp32_modules)) return false;
+  if (quantize_kept) return true;
+  const std::string module = module_of_weight(parameter);
+  return std::none_of(traits.keep_high_precision.begin(), traits.keep_high_precision.end(),
+                      [&](const std::string& glob) { return glob_matches(glob, module); });
+}
 
 ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
                           const LoadOptions& options, const ModelTraits& traits) {
   const bool parallel = options.tensor_parallel.has_value();
   TORCH_CHECK(!parallel || options.tensor_parallel->group != nullptr,
               "load_weights: the tensor-parallel config has no group");
-  Resolution resolution =
-      resolve(model, plan, parallel ? options.tensor_parallel->tp_degree() : 1, traits, options.dtype);
+  Resolution resolution = resolve(model, plan, parallel ? options.tensor_parallel->tp_degree() : 1, traits,
+                                  options.dtype, options.weights, options.quantize_kept_layers);
   auto slots = model.named_states();
   TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
 
   // Validate the whole checkpoint against the model before reading anything.
   std::set<std::string> accepted;
   const std::vector<std::string> keys = source_keys(slots, checkpoint, traits, accepted);
+  // How each Linear weight is stored: FP8 (and scaled I8) tensors as they are, with their scales;
+  // dense ones quantized on load when options.weights asks; the rest dense.
+  std::vector<WeightSource> sources(slots.size());
+  std::vector<std::string> fp8_without_scale;
+  std::string fp8_with_scale;  // one FP8 weight that has a scale, for the message
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (keys[i].empty() || linear_of_weight(slots[i]) == nullptr) continue;
+    const io::TensorInfo& info = checkpoint.info(keys[i]);
+    const std::string module = module_of_weight(keys[i]);
+    std::string scale_key;
+    for (const char* name : kWeightScaleNames) {
+      if (!module.empty() && checkpoint.contains(module + "." + name)) {
+        scale_key = module + "." + name;
+        break;
+      }
+    }
+    for (const char* name : kInputScaleNames) {
+      if (!module.empty() && checkpoint.contains(module + "." + name)) accepted.insert(module + "." + name);
+    }
+    WeightSource& source = sources[i];
+    if (io::st_dtype_is_fp8(info.dtype)) {
+      source.format = info.dtype == io::StDtype::F8_E4M3 ? nn::WeightFormat::Fp8E4M3 : nn::WeightFormat::Fp8E5M2;
+      source.stored_quantized = true;
+    } else if (info.dtype == io::StDtype::I8 && !scale_key.empty()) {
+      source.format = nn::WeightFormat::Int8;
+      source.stored_quantized = true;
+    } else if (resolution.plan.parameters[i].quantized) {
+      source.format = options.weights == nn::WeightsDtype::Fp8 ? nn::WeightFormat::Fp8E4M3 : nn::WeightFormat::Int8;
+    }
+    if (!source.stored_quantized) {
+      TORCH_CHECK(scale_key.empty(), checkpoint.file_of(scale_key).path(), ": scale '", scale_key, "' belongs to '",
+                  keys[i], "', which is ", io::st_dtype_name(info.dtype), ", not an 8-bit weight; the file mixes ",
+                  "formats (remove the scale, or store the weight in F8_E4M3 / I8)");
+      continue;
+    }
+    if (scale_key.empty()) {
+      if (source.format != nn::WeightFormat::Int8) fp8_without_scale.push_back(keys[i]);
+      source.full_scale = at::ones({info.shape.at(0)}, at::kFloat);  // FP8 values as they are
+      continue;
+    }
+    accepted.insert(scale_key);
+    if (fp8_with_scale.empty()) fp8_with_scale = scale_key;
+    source.full_scale = read_weight_scale(checkpoint, scale_key, keys[i], info.shape);
+  }
+  // A checkpoint that scales its FP8 weights scales all of them: an unscaled one is a missing
+  // tensor, whose values would be off by its scale.
+  TORCH_CHECK(fp8_with_scale.empty() || fp8_without_scale.empty(), "checkpoint '", checkpoint.path(), "': ",
+              fp8_without_scale.size(), " FP8 weight(s) have no scale (", join_names(fp8_without_scale, 10),
+              ") while others do ('", fp8_with_scale, "'); expected '<module>.weight_scale' or "
+              "'<module>.scale_weight' beside each (the file is incomplete)");
   std::vector<std::string> missing;
   std::vector<std::string> mismatched;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -747,10 +914,11 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
     const io::TensorInfo& info = checkpoint.info(keys[i]);
     // An integer or boolean tensor under a weight's name is not a weight: it would be cast
     // silently, or fail at the first product naming no tensor.
-    TORCH_CHECK(!slots[i].tensor->is_floating_point() || at::isFloatingType(io::to_scalar_type(info.dtype)),
+    TORCH_CHECK(!slots[i].tensor->is_floating_point() || io::st_dtype_is_floating(info.dtype) ||
+                    sources[i].stored_quantized,
                 checkpoint.file_of(keys[i]).path(), ": tensor '", keys[i], "' is ", io::st_dtype_name(info.dtype),
                 ", but it is a weight of ", model.type_name(), " and weights are floating point (F32, BF16, F16, "
-                "F64); the file is not this model's checkpoint");
+                "F64, F8_E4M3, F8_E5M2; I8 with a '.weight_scale'); the file is not this model's checkpoint");
     const std::vector<int64_t> declared = slots[i].tensor->sizes().vec();
     if (info.shape != declared) {
       std::ostringstream line;
@@ -785,9 +953,41 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
   for (size_t i = 0; i < slots.size(); ++i) {
     const ShardSpec& spec = resolution.plan.parameters[i];
     TORCH_INTERNAL_ASSERT(spec.parameter == slots[i].name);
-    const bool floating = at::isFloatingType(io::to_scalar_type(checkpoint.info(keys[i]).dtype));
+    const io::TensorInfo& info = checkpoint.info(keys[i]);
+    const bool floating = io::st_dtype_is_floating(info.dtype);
     const at::ScalarType target = nn::keeps_fp32(slots[i].name, traits.keep_in_fp32_modules) ? at::kFloat
                                                                                               : options.dtype;
+    const WeightSource& source = sources[i];
+    if (source.format != nn::WeightFormat::Dense) {
+      nn::Linear* linear = linear_of_weight(slots[i]);
+      at::Tensor codes;
+      at::Tensor scale;
+      if (source.stored_quantized) {
+        codes = spec.is_sharded() ? checkpoint.read_slices(keys[i], spec.dim, spec.ranges_per_rank[rank])
+                                  : checkpoint.read(keys[i]);
+        const at::ScalarType code_type = source.format == nn::WeightFormat::Int8 ? at::kChar : at::kByte;
+        if (codes.scalar_type() != code_type) codes = codes.view(code_type);  // LibTorch's own float8 type
+        TORCH_CHECK(source.format == nn::WeightFormat::Int8 || !has_nonfinite_fp8(codes, info.dtype),
+                    checkpoint.file_of(keys[i]).path(), ": FP8 weight '", keys[i], "' holds NaN or Inf codes; "
+                    "the checkpoint is corrupt");
+        scale = row_scales_for_rank(source.full_scale, spec, rank);
+      } else {
+        // Quantize on load: this rank's slice in fp32 (exact for F32/BF16/F16), scaled by its
+        // whole rows' maxima.
+        const at::Tensor value = spec.is_sharded()
+                                     ? checkpoint.read_slices(keys[i], spec.dim, spec.ranges_per_rank[rank], at::kFloat)
+                                     : checkpoint.read(keys[i], at::kFloat);
+        const at::Tensor absmax = spec.dim == 1 ? full_row_absmax(checkpoint, keys[i]) : value.abs().amax(1);
+        TORCH_CHECK(at::isfinite(absmax).all().item<bool>(), checkpoint.file_of(keys[i]).path(), ": weight '",
+                    keys[i], "' holds NaN or Inf; refusing to quantize it (the checkpoint is corrupt)");
+        scale = nn::symmetric_row_scales(absmax, source.format);
+        codes = nn::quantize_rows(value, source.format, scale);
+      }
+      linear->set_quantized_weight(codes.to(options.device), source.format, scale.to(options.device), target);
+      resolution.plan.parameters[i].quantized = true;
+      resolution.plan.parameters[i].element_size = 1;
+      continue;
+    }
     const std::optional<at::ScalarType> dtype = floating ? std::optional<at::ScalarType>(target) : std::nullopt;
     const at::Tensor value = spec.is_sharded()
                                  ? checkpoint.read_slices(keys[i], spec.dim, spec.ranges_per_rank[rank], dtype)
@@ -859,7 +1059,7 @@ void TensorParallelModule::to(at::Device device, at::ScalarType dtype) {
     const ModelTraits model_traits = traits();
     resolved_plan_->dtype = dtype;
     for (ShardSpec& spec : resolved_plan_->parameters) {
-      if (!spec.is_floating) continue;  // integer state keeps its type
+      if (!spec.is_floating || spec.quantized) continue;  // integer and 8-bit state keep their type
       spec.element_size = loaded_element_size(spec.parameter, dtype, model_traits);
     }
   }
@@ -875,8 +1075,9 @@ void TensorParallelModule::agree(at::Tensor& value) const {
   config_->group->broadcast(value, 0);
 }
 
-ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, TpPlanKind kind) {
-  ResolvedPlan resolved = resolve_plan(*this, plan(kind), tp_degree, traits(), dtype);
+ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, TpPlanKind kind,
+                                           nn::WeightsDtype weights) {
+  ResolvedPlan resolved = resolve_plan(*this, plan(kind), tp_degree, traits(), dtype, weights);
   resolved.plan = kind;
   return resolved;
 }

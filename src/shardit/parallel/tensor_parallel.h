@@ -15,6 +15,7 @@
 #include "shardit/dist/group.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/module.h"
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/context_parallel.h"
 #include "shardit/parallel/plan.h"
 
@@ -61,6 +62,8 @@ struct ShardSpec {
   /// (ModelTraits::replicable_heads), whose rank r holds head r / replicas whole.
   int64_t replicas = 1;
   int64_t element_size = 4;         ///< bytes per element in the loaded dtype
+  /// A Linear weight held in 8 bits (element_size 1; its fp32 per-row scales are not counted).
+  bool quantized = false;
   bool is_buffer = false;
   bool is_floating = true;
 
@@ -120,16 +123,26 @@ struct ModelTraits {
   std::vector<std::string> ignored_checkpoint_keys;
   /// Colwise entries that split by heads below the head count and replicate heads above it.
   std::vector<ReplicableHeads> replicable_heads;
+  /// Linears that quantize-on-load (LoadOptions::weights) leaves dense, as module-path globs with
+  /// `*` standing for any run of characters ("transformer_blocks.*.norm1.linear", "norm_out.*").
+  std::vector<std::string> keep_high_precision;
 };
+
+/// Whether quantize-on-load to `weights` stores the Linear weight `parameter` ("a.b.weight" of a
+/// Linear) in 8 bits: not for Checkpoint, keep-in-fp32 modules, or (unless `quantize_kept`)
+/// modules matching traits.keep_high_precision.
+bool quantizes_on_load(const std::string& parameter, nn::WeightsDtype weights, const ModelTraits& traits,
+                       bool quantize_kept = false);
 
 /// Resolves `plan` against `model` at `tp_degree`. Validates before anything moves: each key
 /// matches at least one module, at most one `*` whose prefix names a module list, the matched
 /// module is a Linear, every split dimension and packed block divides by the degree, and every
 /// `divisors` entry too. Errors name the plan key, the tensor, the sizes, and the degrees that
 /// would work.
-/// Byte counts are in `dtype` (floating tensors; fp32 for keep-in-fp32 ones).
+/// Byte counts are in `dtype` (floating tensors; fp32 for keep-in-fp32 ones), one byte for the
+/// Linear weights quantize-on-load to `weights` stores in 8 bits.
 ResolvedPlan resolve_plan(nn::Module& model, const TpPlan& plan, int tp_degree, const ModelTraits& traits = {},
-                          at::ScalarType dtype = at::kFloat);
+                          at::ScalarType dtype = at::kFloat, nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint);
 
 /// This rank's slice of a full tensor under `spec` (a copy; the full tensor can be freed).
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int tp_rank);
@@ -146,11 +159,20 @@ struct LoadOptions {
   std::optional<TensorParallelConfig> tensor_parallel;
   /// Which of the model's plans tensor_parallel applies (TensorParallelModule::load).
   TpPlanKind plan = TpPlanKind::Full;
+  /// Quantize-on-load: Fp8 or Int8 stores each Linear weight (but ModelTraits::keep_high_precision
+  /// ones) in 8 bits with symmetric per-output-row scales over the whole, unsharded row, so every
+  /// TP degree holds the same dequantized weights. Checkpoint: F8_E4M3 / F8_E5M2 Linear weights
+  /// stay 8-bit (scaled by the checkpoint's `<module>.weight_scale` / `<module>.scale_weight`,
+  /// docs/quantization.md), the rest load dense in `dtype`.
+  nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
+  /// Quantizes the keep_high_precision Linears too (tests of every shard style; not a user default).
+  bool quantize_kept_layers = false;
 };
 
 /// Fills a model's (meta) parameters and persistent buffers from a checkpoint. With
 /// tensor_parallel set, reads only this rank's slice of each sharded tensor and switches the
-/// matched layers to their parallel modes. Errors list missing weights, unexpected extra weights
+/// matched layers to their parallel modes. 8-bit Linear weights (LoadOptions::weights) are checked
+/// (scales present, shaped [], [1], [out] or [out, 1], finite, positive) before any weight is read. Errors list missing weights, unexpected extra weights
 /// and shape mismatches, naming the file. Returns the plan (at degree 1 without tensor_parallel).
 ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
                           const LoadOptions& options, const ModelTraits& traits = {});
@@ -183,7 +205,8 @@ class TensorParallelModule : public nn::Module {
   /// Casts to `dtype` (keep-in-fp32 modules stay fp32) and moves to `device`.
   void to(at::Device device, at::ScalarType dtype);
   /// The plan resolved at `tp_degree` without loading anything (for `shardit inspect --plan`).
-  ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat, TpPlanKind kind = TpPlanKind::Full);
+  ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat, TpPlanKind kind = TpPlanKind::Full,
+                       nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint);
   int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
   /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
   const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }

@@ -313,6 +313,7 @@ void DiffusionPipeline::load() {
   load.dtype = options_.dtype;
   load.device = options_.device;
   load.tensor_parallel = transformer_parallel_;
+  load.weights = options_.weights;
   // The adapter files are opened and checked against the transformer before any weight is read.
   const std::vector<models::LoraFile> adapter_files = models::open_lora_files(options_.lora, *transformer_);
   // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,

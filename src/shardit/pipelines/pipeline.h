@@ -18,6 +18,7 @@
 #include "shardit/models/lora_formats.h"
 #include "shardit/models/step_cache.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/lora.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -198,6 +199,9 @@ struct PipelineLoadOptions {
   /// diffusers' `FluxKontextPipeline.from_pretrained(flux1_folder)`: it must take the folder's
   /// transformer class (FluxPipeline and FluxKontextPipeline share FLUX.1's).
   std::optional<std::string> pipeline_class;
+  /// The transformer's Linears in 8 bits (parallel::LoadOptions::weights; docs/quantization.md).
+  /// The text encoders and the VAE load in `dtype`.
+  nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().

@@ -146,6 +146,8 @@ std::vector<std::string> checked_images(const json& value) {
     images.push_back(std::move(*bytes));
   }
   return images;
+}
+
 /// The body's "lora": [{"name": NAME, "scale": W}, ...], every name loaded and given once.
 std::vector<LoraChoice> lora_field(const json& value, const RequestLimits& limits) {
   if (limits.lora_fused) {

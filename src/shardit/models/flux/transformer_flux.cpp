@@ -272,6 +272,16 @@ FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfi
                                              inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
 }
 
+std::vector<std::string> FluxTransformer2DModel::high_precision_modules() const {
+  // Left dense by --weights-dtype (docs/quantization.md): the embedders, the modulation and the
+  // output head. The modulation sets every token's shift, scale and gate in every block; the
+  // embedders and the head are small, so dense costs little memory.
+  return {
+      "x_embedder", "context_embedder", "time_text_embed.*", "transformer_blocks.*.norm1.linear",
+      "transformer_blocks.*.norm1_context.linear", "single_transformer_blocks.*.norm.linear", "norm_out.*",
+      "proj_out"};
+}
+
 const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
   // diffusers' FLUX.1 plan: q/k/v and the FF input split by heads / hidden columns (colwise), the
   // projections back to D split by rows (rowwise, one all-reduce each). The single block's

@@ -302,6 +302,15 @@ Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelCo
       "proj_out", linear_no_bias(inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels()));
 }
 
+std::vector<std::string> Flux2Transformer2DModel::high_precision_modules() const {
+  // Left dense by --weights-dtype (docs/quantization.md): the embedders, the modulation and the
+  // output head. The modulation sets every token's shift, scale and gate in every block; the
+  // embedders and the head are small, so dense costs little memory.
+  return {
+      "x_embedder", "context_embedder", "time_guidance_embed.*", "double_stream_modulation_img.*",
+      "double_stream_modulation_txt.*", "single_stream_modulation.*", "norm_out.*", "proj_out"};
+}
+
 const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   // diffusers' FLUX.2 plan: q/k/v (image and text) and the FF linear_in split colwise, closed by
   // rowwise to_out.0 / to_add_out / linear_out (one all-reduce each). linear_in's output is

@@ -203,6 +203,8 @@ class Flux2Transformer2DModel : public JointTransformer2DModel {
   std::string type_name() const override { return "Flux2Transformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
+
+  std::vector<std::string> high_precision_modules() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.

@@ -260,6 +260,15 @@ QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransfor
                                              inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
 }
 
+std::vector<std::string> QwenImageTransformer2DModel::high_precision_modules() const {
+  // Left dense by --weights-dtype (docs/quantization.md): the embedders, the modulation and the
+  // output head. The modulation sets every token's shift, scale and gate in every block; the
+  // embedders and the head are small, so dense costs little memory.
+  return {
+      "img_in", "txt_in", "time_text_embed.*", "transformer_blocks.*.img_mod.*",
+      "transformer_blocks.*.txt_mod.*", "norm_out.*", "proj_out"};
+}
+
 const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
   // diffusers' Qwen-Image plan: q/k/v (image and text) split by heads (colwise), the output
   // projections back to D split by rows (rowwise, one all-reduce each), and the GELU FFs split

@@ -118,7 +118,7 @@ at::Tensor T5DenseActDense::forward(const at::Tensor& x) {
   const at::Tensor hidden = gated_ ? nn::activate(wi_0->forward(x), activation_) * wi_1->forward(x)
                                    : nn::activate(wi->forward(x), activation_);
   // wo stays fp32 under a bf16 load: its input follows its dtype, as the reference casts it.
-  return wo->forward(hidden.to(wo->weight.scalar_type()));
+  return wo->forward(hidden.to(wo->weight_dtype()));
 }
 
 T5LayerFF::T5LayerFF(const T5Config& config) {
