@@ -380,7 +380,9 @@ std::string default_builtin_model_root() {
   std::error_code error;
   const fs::path temp = fs::temp_directory_path(error);
   TORCH_CHECK(!error, "the built-in model has no folder: ", error.message(), "; ", tmpdir_advice());
-  return (temp / "shardit-builtin-4").string();
+  // The number changes whenever the built-in's files do (5: the VAE holds its encoder), so a cache
+  // written by an older build is never taken for this one's.
+  return (temp / "shardit-builtin-5").string();
 }
 
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
