@@ -13,10 +13,12 @@
 #include <cstdint>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "shardit/core/cpu_features.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
@@ -194,11 +196,10 @@ TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
     const auto tensors = shardit::io::SafetensorsFile::open(out + ".safetensors");
     if (run == 0) {
       EXPECT_THAT(output, ::testing::HasSubstr("fp32 matrix products on")) << "the kernel is not reported";
-      // The CLI runs OpenBLAS's kernels for this CPU, as this test process does (both executed
-      // again with OPENBLAS_CORETYPE where OpenBLAS chose a narrower core).
+      // The CLI runs the BLAS kernels this test process runs (the same environment, the same
+      // decision from cpuid).
       const std::string core = shardit::nn::blas_core_name();
       if (!core.empty()) EXPECT_THAT(output, ::testing::HasSubstr("BLAS core " + core));
-      EXPECT_EQ(shardit::nn::better_blas_core(), "") << "this process runs narrower BLAS kernels than the CPU has";
       first_png = file_bytes(out + ".png");
       first_image = tensors->read("image");
       first_latents = tensors->read("latents");
@@ -208,6 +209,33 @@ TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
     EXPECT_EQ(file_bytes(out + ".png"), first_png) << "run " << run << ": the PNG differs from run 0's";
     EXPECT_TRUE(at::equal(tensors->read("image"), first_image)) << "run " << run << ": the image differs";
     EXPECT_TRUE(at::equal(tensors->read("latents"), first_latents)) << "run " << run << ": the latents differ";
+  }
+}
+
+// OpenBLAS's core follows the CPU: with nothing set, a program whose OpenBLAS chose a narrower core
+// than cpuid's vector set runs again on the right one (nn::exec_with_cpu_blas_kernels) and says so
+// on its kernel line; a core the user sets with OPENBLAS_CORETYPE is kept.
+TEST(PipelinesBuiltin, BlasCoreFollowsTheCpuUnlessTheUserSetsOne) {
+  if (is_worker()) return;
+  if (shardit::nn::blas_core_name().empty()) GTEST_SKIP() << "the BLAS library is not OpenBLAS";
+  const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin-blas-core");
+  const auto builtin = shardit::models::write_builtin_model(dir + "/model");
+  const std::string model = "--model " + builtin.pipeline + " --prompt-embeds " + builtin.prompt_embeds;
+  const auto core_of = [](const std::string& output) {
+    std::smatch match;
+    static const std::regex core_re("BLAS core ([A-Za-z0-9]+)");
+    EXPECT_TRUE(std::regex_search(output, match, core_re)) << output;
+    return match.size() > 1 ? match[1].str() : std::string();
+  };
+  const BuiltinRun chosen =
+      generate_builtin(dir, "chosen", model, "env -u OPENBLAS_CORETYPE -u SHARDIT_KEEP_BLAS_CORE ");
+  const int cpu_level = shardit::cpu_features().vector_level();
+  const std::string core = core_of(chosen.output);
+  EXPECT_GE(shardit::nn::blas_vector_level(core), std::min(cpu_level, 3)) << "OpenBLAS runs " << core << " on a CPU with "
+                                                                     << shardit::cpu_features().to_string();
+  if (cpu_level >= 2) {
+    const BuiltinRun kept = generate_builtin(dir, "kept", model, "env -u SHARDIT_KEEP_BLAS_CORE OPENBLAS_CORETYPE=Haswell ");
+    EXPECT_EQ(core_of(kept.output), "Haswell");
   }
 }
 

@@ -507,7 +507,8 @@ TEST(Serve, LoraChosenPerRequestEqualsGenerateWithoutReload) {
 
 TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   const std::string dir = make_temp_dir("serve_errors");
-  auto server = start_server(dir, {"--max-steps", "50"});
+  // Bodies bounded at 1 MiB (--max-body-mb; the default, 16, leaves room for edits' images).
+  auto server = start_server(dir, {"--max-steps", "50", "--max-body-mb", "1"});
   const int port = server->wait_listening();
   ASSERT_GT(port, 0);
   const auto with = [](const json& changes) {
@@ -615,7 +616,7 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
 // once or within the request deadline, and the server keeps answering /health and generating.
 TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   const std::string dir = make_temp_dir("serve_hostile_http");
-  auto server = start_server(dir, {"--request-timeout", "6", "--max-connections", "60"}, "1");
+  auto server = start_server(dir, {"--request-timeout", "6", "--max-connections", "60", "--max-body-mb", "1"}, "1");
   const int port = server->wait_listening();
   ASSERT_GT(port, 0);
   const std::string head = "POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\n";
