@@ -5,10 +5,13 @@
 // and the errors of a request whose images a pipeline cannot take.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "shardit/io/image.h"
+#include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/pipelines/image_processor.h"
 #include "shardit/pipelines/pipeline.h"
@@ -121,6 +124,31 @@ TEST(EditErrorsGolden, PipelinesRefuseImagesTheyCannotTake) {
   options.pipeline_class = "NoSuchPipeline";
   EXPECT_NE(shardit::testing::error_of([&] { DiffusionPipeline::open(flux1, options); }).find("--pipeline"),
             std::string::npos);
+}
+
+// A real Kontext folder names FluxKontextPipeline in its model_index.json (its components are
+// FLUX.1's): it opens as Kontext without --pipeline, and edits as the golden Kontext run does.
+TEST(EditKontextFolderGolden, ModelIndexNamingKontextOpensAsKontext) {
+  const std::string dir = shardit::testing::make_temp_dir("kontext-folder") + "/kontext";
+  const std::string flux1 = shardit::testing::golden_path("pipeline_flux1");
+  std::filesystem::create_directories(dir);
+  for (const char* component : {"scheduler", "transformer", "vae"}) {
+    std::filesystem::copy(flux1 + "/" + component, dir + "/" + component, std::filesystem::copy_options::recursive);
+  }
+  nlohmann::json index = shardit::io::read_json_file(flux1 + "/model_index.json");
+  index["_class_name"] = "FluxKontextPipeline";
+  for (const char* text : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"}) index[text] = {nullptr, nullptr};
+  std::ofstream(dir + "/model_index.json") << index.dump(2);
+
+  PipelineCase golden = shardit::testing::read_edit_case("edit_flux1_kontext", "refs_a");
+  PipelineLoadOptions options;
+  options.load_vae = true;
+  const auto pipeline = DiffusionPipeline::from_pretrained(dir, options);
+  EXPECT_EQ(pipeline->class_name(), "FluxKontextPipeline");
+  std::vector<at::Tensor> steps;
+  golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) { steps.push_back(latents.clone()); };
+  const auto result = pipeline->generate(golden.request);
+  shardit::testing::expect_pipeline_matches(golden, steps, result.image, "Kontext folder");
 }
 
 // The FLUX.2 pipelines take the output size from the first reference image when none is given.
