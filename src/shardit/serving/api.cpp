@@ -114,9 +114,10 @@ std::string field_at_first_error(const std::string& body) {
 }
 
 /// The reference images of an edits request: `value` is one string or an array of them, each
-/// base64 of a PNG or JPEG, or a data: URL holding it. Every image is decoded once here, so a
-/// truncated or hostile file is a 400 before the request is queued.
-std::vector<std::string> checked_images(const json& value) {
+/// base64 of a PNG or JPEG, or a data: URL holding it, into `request` (bytes and pixels). Every
+/// image is decoded once, here, so a truncated or hostile file is a 400 before the request is
+/// queued, and rank 0 does not decode it again.
+void read_images(const json& value, ImageRequest& request) {
   const json list = value.is_array() ? value : json::array({value});
   if (list.empty()) throw ApiError(400, "'image' must hold at least one image", "image");
   if (static_cast<int64_t>(list.size()) > pipelines::kMaxReferenceImages) {
@@ -124,7 +125,6 @@ std::vector<std::string> checked_images(const json& value) {
                                     pipelines::kMaxReferenceImages),
                    "image");
   }
-  std::vector<std::string> images;
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string field = value.is_array() ? fmt::format("image[{}]", i) : std::string("image");
     std::string text = string_field(list[i], field);
@@ -139,13 +139,12 @@ std::vector<std::string> checked_images(const json& value) {
     std::optional<std::string> bytes = base64_decode(text);
     if (!bytes) throw ApiError(400, fmt::format("'{}' is not base64 (standard alphabet, padded)", field), "image");
     try {
-      io::decode_image(*bytes, "'" + field + "'");
+      request.pixels.push_back(io::decode_image(*bytes, "'" + field + "'"));
     } catch (const std::exception& e) {
       throw ApiError(400, error_message(e), "image");
     }
-    images.push_back(std::move(*bytes));
+    request.images.push_back(std::move(*bytes));
   }
-  return images;
 }
 
 /// The body's "lora": [{"name": NAME, "scale": W}, ...], every name loaded and given once.
@@ -361,7 +360,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
     if (!document.contains("image")) {
       throw ApiError(400, "'image' is required: the image(s) to edit, base64 PNG or JPEG", "image");
     }
-    request.images = checked_images(document["image"]);
+    read_images(document["image"], request);
   }
   return request;
 }
@@ -388,7 +387,11 @@ pipelines::GenerateRequest ImageRequest::to_generate() const {
   request.seed = seed;
   request.cache = cache;
   request.max_area = max_area;
-  for (size_t i = 0; i < images.size(); ++i) request.image.push_back(io::decode_image(images[i], fmt::format("image[{}]", i)));
+  if (!pixels.empty()) {
+    request.image = pixels;
+  } else {
+    for (size_t i = 0; i < images.size(); ++i) request.image.push_back(io::decode_image(images[i], fmt::format("image[{}]", i)));
+  }
   // Notes go to the client's answer ("warnings"): the server collects them (core/notes.h).
   request.notes = true;
   return request;

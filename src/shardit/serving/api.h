@@ -78,6 +78,9 @@ struct ImageRequest {
   /// POST /v1/images/edits: the reference images as the client sent them (PNG or JPEG bytes, each
   /// checked to decode), decoded again by to_generate on every rank.
   std::vector<std::string> images;
+  /// The same images decoded (uint8 [H, W, 3]) where the request was parsed: to_generate takes
+  /// them instead of decoding again; empty on the ranks that received the request as JSON.
+  std::vector<at::Tensor> pixels;
   /// FluxKontextPipeline's output area: the server sets width x height when the client gave a
   /// size, so that `size` is the answer's size (Kontext would rescale it to 1024² otherwise).
   std::optional<int64_t> max_area;
