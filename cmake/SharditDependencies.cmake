@@ -161,4 +161,11 @@ function(shardit_target_defaults target)
   if(SHARDIT_WITH_NCCL)
     target_include_directories(${target} SYSTEM PUBLIC "${SHARDIT_NCCL_INCLUDE_DIR}")
   endif()
+  set_target_properties(${target} PROPERTIES UNITY_BUILD ${SHARDIT_UNITY_BUILD}
+                        UNITY_BUILD_BATCH_SIZE ${SHARDIT_UNITY_BATCH_SIZE})
+  if(SHARDIT_UNITY_BUILD)
+    # In a batch a .cpp is no longer the main file, so GCC flags its classes that hold a type from
+    # the file's anonymous namespace; in a file-by-file build it does not, and nothing is wrong.
+    target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Wno-subobject-linkage>)
+  endif()
 endfunction()

@@ -26,6 +26,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_cfg_parallel {
 namespace {
 
 namespace fs = std::filesystem;
@@ -349,3 +350,4 @@ TEST(CfgParallelErrors, CliRefusesWrongProduct) {
 }
 
 }  // namespace
+}  // namespace test_cfg_parallel

@@ -16,6 +16,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_cp_attention {
 namespace {
 
 using shardit::parallel::ContextParallelConfig;
@@ -221,3 +222,4 @@ TEST(CpAttention, PointOutsideThePlanIsRefused) {
 }
 
 }  // namespace
+}  // namespace test_cp_attention

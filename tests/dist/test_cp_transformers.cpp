@@ -20,6 +20,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_cp_transformers {
 namespace {
 
 using shardit::parallel::TensorParallelModule;
@@ -161,3 +162,4 @@ TEST(CpFlux, GoldenHeadsNotDividingTpTimesUlyssesAreRefused) {
 }
 
 }  // namespace
+}  // namespace test_cp_transformers

@@ -22,6 +22,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_dist_collectives {
 namespace {
 
 using shardit::dist::DeviceMesh;
@@ -339,3 +340,4 @@ TEST(DistCollectives, TwoRanksUnderMpirun) {
 }
 
 }  // namespace
+}  // namespace test_dist_collectives

@@ -25,6 +25,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_dist_failure {
 namespace {
 
 using shardit::dist::World;
@@ -343,3 +344,4 @@ TEST(DistLauncher, ForwardsSigtermToEveryRank) {
 }
 
 }  // namespace
+}  // namespace test_dist_failure

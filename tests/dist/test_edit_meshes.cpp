@@ -20,6 +20,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_edit_meshes {
 namespace {
 
 using shardit::models::StepCacheConfig;
@@ -143,3 +144,4 @@ TEST(EditMeshCli, GoldenKleinTwoReferencesOnTwoAndFourRanks) {
 }
 
 }  // namespace
+}  // namespace test_edit_meshes

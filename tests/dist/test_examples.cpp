@@ -11,6 +11,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_examples {
 namespace {
 
 struct ExampleCase {
@@ -54,3 +55,4 @@ INSTANTIATE_TEST_SUITE_P(Pipelines, Examples,
                          [](const auto& info) { return info.param.program; });
 
 }  // namespace
+}  // namespace test_examples

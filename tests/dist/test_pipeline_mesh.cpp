@@ -21,6 +21,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_pipeline_mesh {
 namespace {
 
 using shardit::parallel::ParallelDims;
@@ -118,3 +119,4 @@ TEST(PipelineMeshCli, GoldenQwenImageCfgUlyssesRingOnFourRanks) {
 }
 
 }  // namespace
+}  // namespace test_pipeline_mesh

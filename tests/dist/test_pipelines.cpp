@@ -30,6 +30,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_pipelines {
 namespace {
 
 using shardit::parallel::TensorParallelConfig;
@@ -332,8 +333,6 @@ TEST(PipelineLora, GoldenGenerateLoraFuseZeroWeightAndTp2) {
                                               shardit::testing::kImageAtol, 0));
 }
 
-}  // namespace
-
 // A text-encoder degree the encoders' heads do not allow is refused by load() before any weight is
 // read: the golden FLUX.1 encoders have 4 heads, so --text-encoder-tp 3 on 3 ranks fails naming
 // the encoder, and the transformer is still unloaded.
@@ -354,3 +353,6 @@ TEST(PipelinesErrors, GoldenTextEncoderDegreeIsRefusedBeforeAnyLoad) {
   }
   EXPECT_EQ(run_ranks(3), 0);
 }
+
+}  // namespace
+}  // namespace test_pipelines

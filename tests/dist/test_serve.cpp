@@ -36,6 +36,7 @@
 #include "shardit/models/builtin.h"
 #include "support/test_support.h"
 
+namespace test_serve {
 namespace {
 
 using nlohmann::json;
@@ -1149,3 +1150,4 @@ TEST(Serve, EditsEqualGenerateWithImageAndRefuseBadImagesGolden) {
 }
 
 }  // namespace
+}  // namespace test_serve

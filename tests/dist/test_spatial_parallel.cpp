@@ -31,6 +31,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_spatial_parallel {
 namespace {
 
 using shardit::testing::env_or;
@@ -380,3 +381,4 @@ TEST(SpatialParallelGoldenCli, RunVaeOnThreeRanksWritesTheGoldenTensors) {
 }
 
 }  // namespace
+}  // namespace test_spatial_parallel

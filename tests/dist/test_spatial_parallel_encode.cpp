@@ -18,6 +18,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_spatial_parallel_encode {
 namespace {
 
 using shardit::testing::error_of;
@@ -107,3 +108,4 @@ TEST_P(SpatialParallelGoldenEncode, TooFewRowsAndTilingAreRefusedOnEveryRank) {
 INSTANTIATE_TEST_SUITE_P(Degrees, SpatialParallelGoldenEncode, ::testing::Values(2, 3));
 
 }  // namespace
+}  // namespace test_spatial_parallel_encode

@@ -27,6 +27,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_step_cache_meshes {
 namespace {
 
 using shardit::models::StepCacheConfig;
@@ -309,3 +310,4 @@ TEST(StepCacheReduction, UlyssesUnevenSplitReducesSumsNotMeansOfMeans) {
 }
 
 }  // namespace
+}  // namespace test_step_cache_meshes

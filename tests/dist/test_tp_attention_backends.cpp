@@ -22,6 +22,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_attention_backends {
 namespace {
 
 using shardit::nn::AttentionBackendGuard;
@@ -129,3 +130,4 @@ TEST(TpAttentionBackends, RandomShapesWithMasksTp2EveryBackendMatchesMath) {
 }
 
 }  // namespace
+}  // namespace test_tp_attention_backends

@@ -24,6 +24,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_encoders {
 namespace {
 
 using shardit::parallel::LoadOptions;
@@ -260,3 +261,4 @@ TEST(RunEncoderCli, GoldenTp2WritesEveryGoldenOutput) {
 }
 
 }  // namespace
+}  // namespace test_tp_encoders

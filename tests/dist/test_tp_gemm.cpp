@@ -17,6 +17,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_gemm {
 namespace {
 
 using shardit::testing::env_or;
@@ -68,3 +69,4 @@ TEST(TpGemm, GoldenQwenImageTp2OnOneDnnMatchesTp1OnBlas) {
 }
 
 }  // namespace
+}  // namespace test_tp_gemm

@@ -27,6 +27,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_layers {
 namespace {
 
 using shardit::nn::Embedding;
@@ -274,3 +275,4 @@ TEST(TpLayers, BuiltinModelTp2InsideFourRanks) {
 }
 
 }  // namespace
+}  // namespace test_tp_layers

@@ -23,6 +23,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_lora {
 namespace {
 
 using shardit::parallel::TensorParallelModule;
@@ -193,3 +194,4 @@ TEST(TpLora, GoldenCasesAtTp4) {
 }
 
 }  // namespace
+}  // namespace test_tp_lora

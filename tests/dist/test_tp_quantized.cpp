@@ -24,6 +24,7 @@
 #include "support/quantization_case.h"
 #include "support/test_support.h"
 
+namespace test_tp_quantized {
 namespace {
 
 using shardit::nn::WeightsDtype;
@@ -226,3 +227,4 @@ TEST(TpQuantized, GoldenInt8LeavesTheModelsHighPrecisionLayersDense) {
 }
 
 }  // namespace
+}  // namespace test_tp_quantized

@@ -23,6 +23,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_toy {
 namespace {
 
 using shardit::nn::Linear;
@@ -72,7 +73,7 @@ class RMSNorm : public Module {
 // AdaLN: a Linear over silu(temb) whose output indexes the full hidden dimension.
 class AdaNorm : public Module {
  public:
-  AdaNorm(int64_t dim, int64_t chunks) { linear = register_module("linear", ::linear(dim, chunks * dim)); }
+  AdaNorm(int64_t dim, int64_t chunks) { linear = register_module("linear", test_tp_toy::linear(dim, chunks * dim)); }
   std::string type_name() const override { return "AdaNorm"; }
   std::vector<at::Tensor> forward(const at::Tensor& temb, int64_t chunks) {
     return linear->forward(at::silu(temb)).chunk(chunks, -1);  // chunks x [B, D]
@@ -515,3 +516,4 @@ TEST(TpRowwise, BiasIsAddedOnceAfterTheReduceTp3) {
 }
 
 }  // namespace
+}  // namespace test_tp_toy

@@ -22,6 +22,7 @@
 #include "support/multiprocess.h"
 #include "support/test_support.h"
 
+namespace test_tp_transformers {
 namespace {
 
 using shardit::parallel::ShardStyle;
@@ -333,3 +334,4 @@ TEST(TpFlux, CliRunsTheBuiltinModelWithoutArguments) {
 }
 
 }  // namespace
+}  // namespace test_tp_transformers

@@ -33,6 +33,7 @@
 #include "shardit/models/builtin.h"
 #include "support/test_support.h"
 
+namespace test_hostile_cli {
 namespace {
 
 namespace fs = std::filesystem;
@@ -866,3 +867,4 @@ TEST_F(Hostile, DamagedBuiltinModelCacheIsRebuilt) {
 }
 
 }  // namespace
+}  // namespace test_hostile_cli

@@ -18,6 +18,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_parity_edits {
 namespace {
 
 using shardit::pipelines::DiffusionPipeline;
@@ -172,3 +173,4 @@ TEST(EditSizesGolden, Flux2TakesTheOutputSizeFromTheFirstImage) {
 }
 
 }  // namespace
+}  // namespace test_parity_edits

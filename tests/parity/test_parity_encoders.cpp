@@ -22,6 +22,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_encoders {
 namespace {
 
 using testing::golden_path;
@@ -175,4 +176,5 @@ TEST(EncoderPipelines, GoldenFlux2DevTextEncoderHoldsOnlyTheLayersItReads) {
 }
 
 }  // namespace
+}  // namespace test_parity_encoders
 }  // namespace shardit

@@ -18,6 +18,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_flux {
 namespace {
 
 using models::FluxTransformer2DModel;
@@ -108,4 +109,5 @@ TEST(FluxCli, UnknownDtypeFailsWithAMessage) {
 }
 
 }  // namespace
+}  // namespace test_parity_flux
 }  // namespace shardit

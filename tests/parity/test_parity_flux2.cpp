@@ -17,6 +17,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_flux2 {
 namespace {
 
 using models::Flux2Transformer2DModel;
@@ -102,4 +103,5 @@ TEST(Flux2Cli, RunTransformerWritesTheGoldenSample) {
 }
 
 }  // namespace
+}  // namespace test_parity_flux2
 }  // namespace shardit

@@ -17,6 +17,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_lora {
 namespace {
 
 using testing::golden_path;
@@ -120,9 +121,11 @@ INSTANTIATE_TEST_SUITE_P(Golden, LoraParity,
                                            "lora_qwenimage_kohya"));
 
 }  // namespace
+}  // namespace test_parity_lora
 }  // namespace shardit
 
 namespace shardit {
+namespace test_parity_lora {
 namespace {
 
 /// `shardit [--nproc-per-node N] run-transformer` with the case's adapters and weights, unfused
@@ -172,9 +175,11 @@ TEST(LoraCli, GoldenInspectPrintsFormatTargetsAndRankBytes) {
 }
 
 }  // namespace
+}  // namespace test_parity_lora
 }  // namespace shardit
 
 namespace shardit {
+namespace test_parity_lora {
 namespace {
 
 /// The case's sample with adapter `replaced` read from `path` instead (same name and weight).
@@ -256,4 +261,5 @@ TEST(LoraVariants, GoldenComfyUiKohyaNames) {
 }
 
 }  // namespace
+}  // namespace test_parity_lora
 }  // namespace shardit

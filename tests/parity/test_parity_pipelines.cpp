@@ -13,6 +13,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_parity_pipelines {
 namespace {
 
 using shardit::testing::PipelineCase;
@@ -47,3 +48,4 @@ INSTANTIATE_TEST_SUITE_P(Golden, PipelineParity,
                          [](const auto& info) { return info.param.substr(9); });
 
 }  // namespace
+}  // namespace test_parity_pipelines

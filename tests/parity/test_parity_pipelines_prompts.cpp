@@ -14,6 +14,7 @@
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
+namespace test_parity_pipelines_prompts {
 namespace {
 
 using shardit::testing::PipelineCase;
@@ -154,3 +155,4 @@ INSTANTIATE_TEST_SUITE_P(Golden, PipelinePromptParity,
                          [](const auto& info) { return info.param.substr(9); });
 
 }  // namespace
+}  // namespace test_parity_pipelines_prompts

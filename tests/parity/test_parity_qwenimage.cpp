@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_qwenimage {
 namespace {
 
 using testing::golden_path;
@@ -167,4 +168,5 @@ TEST(QwenImage, RopePositionsOfAnotherGrid) {
 }
 
 }  // namespace
+}  // namespace test_parity_qwenimage
 }  // namespace shardit

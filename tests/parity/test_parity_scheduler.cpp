@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_scheduler {
 namespace {
 
 using schedulers::FlowMatchEulerDiscreteScheduler;
@@ -159,4 +160,5 @@ INSTANTIATE_TEST_SUITE_P(Golden, ScheduleCommandPipeline,
                          ::testing::Values("pipeline_flux1", "pipeline_flux2_klein", "pipeline_qwenimage"));
 
 }  // namespace
+}  // namespace test_parity_scheduler
 }  // namespace shardit

@@ -18,6 +18,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_parity_transformers {
 namespace {
 
 using testing::golden_path;
@@ -99,4 +100,5 @@ INSTANTIATE_TEST_SUITE_P(Golden, TransformerParity,
                                            "qwenimage_b1_square", "qwenimage_b2_nonsquare"));
 
 }  // namespace
+}  // namespace test_parity_transformers
 }  // namespace shardit

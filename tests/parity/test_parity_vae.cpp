@@ -23,6 +23,7 @@
 #include "support/tiled_reference.h"
 
 namespace shardit {
+namespace test_parity_vae {
 namespace {
 
 using testing::golden_path;
@@ -243,4 +244,5 @@ TEST(VaeTiling, DecoderSeesOneTileAtATime) {
 }
 
 }  // namespace
+}  // namespace test_parity_vae
 }  // namespace shardit

@@ -27,6 +27,7 @@
 #include "support/tiled_reference.h"
 
 namespace shardit {
+namespace test_parity_vae_encode {
 namespace {
 
 using testing::error_of;
@@ -222,4 +223,5 @@ TEST(VaeEncodeErrors, GoldenQwenImageVaeHasNoEncoder) {
 }
 
 }  // namespace
+}  // namespace test_parity_vae_encode
 }  // namespace shardit

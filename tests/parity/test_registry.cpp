@@ -11,6 +11,7 @@
 #include "shardit/models/registry.h"
 #include "support/test_support.h"
 
+namespace test_registry {
 namespace {
 
 using shardit::models::ComponentKind;
@@ -77,3 +78,4 @@ TEST(ComponentRegistry, UnknownClassesAreRefusedListingTheSupportedOnes) {
 }
 
 }  // namespace
+}  // namespace test_registry

@@ -13,6 +13,7 @@
 #include "shardit/tokenizers/tokenizer.h"
 #include "support/test_support.h"
 
+namespace test_tokenizers {
 namespace {
 
 using json = nlohmann::json;
@@ -165,3 +166,4 @@ TEST(TokenizerParity, CasesCheckerAgrees) {
 }
 
 }  // namespace
+}  // namespace test_tokenizers

@@ -8,6 +8,7 @@
 #include "shardit/nn/attention.h"
 #include "support/test_support.h"
 
+namespace test_attention {
 namespace {
 
 using shardit::testing::tensors_close;
@@ -64,3 +65,4 @@ TEST(Attention, PerHeadMaskWithoutBatchDimensionFollowsItsHeads) {
 }
 
 }  // namespace
+}  // namespace test_attention

@@ -26,6 +26,7 @@
 #include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
+namespace test_attention_backends {
 namespace {
 
 using shardit::nn::AttentionBackendGuard;
@@ -254,3 +255,4 @@ INSTANTIATE_TEST_SUITE_P(Golden, AttentionBackendsGolden,
                                            "qwenimage_b2_nonsquare"));
 
 }  // namespace
+}  // namespace test_attention_backends

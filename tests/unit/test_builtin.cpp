@@ -22,6 +22,7 @@
 #include "shardit/tokenizers/t5_tokenizer.h"
 #include "support/test_support.h"
 
+namespace test_builtin {
 namespace {
 
 namespace fs = std::filesystem;
@@ -220,7 +221,7 @@ TEST(BuiltinModelGolden, TextEncodersHoldTheReferenceNames) {
   }
 }
 
-TEST(Bpe, LearnsTheMostFrequentPairFirst) {
+TEST(BuiltinBpe, LearnsTheMostFrequentPairFirst) {
   using shardit::tokenizers::BpeWord;
   const std::vector<BpeWord> words = {{{"l", "o", "w</w>"}, 5}, {{"l", "o", "w", "e", "r</w>"}, 2},
                                       {{"n", "e", "w", "e", "s", "t</w>"}, 6}, {{"w", "i", "d", "e", "s", "t</w>"}, 3}};
@@ -234,7 +235,7 @@ TEST(Bpe, LearnsTheMostFrequentPairFirst) {
   EXPECT_TRUE(shardit::tokenizers::learn_bpe_merges({{{"a", "b</w>"}, 1}}, 10).empty());
 }
 
-TEST(Bpe, ByteLevelAlphabetHasEveryByteOnce) {
+TEST(BuiltinBpe, ByteLevelAlphabetHasEveryByteOnce) {
   const auto alphabet = shardit::tokenizers::byte_level_alphabet();
   ASSERT_EQ(alphabet.size(), 256u);
   EXPECT_EQ(alphabet.front(), "!");
@@ -251,3 +252,4 @@ TEST(SentencePieceTrainer, BadOptionIsNamed) {
 }
 
 }  // namespace
+}  // namespace test_builtin

@@ -16,6 +16,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_encoders_errors {
 namespace {
 
 using ::testing::HasSubstr;
@@ -90,14 +91,14 @@ TEST(EncoderInputs, QwenRefusesHiddenStatesBeyondTheLastLayer) {
               HasSubstr("hidden state 3 does not exist; the model has hidden states 0 (embeddings) to 2"));
 }
 
-TEST(Attention, GroupedQueryAttentionNeedsADivisor) {
+TEST(EncoderAttention, GroupedQueryAttentionNeedsADivisor) {
   const at::Tensor q = at::randn({1, 3, 6, 4});
   const at::Tensor kv = at::randn({1, 3, 4, 4});
   EXPECT_THAT(error_of([&] { nn::attention({q, kv, kv}, nullptr); }),
               HasSubstr("6 query heads cannot share 4 key/value heads"));
 }
 
-TEST(Attention, GroupedQueryAttentionRepeatsEachKeyValueHead) {
+TEST(EncoderAttention, GroupedQueryAttentionRepeatsEachKeyValueHead) {
   // Query head h uses key/value head h / 2: the same as attention with the heads repeated.
   const at::Tensor q = at::randn({2, 5, 4, 8});
   const at::Tensor k = at::randn({2, 5, 2, 8});
@@ -109,7 +110,7 @@ TEST(Attention, GroupedQueryAttentionRepeatsEachKeyValueHead) {
   EXPECT_TRUE(at::allclose(grouped.narrow(2, 0, 16), first_pair));
 }
 
-TEST(Attention, AdditiveMaskIsCausalAndHidesPaddedKeys) {
+TEST(EncoderAttention, AdditiveMaskIsCausalAndHidesPaddedKeys) {
   const at::Tensor mask = nn::additive_attention_mask(3, at::tensor({1, 1, 0}).unsqueeze(0), true, at::kFloat, at::kCPU);
   ASSERT_EQ(mask.sizes(), (std::vector<int64_t>{1, 1, 3, 3}));
   const float lowest = std::numeric_limits<float>::lowest();
@@ -118,4 +119,5 @@ TEST(Attention, AdditiveMaskIsCausalAndHidesPaddedKeys) {
 }
 
 }  // namespace
+}  // namespace test_encoders_errors
 }  // namespace shardit

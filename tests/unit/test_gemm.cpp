@@ -22,6 +22,7 @@
 #include "shardit/nn/linear.h"
 #include "support/test_support.h"
 
+namespace test_gemm {
 namespace {
 
 using shardit::nn::GemmBackend;
@@ -226,3 +227,4 @@ INSTANTIATE_TEST_SUITE_P(Golden, GemmGolden,
                                            "qwenimage_b2_nonsquare"));
 
 }  // namespace
+}  // namespace test_gemm

@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_image_input {
 namespace {
 
 using testing::error_of;
@@ -283,4 +284,5 @@ TEST(ImageInput, ReadImageReadsAFile) {
 }
 
 }  // namespace
+}  // namespace test_image_input
 }  // namespace shardit

@@ -15,6 +15,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_image_processor {
 namespace {
 
 using testing::error_of;
@@ -137,4 +138,5 @@ TEST(PreprocessImageCli, GoldenWritesTheProcessedImageAndNeverOverTheInput) {
 }
 
 }  // namespace
+}  // namespace test_image_processor
 }  // namespace shardit

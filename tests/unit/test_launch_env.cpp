@@ -7,6 +7,7 @@
 
 #include "shardit/dist/launch_env.h"
 
+namespace test_launch_env {
 namespace {
 
 using shardit::dist::LaunchEnv;
@@ -209,3 +210,4 @@ TEST(LaunchEnv, FromEnvironmentReadsTheProcessEnvironment) {
 }
 
 }  // namespace
+}  // namespace test_launch_env

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+namespace test_layering {
 namespace {
 
 namespace fs = std::filesystem;
@@ -63,3 +64,4 @@ TEST(Layering, NoUpwardIncludes) {
 }
 
 }  // namespace
+}  // namespace test_layering

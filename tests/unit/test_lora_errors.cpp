@@ -17,6 +17,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_lora_errors {
 namespace {
 
 using ::testing::AllOf;
@@ -152,4 +153,5 @@ TEST(LoraRequest, ParsesFileAndWeight) {
 }
 
 }  // namespace
+}  // namespace test_lora_errors
 }  // namespace shardit

@@ -16,6 +16,7 @@
 #include "shardit/models/registry.h"
 #include "support/test_support.h"
 
+namespace test_memory_plan {
 namespace {
 
 namespace fs = std::filesystem;
@@ -202,3 +203,4 @@ TEST(MemoryPlanCli, GoldenConfigOnlyErrorsMatchTheFolderWithWeights) {
 }
 
 }  // namespace
+}  // namespace test_memory_plan

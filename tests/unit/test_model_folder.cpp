@@ -10,6 +10,7 @@
 #include "support/test_support.h"
 
 namespace shardit::io {
+namespace test_model_folder {
 namespace {
 
 using ::testing::AllOf;
@@ -211,4 +212,5 @@ TEST(InspectCommand, FailsCleanlyOnBadPath) {
 }
 
 }  // namespace
+}  // namespace test_model_folder
 }  // namespace shardit::io

@@ -17,6 +17,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/test_support.h"
 
+namespace test_module {
 namespace {
 
 using shardit::nn::Linear;
@@ -174,3 +175,4 @@ TEST(Module, ShapeErrorsNameTheModulePath) {
 }
 
 }  // namespace
+}  // namespace test_module

@@ -10,6 +10,7 @@
 #include "shardit/parallel/parallel_dims.h"
 #include "support/test_support.h"
 
+namespace test_parallel_dims {
 namespace {
 
 using shardit::parallel::ParallelDims;
@@ -87,3 +88,4 @@ TEST(ParallelDims, RefusesDegreesBelowOne) {
 }
 
 }  // namespace
+}  // namespace test_parallel_dims

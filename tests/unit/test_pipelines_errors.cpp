@@ -14,6 +14,7 @@
 #include "shardit/pipelines/pipeline.h"
 #include "support/test_support.h"
 
+namespace test_pipelines_errors {
 namespace {
 
 namespace fs = std::filesystem;
@@ -142,3 +143,4 @@ TEST(PipelineErrors, CliRefusesAnUnwritableOutputBeforeLoading) {
 }
 
 }  // namespace
+}  // namespace test_pipelines_errors

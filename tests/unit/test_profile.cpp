@@ -4,6 +4,7 @@
 
 #include "shardit/core/profile.h"
 
+namespace test_profile {
 namespace {
 
 using ::testing::HasSubstr;
@@ -28,3 +29,4 @@ TEST(Profile, ScopesCountOnlyWhileEnabled) {
 }
 
 }  // namespace
+}  // namespace test_profile

@@ -12,6 +12,7 @@
 #include "shardit/nn/quantized_weight.h"
 #include "support/quantization_case.h"
 
+namespace test_quantization {
 namespace {
 
 using shardit::Fp8Format;
@@ -128,3 +129,4 @@ TEST(QuantizedWeight, LinearForwardUsesTheDequantizedWeight) {
 }
 
 }  // namespace
+}  // namespace test_quantization

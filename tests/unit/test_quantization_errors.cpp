@@ -19,6 +19,7 @@
 #include "support/quantization_case.h"
 #include "support/test_support.h"
 
+namespace test_quantization_errors {
 namespace {
 
 using ::testing::AllOf;
@@ -129,3 +130,4 @@ TEST(QuantizedLoad, RefusesToQuantizeNan) {
 }
 
 }  // namespace
+}  // namespace test_quantization_errors

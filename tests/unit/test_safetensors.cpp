@@ -11,6 +11,7 @@
 #include "support/test_support.h"
 
 namespace shardit::io {
+namespace test_safetensors {
 namespace {
 
 using ::testing::HasSubstr;
@@ -281,4 +282,5 @@ TEST(Checkpoint, GoldenFluxWeightsReadAndSlice) {
 }
 
 }  // namespace
+}  // namespace test_safetensors
 }  // namespace shardit::io

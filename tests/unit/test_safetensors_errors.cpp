@@ -11,6 +11,7 @@
 #include "support/test_support.h"
 
 namespace shardit::io {
+namespace test_safetensors_errors {
 namespace {
 
 using ::testing::StartsWith;
@@ -291,4 +292,5 @@ TEST(CheckpointErrors, UnknownTensorNamesTheCheckpoint) {
 }
 
 }  // namespace
+}  // namespace test_safetensors_errors
 }  // namespace shardit::io

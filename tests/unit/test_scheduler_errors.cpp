@@ -8,6 +8,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_scheduler_errors {
 namespace {
 
 using schedulers::FlowMatchEulerDiscreteScheduler;
@@ -91,4 +92,5 @@ TEST(Scheduler, LinspaceFollowsNumpy) {
 }
 
 }  // namespace
+}  // namespace test_scheduler_errors
 }  // namespace shardit

@@ -10,6 +10,7 @@
 #include "shardit/serving/base64.h"
 #include "shardit/serving/http_server.h"
 
+namespace test_serving_api {
 namespace {
 
 using shardit::serving::ApiError;
@@ -146,7 +147,9 @@ TEST(ServingApi, ErrorBodyHasOpenAiShape) {
 }
 
 }  // namespace
+}  // namespace test_serving_api
 
+namespace test_serving_api {
 namespace {
 
 TEST(ServingApi, StepCachePerRequestOverridesTheServersDefault) {
@@ -224,3 +227,4 @@ TEST(ServingApi, InvalidUtf8IsNamedByItsField) {
 }
 
 }  // namespace
+}  // namespace test_serving_api

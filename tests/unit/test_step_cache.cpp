@@ -12,6 +12,7 @@
 #include "shardit/models/step_cache.h"
 #include "support/test_support.h"
 
+namespace test_step_cache {
 namespace {
 
 using shardit::models::FirstBlockCacheConfig;
@@ -212,3 +213,4 @@ TEST(StepCacheFirstBlock, OtherSizesInOneGenerationAreRefused) {
 }
 
 }  // namespace
+}  // namespace test_step_cache

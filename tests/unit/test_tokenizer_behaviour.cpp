@@ -15,6 +15,7 @@
 #include "shardit/tokenizers/unicode.h"
 #include "support/test_support.h"
 
+namespace test_tokenizer_behaviour {
 namespace {
 
 using namespace shardit::tokenizers;
@@ -196,3 +197,4 @@ TEST(GoldenTokenizeCli, PrintsIdsAndChecksCases) {
 }
 
 }  // namespace
+}  // namespace test_tokenizer_behaviour

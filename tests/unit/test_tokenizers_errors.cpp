@@ -10,6 +10,7 @@
 #include "shardit/tokenizers/tokenizer.h"
 #include "support/test_support.h"
 
+namespace test_tokenizers_errors {
 namespace {
 
 namespace fs = std::filesystem;
@@ -92,3 +93,4 @@ TEST(GoldenTokenizersErrors, PaddingWithoutPadTokenIsExplained) {
 }
 
 }  // namespace
+}  // namespace test_tokenizers_errors

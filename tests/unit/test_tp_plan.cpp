@@ -14,6 +14,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/test_support.h"
 
+namespace test_tp_plan {
 namespace {
 
 using shardit::io::Range;
@@ -380,3 +381,4 @@ TEST(TpPlan, ModuleLevelPlanWorksOnTensorParallelModule) {
 }
 
 }  // namespace
+}  // namespace test_tp_plan

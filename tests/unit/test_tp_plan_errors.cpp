@@ -16,6 +16,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/test_support.h"
 
+namespace test_tp_plan_errors {
 namespace {
 
 using shardit::nn::Linear;
@@ -301,3 +302,4 @@ TEST(TpPlanErrors, LoadValidatesThePlanBeforeReading) {
 }
 
 }  // namespace
+}  // namespace test_tp_plan_errors

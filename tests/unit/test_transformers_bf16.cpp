@@ -29,6 +29,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_transformers_bf16 {
 namespace {
 
 constexpr double kMaxRelToPeak = 5e-2;
@@ -71,4 +72,5 @@ INSTANTIATE_TEST_SUITE_P(Golden, TransformerBf16,
                                            "qwenimage_b1_square", "qwenimage_b2_nonsquare"));
 
 }  // namespace
+}  // namespace test_transformers_bf16
 }  // namespace shardit

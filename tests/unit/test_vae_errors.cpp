@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace shardit {
+namespace test_vae_errors {
 namespace {
 
 using testing::error_of;
@@ -125,4 +126,5 @@ TEST(VaeErrors, CheckpointMissingAnEncoderWeightIsNamed) {
 }
 
 }  // namespace
+}  // namespace test_vae_errors
 }  // namespace shardit

@@ -1,6 +1,7 @@
 #include "shardit/core/error.h"
 
 #include <filesystem>
+#include <new>
 #include <system_error>
 
 namespace shardit {
@@ -17,6 +18,13 @@ std::string error_message(const std::exception& e) {
     text += ": " + fs_error->code().message();
     if (fs_error->code() == std::errc::too_many_symbolic_link_levels) text += " (a symbolic link loop)";
     return text;
+  }
+  // Raised by a container or an allocation outside LibTorch (whose own allocator names the bytes
+  // it asked for): "std::bad_alloc" alone says nothing a user can act on.
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+    return std::string("out of memory (") + e.what() +
+           "): the work needs more memory than this host gives the process; make it smaller (image size, "
+           "batch, sequence length) or split it over more ranks (--nproc-per-node)";
   }
   return e.what();
 }

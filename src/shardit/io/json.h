@@ -35,4 +35,8 @@ nlohmann::json read_json_file(const std::string& path, const JsonLimits& limits 
 /// forge lines.
 std::string quoted(const std::string& text);
 
+/// A short one-line rendering of a JSON value for error messages (at most 60 characters, never a
+/// whole document; invalid UTF-8 replaced).
+std::string brief(const nlohmann::json& value);
+
 }  // namespace shardit::io

@@ -134,12 +134,6 @@ ComponentFolder open_component(const std::string& path, const std::string& name)
 
 namespace {
 
-std::string brief(const nlohmann::json& value) {
-  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return text;
-}
-
 // An integer JSON value within [min, max]; `what` names it in errors ("key 'num_layers'").
 int64_t checked_integer(const nlohmann::json& value, const std::string& source, const std::string& what, int64_t min,
                         int64_t max) {

@@ -42,13 +42,6 @@ const DtypeEntry& entry_of(StDtype dtype) {
 // The safetensors format caps the header at 100 MB; a larger length is a corrupt file.
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
 
-// A short rendering of a JSON value for error messages (never the whole header).
-std::string brief(const nlohmann::json& value) {
-  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return text;
-}
-
 StDtype parse_dtype(const std::string& label, const std::string& name, const nlohmann::json& entry) {
   const auto it = entry.find("dtype");
   TORCH_CHECK(it != entry.end(), label, ": tensor '", name, "' has no \"dtype\"");
