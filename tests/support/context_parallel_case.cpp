@@ -55,8 +55,12 @@ void context_parallel_worker(const ContextParallelCase& c) {
   if (world.rank() == 0) std::cout << result.message() << "\n";
   EXPECT_EQ(model->tp_degree(), degrees.tp);
   // The sequence really travelled: a forward that skipped the exchange would still run.
-  if (degrees.ulysses > 1) EXPECT_GT(config.ulysses_group->stats().calls_by_op["all_to_all"], 0u);
-  if (degrees.ring > 1) EXPECT_GT(config.ring_group->stats().calls_by_op["ring_shift"], 0u);
+  if (degrees.ulysses > 1) {
+    EXPECT_GT(config.ulysses_group->stats().calls_by_op["all_to_all"], 0u);
+  }
+  if (degrees.ring > 1) {
+    EXPECT_GT(config.ring_group->stats().calls_by_op["ring_shift"], 0u);
+  }
 }
 
 void expect_context_parallel_matches(const ContextParallelCase& c, const std::vector<CpMesh>& meshes) {

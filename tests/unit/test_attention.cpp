@@ -13,12 +13,29 @@ namespace {
 
 using shardit::testing::tensors_close;
 
+// One (batch, head) slice at a time: the scores of every head at once, in float64, would be 1.6 GB
+// for the long cases below (and most of their time spent faulting that memory in).
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& additive_mask) {
   const at::Tensor q64 = q.to(at::kDouble), k64 = k.to(at::kDouble), v64 = v.to(at::kDouble);
-  at::Tensor scores = at::matmul(q64, k64.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  if (additive_mask.defined()) scores = scores + additive_mask.to(at::kDouble);
-  return at::matmul(at::softmax(scores, -1), v64);
+  const int64_t batch = q.size(0), heads = q.size(1), queries = q.size(2), keys = k.size(2);
+  // The mask as a view over [B, H, S_q, S_kv] (broadcast, nothing copied).
+  const at::Tensor mask =
+      additive_mask.defined() ? additive_mask.to(at::kDouble).expand({batch, heads, queries, keys}) : at::Tensor();
+  at::Tensor out = at::empty({batch, heads, queries, v.size(3)}, at::kDouble);
+  // Two [S_q, S_kv] buffers reused by every slice.
+  at::Tensor scores = at::empty({queries, keys}, at::kDouble), probabilities = at::empty_like(scores);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      at::matmul_out(scores, q64[b][h], k64[b][h].t());
+      scores.div_(std::sqrt(static_cast<double>(q.size(-1))));
+      if (mask.defined()) scores.add_(mask[b][h]);
+      at::softmax_out(probabilities, scores, -1);
+      at::Tensor slice = out[b][h];
+      at::matmul_out(slice, probabilities, v64[b][h]);
+    }
+  }
+  return out;
 }
 
 TEST(Attention, MatchesReferenceShortSequence) {

@@ -25,7 +25,8 @@ template <class Model, class Config>
 ComponentClass module_class(const char* library, const char* class_name, ComponentKind kind) {
   return {library, class_name, kind, [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
             return std::make_shared<Model>(Config::from_json(folder.config, folder.dir + "/config.json"));
-          }};
+          },
+          std::nullopt};
 }
 
 ComponentClass tokenizer_class(const char* class_name, tokenizers::TokenizerKind kind) {

@@ -1,0 +1,69 @@
+# Registers the cases of one test executable with CTest, one entry per case, named after the file
+# that defines it: `<file>.<case>`, where <case> is GoogleTest's full name, the one --gtest_filter
+# takes (`Suite.Name`, or `Instance/Suite.Name/Param` for TEST_P). CTest includes this when it
+# starts (TEST_INCLUDE_FILES); tests/CMakeLists.txt sets before it:
+#   executable          the test executable of one folder
+#   label, timeout      the folder's label and per-case timeout
+#   golden_always       ON when every case reads the golden data (parity/)
+#   file_of_<Suite>     the test file (without .cpp) that defines each suite
+#   processors_of_<file> the processors each case of that file reserves
+# The executable lists its cases once, and again only after it is rebuilt (the list is kept beside
+# it). A case whose suite no file defines (a TEST the configure step could not read) gets an entry
+# that fails naming it, so no case drops out of the suite unseen.
+
+set(listing "${executable}.cases")
+if(NOT EXISTS "${executable}")
+  add_test("${label}.ExecutableIsBuilt" "${CMAKE_COMMAND}" -E echo "${executable} is not built: build the tests first")
+  set_tests_properties("${label}.ExecutableIsBuilt" PROPERTIES WILL_FAIL ON LABELS "${label}")
+  return()
+endif()
+if(NOT EXISTS "${listing}" OR "${executable}" IS_NEWER_THAN "${listing}")
+  execute_process(COMMAND "${executable}" --gtest_list_tests OUTPUT_VARIABLE listed ERROR_VARIABLE errors
+                  RESULT_VARIABLE status TIMEOUT 120)
+  if(NOT status EQUAL 0)
+    add_test("${label}.CasesCanBeListed" "${CMAKE_COMMAND}" -E echo
+             "${executable} --gtest_list_tests failed (${status}): ${errors}")
+    set_tests_properties("${label}.CasesCanBeListed" PROPERTIES WILL_FAIL ON LABELS "${label}")
+    return()
+  endif()
+  file(WRITE "${listing}" "${listed}")
+else()
+  file(READ "${listing}" listed)
+endif()
+
+# --gtest_list_tests prints "Suite." (or "Instance/Suite.") lines, each followed by its cases
+# indented by two spaces; a parameterized case ends in "  # GetParam() = ..." (dropped: it may
+# hold any character, addresses included, and is not part of the name).
+string(REGEX REPLACE "  #[^\n]*" "" listed "${listed}")
+string(REPLACE "\n" ";" lines "${listed}")
+set(suite_prefix "")
+set(suite "")
+foreach(line IN LISTS lines)
+  if(line MATCHES "^([A-Za-z0-9_/]*)\\.$")
+    set(suite_prefix "${CMAKE_MATCH_1}.")
+    string(REGEX REPLACE "^.*/" "" suite "${CMAKE_MATCH_1}")
+  elseif(line MATCHES "^  ([A-Za-z0-9_/]+)$")
+    set(case "${suite_prefix}${CMAKE_MATCH_1}")
+    if(NOT DEFINED file_of_${suite})
+      add_test("${label}.${case}.BelongsToNoFile" "${CMAKE_COMMAND}" -E echo
+               "${case}: no test file defines suite ${suite}; start each TEST, TEST_F and TEST_P at the "
+               "beginning of a line (tests/CMakeLists.txt reads them)")
+      set_tests_properties("${label}.${case}.BelongsToNoFile" PROPERTIES WILL_FAIL ON LABELS "${label}")
+      continue()
+    endif()
+    set(file "${file_of_${suite}}")
+    set(name "${file}.${case}")
+    set(labels "${label}")
+    if(golden_always OR case MATCHES "Golden")
+      list(APPEND labels golden)
+    endif()
+    string(REPLACE ";" "," labels_env "${labels}")
+    add_test("${name}" "${executable}" "--gtest_filter=${case}" --gtest_also_run_disabled_tests)
+    set_tests_properties("${name}" PROPERTIES
+      LABELS "${labels}"
+      TIMEOUT ${timeout}
+      PROCESSORS ${processors_of_${file}}
+      SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
+      ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env}")
+  endif()
+endforeach()
