@@ -76,7 +76,7 @@ struct ImageRequest {
   /// Step caching: the body's "cache" ({"kind": ..., keys}; null or false: none), or the server's.
   std::optional<models::StepCacheConfig> cache;
   /// POST /v1/images/edits: the reference images as the client sent them (PNG or JPEG bytes, each
-  /// checked to decode), decoded again by to_generate on every rank.
+  /// checked to decode); to_generate decodes them only where `pixels` is empty.
   std::vector<std::string> images;
   /// The same images decoded (uint8 [H, W, 3]) where the request was parsed: to_generate takes
   /// them instead of decoding again; empty on the ranks that received the request as JSON.
