@@ -2,9 +2,10 @@
 # The test command: installs what is missing, builds everything, runs the whole suite under CTest
 # and prints a summary (cases per label, the slowest cases, how to rerun each failed case alone).
 # Extra args go to CTest (e.g. -L unit, -R test_tp_toy, -LE golden).
-#   SHARDIT_TEST_JOBS  processors CTest hands out (default: the number of cores). Each case of a
-#                      test file that starts ranks reserves 4 of them (PROCESSORS, capped at this
-#                      value), so on up to 4 cores a multi-rank case runs alone (tests/CMakeLists.txt).
+#   SHARDIT_TEST_JOBS  processors CTest hands out (default: the number of cores). CTest runs one
+#                      entry per test file; the entry of a file that starts ranks reserves 4 of them
+#                      (PROCESSORS, capped at this value), so on up to 4 cores it runs alone
+#                      (tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,6 +14,7 @@ BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
 JOBS=${SHARDIT_TEST_JOBS:-$(nproc)}
 JUNIT="$(cd "$BUILD_DIR" && pwd)/Testing/junit.xml"
 rm -f "$JUNIT"
+rm -rf "$BUILD_DIR/Testing/gtest"  # each entry's GoogleTest report, read by the summary
 status=0
 start=$SECONDS
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j "$JOBS" --output-junit "$JUNIT" "$@" || status=$?

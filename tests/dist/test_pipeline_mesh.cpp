@@ -44,7 +44,9 @@ void expect_mesh_matches(shardit::testing::PipelineCase& golden, const ParallelD
   // The transformer's sequence is split whenever the mesh has a ulysses or ring dimension.
   const auto* cp = pipeline->transformer()->context_parallel_config();
   ASSERT_EQ(cp != nullptr, dims.ulysses * dims.ring > 1);
-  if (cp != nullptr) EXPECT_EQ(cp->cp_degree(), dims.ulysses * dims.ring);
+  if (cp != nullptr) {
+    EXPECT_EQ(cp->cp_degree(), dims.ulysses * dims.ring);
+  }
   std::vector<at::Tensor> steps;
   golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) {
     steps.push_back(latents.clone());

@@ -1,9 +1,10 @@
-# Registers the cases of one test executable with CTest, one entry per case, named after the file
-# that defines it: `<file>.<case>`, where <case> is GoogleTest's full name, the one --gtest_filter
-# takes (`Suite.Name`, or `Instance/Suite.Name/Param` for TEST_P). CTest includes this when it
-# starts (TEST_INCLUDE_FILES); tests/CMakeLists.txt sets before it:
+# Registers the cases of one test executable with CTest, one entry per test file (two when some of
+# its cases read the golden data and some do not), each running that file's cases in one process
+# by their GoogleTest full names (`Suite.Name`, or `Instance/Suite.Name/Param` for TEST_P).
+# CTest includes this when it starts (TEST_INCLUDE_FILES); tests/CMakeLists.txt sets before it:
 #   executable          the test executable of one folder
-#   label, timeout      the folder's label and per-case timeout
+#   label, timeout      the folder's label and the timeout of one entry
+#   xml_dir             where each entry writes GoogleTest's XML report
 #   golden_always       ON when every case reads the golden data (parity/)
 #   file_of_<Suite>     the test file (without .cpp) that defines each suite
 #   processors_of_<file> the processors each case of that file reserves
@@ -38,6 +39,7 @@ string(REGEX REPLACE "  #[^\n]*" "" listed "${listed}")
 string(REPLACE "\n" ";" lines "${listed}")
 set(suite_prefix "")
 set(suite "")
+set(files "")
 foreach(line IN LISTS lines)
   if(line MATCHES "^([A-Za-z0-9_/]*)\\.$")
     set(suite_prefix "${CMAKE_MATCH_1}.")
@@ -52,18 +54,46 @@ foreach(line IN LISTS lines)
       continue()
     endif()
     set(file "${file_of_${suite}}")
-    set(name "${file}.${case}")
-    set(labels "${label}")
+    if(NOT DEFINED cases_of_${file}_plain AND NOT DEFINED cases_of_${file}_golden)
+      list(APPEND files "${file}")
+    endif()
     if(golden_always OR case MATCHES "Golden")
+      list(APPEND cases_of_${file}_golden "${case}")
+    else()
+      list(APPEND cases_of_${file}_plain "${case}")
+    endif()
+  endif()
+endforeach()
+
+# One entry per file and kind of case: `<file>` runs its cases that need no golden data,
+# `<file>.golden` those that read it (a file with one kind only has just `<file>`). The cases run
+# in one process, one after the other, as GoogleTest runs them; each writes its result to
+# <xml_dir>/<entry>.xml, which scripts/test_summary.sh counts case by case.
+foreach(file IN LISTS files)
+  foreach(kind plain golden)
+    if(NOT DEFINED cases_of_${file}_${kind})
+      continue()
+    endif()
+    set(name "${file}")
+    if(kind STREQUAL "golden" AND DEFINED cases_of_${file}_plain)
+      set(name "${file}.golden")
+    endif()
+    set(labels "${label}")
+    if(kind STREQUAL "golden")
       list(APPEND labels golden)
     endif()
+    list(LENGTH cases_of_${file}_${kind} case_count)
+    string(REPLACE ";" ":" filter "${cases_of_${file}_${kind}}")
     string(REPLACE ";" "," labels_env "${labels}")
-    add_test("${name}" "${executable}" "--gtest_filter=${case}" --gtest_also_run_disabled_tests)
+    add_test("${name}" "${executable}" "--gtest_filter=${filter}" --gtest_also_run_disabled_tests
+             "--gtest_output=xml:${xml_dir}/${name}.xml")
     set_tests_properties("${name}" PROPERTIES
       LABELS "${labels}"
       TIMEOUT ${timeout}
       PROCESSORS ${processors_of_${file}}
+      # More cases first, so that long entries do not start last.
+      COST ${case_count}
       SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
       ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env}")
-  endif()
+  endforeach()
 endforeach()

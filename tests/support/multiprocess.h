@@ -20,6 +20,19 @@
 
 namespace shardit::testing {
 
+/// Called by the tests' main before GoogleTest starts. In a test process (not a worker) it starts
+/// the rank forker: a process forked before any thread exists, which forks each rank of
+/// run_ranks from its state (LibTorch's ~0.35 CPU-s of static initialisation already done, the
+/// environment and descriptors set per rank) instead of executing the test program again; it
+/// returns there at once. It also returns in every rank forked later, with `argc`/`argv` set to
+/// the rank's command line, to run the test as a worker. SHARDIT_TEST_EXEC_RANKS=1 turns the
+/// forker off: run_ranks then executes the program for each rank, as before.
+void start_rank_forker(int& argc, char**& argv);
+
+/// In a worker, records in the run's folder which test it ran (see WorkerRecord). Called by the
+/// tests' main, after start_rank_forker, before GoogleTest starts.
+void record_worker_tests();
+
 /// True inside a rank started by run_ranks (or by another launcher with SHARDIT_TEST_WORKER=1).
 bool is_worker();
 

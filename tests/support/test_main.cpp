@@ -1,12 +1,17 @@
 // The main of every test executable: GoogleTest's, after the program is made to run OpenBLAS's
 // kernels for this CPU as every shardit program does (nn::exec_with_cpu_blas_kernels), so a test
-// computes with the kernels of the CLI and the ranks it compares with.
+// computes with the kernels of the CLI and the ranks it compares with, and after the rank forker
+// of run_ranks is started (support/multiprocess.h).
 #include <gtest/gtest.h>
 
 #include "shardit/nn/gemm.h"
+#include "support/multiprocess.h"
 
 int main(int argc, char** argv) {
   shardit::nn::exec_with_cpu_blas_kernels(argv);
+  // Returns in this process, and later in every rank that run_ranks forks, with the rank's argv.
+  shardit::testing::start_rank_forker(argc, argv);
+  shardit::testing::record_worker_tests();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

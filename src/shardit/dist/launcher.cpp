@@ -1,6 +1,6 @@
 // The local launcher: fork+exec of N ranks (never fork without exec: the parent may already run
-// OpenMP and LibTorch threads), their output prefixed line by line, signals forwarded, and the
-// whole job stopped when one rank fails.
+// OpenMP and LibTorch threads; a caller with a safer way to start them passes `spawn`), their
+// output prefixed line by line, signals forwarded, and the whole job stopped when one rank fails.
 #include "shardit/dist/launcher.h"
 
 #include <c10/util/Exception.h>
@@ -184,7 +184,18 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
     for (auto& entry : env_strings[r]) envp.push_back(entry.data());
     envp.push_back(nullptr);
 
-    const pid_t pid = ::fork();
+    pid_t pid = -1;
+    if (options.spawn) {
+      pid = options.spawn(argv, env_strings[r], options.prefix_output ? out_pipe[1] : -1,
+                          options.prefix_output ? err_pipe[1] : -1, spawn_error);
+      if (pid < 0) {
+        if (spawn_error.empty()) spawn_error = "the rank's spawn function failed";
+        close_pipes();
+        break;
+      }
+    } else {
+      pid = ::fork();
+    }
     if (pid == 0) {
       // Child: its own process group (so stopping a rank reaches the processes it started),
       // default signal handling, the pipes, exec.
@@ -209,7 +220,7 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
       (void)!::write(2, message, sizeof(message) - 1);
       ::_exit(127);
     }
-    if (pid < 0) {
+    if (pid < 0) {  // fork() failed
       spawn_error = std::string("fork() failed: ") + std::strerror(errno);
       close_pipes();
       break;

@@ -1,5 +1,8 @@
 #pragma once
 // The built-in local launcher (like `torchrun --standalone --nproc-per-node N`).
+#include <sys/types.h>
+
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,6 +18,14 @@ struct LocalLaunchOptions {
   bool prefix_output = true;
   /// Seconds to wait for the other ranks to exit after one failed, before SIGKILL.
   int grace_seconds = 5;
+  /// How a rank is started when not by fork+exec of argv (the default, when empty): given the
+  /// rank's argv, its whole environment ("NAME=value") and the descriptors its stdout and stderr
+  /// go to (-1: this process's own), returns the pid of a child of this process in its own
+  /// process group, which dies with this process (PR_SET_PDEATHSIG), or -1 with `error` set.
+  /// The tests start their ranks this way from a process that has already initialised LibTorch.
+  std::function<pid_t(const std::vector<std::string>& argv, const std::vector<std::string>& env, int out_fd,
+                      int err_fd, std::string& error)>
+      spawn;
 };
 
 /// Runs `argv` (argv[0] is the program; a path, or the current executable when empty) as `nproc`
