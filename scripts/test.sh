@@ -2,10 +2,9 @@
 # The test command: installs what is missing, builds everything, runs the whole suite under CTest
 # and prints a summary (cases per label, the slowest cases, how to rerun each failed case alone).
 # Extra args go to CTest (e.g. -L unit, -R test_tp_toy, -LE golden).
-#   SHARDIT_TEST_JOBS  processors CTest hands out (default: the number of cores). CTest runs one
-#                      entry per test file; the entry of a file that starts ranks reserves 4 of them
-#                      (PROCESSORS, capped at this value), so on up to 4 cores it runs alone
-#                      (tests/CMakeLists.txt).
+#   SHARDIT_TEST_JOBS  entries CTest runs at once (default: the number of cores). CTest runs one
+#                      entry per test file; the entries of files that start ranks run one at a
+#                      time (a lock), beside the others (tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

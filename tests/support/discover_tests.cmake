@@ -7,7 +7,7 @@
 #   xml_dir             where each entry writes GoogleTest's XML report
 #   golden_always       ON when every case reads the golden data (parity/)
 #   file_of_<Suite>     the test file (without .cpp) that defines each suite
-#   processors_of_<file> the processors each case of that file reserves
+#   starts_ranks_<file> ON when cases of that file start ranks
 # The executable lists its cases once, and again only after it is rebuilt (the list is kept beside
 # it). A case whose suite no file defines (a TEST the configure step could not read) gets an entry
 # that fails naming it, so no case drops out of the suite unseen.
@@ -90,10 +90,17 @@ foreach(file IN LISTS files)
     set_tests_properties("${name}" PROPERTIES
       LABELS "${labels}"
       TIMEOUT ${timeout}
-      PROCESSORS ${processors_of_${file}}
       # More cases first, so that long entries do not start last.
       COST ${case_count}
       SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
-      ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env}")
+      # A thread spinning at an OpenMP barrier while its partner waits for a core (two entries
+      # share the cores) makes a run many times slower; waiting passively changes no arithmetic.
+      ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env};OMP_WAIT_POLICY=passive")
+    if(starts_ranks_${file})
+      # One rank group at a time (never two sharing the cores), beside at most one single-process
+      # entry (CTest's -j); first, since together they are the longest path.
+      math(EXPR cost "${case_count} + 1000")
+      set_tests_properties("${name}" PROPERTIES RESOURCE_LOCK ranks COST ${cost})
+    endif()
   endforeach()
 endforeach()
