@@ -87,10 +87,9 @@ std::string unknown_command(const CLI::App& app, int argc, char** argv) {
   return "";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  shardit::nn::exec_with_cpu_blas_kernels(argv);
+// The command line of one process: the CLI as started, or a rank that the local launcher forked
+// from it (--nproc-per-node), with the rank's command line.
+int run_cli(int argc, char** argv) {
   // A write past the file-size limit fails with EFBIG (reported, temp file removed) instead of
   // killing the process; a closed stdout pipe is an error, not a silent death.
   ::signal(SIGXFSZ, SIG_IGN);
@@ -115,8 +114,9 @@ int main(int argc, char** argv) {
                  "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
   std::string gemm_backend;
   app.add_option("--gemm-backend", gemm_backend,
-                 "kernel of the fp32 matrix products on CPU: auto (measures BLAS and oneDNN once, keeps the faster), "
-                 "blas or onednn; default auto, or SHARDIT_GEMM_BACKEND");
+                 "kernel of the fp32 matrix products on CPU: auto (from what the CPU is: oneDNN for large products "
+                 "where the BLAS library's core is older than the CPU's vector set, else BLAS), blas or onednn; "
+                 "default auto, or SHARDIT_GEMM_BACKEND");
 
   shardit::apps::CommandBody body;
   shardit::apps::register_generate(app, body);
@@ -165,11 +165,24 @@ int main(int argc, char** argv) {
                   shardit::dist::launch_source_name(env.source), " already started as rank ", env.rank, " of ",
                   env.world_size, ": that would run ", env.world_size, " independent jobs on the same files; "
                   "use one launcher (drop --nproc-per-node, or start a single process)");
-      return shardit::dist::relaunch_as_local_ranks(argc, argv, nproc_per_node);
+      return shardit::dist::relaunch_as_local_ranks(
+          argc, argv, nproc_per_node, "--nproc-per-node", [](const std::vector<std::string>& rank_argv) {
+            std::vector<char*> pointers;
+            for (const std::string& arg : rank_argv) pointers.push_back(const_cast<char*>(arg.c_str()));
+            pointers.push_back(nullptr);
+            return run_cli(static_cast<int>(rank_argv.size()), pointers.data());
+          });
     }
     shardit::dist::World::init();
     return body ? body() : 0;
   } catch (const std::exception& e) {
     fail(shardit::error_message(e));
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  shardit::nn::exec_with_cpu_blas_kernels(argv);
+  return run_cli(argc, argv);
 }

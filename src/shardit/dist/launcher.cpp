@@ -1,11 +1,13 @@
-// The local launcher: fork+exec of N ranks (never fork without exec: the parent may already run
-// OpenMP and LibTorch threads; a caller with a safer way to start them passes `spawn`), their
-// output prefixed line by line, signals forwarded, and the whole job stopped when one rank fails.
+// The local launcher: fork+exec of N ranks, or fork alone into the program's own entry point when
+// this process has no other thread (never fork without exec from a threaded process: OpenMP and
+// LibTorch threads do not survive it), or a caller's own `spawn`; their output prefixed line by
+// line, signals forwarded, and the whole job stopped when one rank fails.
 #include "shardit/dist/launcher.h"
 
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -18,6 +20,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -103,6 +106,18 @@ std::string describe(int status) {
 
 bool failed(int status) { return WIFSIGNALED(status) || WEXITSTATUS(status) != 0; }
 
+// The threads of this process (/proc/self/task), 0 when unknown.
+int thread_count() {
+  DIR* tasks = ::opendir("/proc/self/task");
+  if (tasks == nullptr) return 0;
+  int count = 0;
+  while (const dirent* entry = ::readdir(tasks)) {
+    if (entry->d_name[0] != '.') ++count;
+  }
+  ::closedir(tasks);
+  return count;
+}
+
 }  // namespace
 
 std::string current_executable() {
@@ -153,6 +168,9 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
   ::sigaction(SIGTERM, &forward, &old_term);
   ::sigaction(SIGHUP, &forward, &old_hup);
   const pid_t launcher_pid = ::getpid();
+  // Fork without exec only from a process with no other thread: a child of a threaded process
+  // may only make async-signal-safe calls.
+  const bool fork_only = options.run_rank && !options.spawn && thread_count() == 1;
 
   std::fflush(stdout);
   std::fflush(stderr);
@@ -209,6 +227,19 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
       if (options.prefix_output) {
         ::dup2(out_pipe[1], 1);
         ::dup2(err_pipe[1], 2);
+      }
+      if (fork_only) {
+        ::clearenv();
+        for (auto& entry : env_strings[r]) ::putenv(entry.data());
+        int code = 1;
+        try {
+          code = options.run_rank(argv);
+        } catch (...) {
+          // run_rank reports its own errors; one that escapes still fails the rank.
+        }
+        std::fflush(stdout);
+        std::fflush(stderr);
+        std::exit(code);
       }
       if (has_slash) {
         ::execve(child_argv[0], child_argv.data(), envp.data());

@@ -2,7 +2,8 @@
 
 namespace shardit::dist {
 
-int relaunch_as_local_ranks(int argc, char** argv, int nproc, const std::string& option) {
+int relaunch_as_local_ranks(int argc, char** argv, int nproc, const std::string& option,
+                            std::function<int(const std::vector<std::string>& argv)> run_rank) {
   std::vector<std::string> child_argv{current_executable()};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -15,6 +16,7 @@ int relaunch_as_local_ranks(int argc, char** argv, int nproc, const std::string&
   }
   LocalLaunchOptions options;
   options.nproc = nproc;
+  options.run_rank = std::move(run_rank);
   return launch_local(child_argv, options);
 }
 

@@ -16,7 +16,9 @@
 #endif
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -525,6 +527,41 @@ void check_port_free(int port) {
               "or let `shardit --nproc-per-node N` pick one");
 }
 
+// Waits until something accepts connections at host:port (true), or until `deadline` (false). A
+// client that finds no listener yet (rank 0 still starting its store) is retried by c10d only
+// after a whole second, which ranks started together would nearly always pay. An address that
+// does not resolve is left to the store's own connection, which names it (true).
+bool wait_for_listener(const std::string& host, int port, std::chrono::steady_clock::time_point deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) return true;
+  for (;;) {
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+      if (fd < 0) continue;
+      bool connected = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+      if (!connected && errno == EINPROGRESS) {
+        pollfd pending{fd, POLLOUT, 0};
+        int error = 0;
+        socklen_t length = sizeof(error);
+        connected = ::poll(&pending, 1, 200) == 1 &&
+                    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
+      }
+      ::close(fd);
+      if (connected) {
+        ::freeaddrinfo(found);
+        return true;
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::freeaddrinfo(found);
+  return false;
+}
+
 // Runs `fn` on its own thread and waits at most `limit`: a peer that accepts the connection but
 // never answers (a foreign server on MASTER_PORT) blocks inside c10d with no timeout of its own.
 // On timeout the thread is abandoned (the process is about to exit with the error).
@@ -675,6 +712,8 @@ World& World::init(const InitOptions& options) {
   if (env.rank == 0) check_port_free(env.master_port);
   const auto start = Clock::now();
   try {
+    TORCH_CHECK(env.rank == 0 || wait_for_listener(host, env.master_port, start + timeout),
+                "nothing listens there (rank 0 hosts the store)");
     // Rank 0 hosts the store (c10d's server listens on every interface of its host); everyone
     // connects to MASTER_ADDR, or loopback when all ranks are local.
     c10d::TCPStoreOptions store_options;
