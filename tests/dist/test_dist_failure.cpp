@@ -208,6 +208,41 @@ TEST(DistFailure, RankThatNeverArrivesTimesOut) {
   EXPECT_THAT(message, HasSubstr("failed within 3000 ms: rank 1 did not join"));
 }
 
+// The mirror case: rank 0, which hosts the store, never starts it. Rank 1 waits for a listener
+// (in short steps, not c10d's one-second retries) up to the timeout, then says that nothing
+// listens, within the timeout rather than after a second one of c10d's own.
+TEST(DistFailure, StoreThatNeverListensIsNamedWithinTheTimeout) {
+  constexpr int kRendezvousMs = 2000;
+  if (is_worker()) {
+    const std::string dir = env_or("SHARDIT_TEST_DIR");
+    if (std::atoi(env_or("RANK").c_str()) == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 * kRendezvousMs));
+      std::_Exit(0);
+    }
+    const int64_t start = now_ms();
+    std::string message = "no error";
+    try {
+      World::init();
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    write_file(dir + "/rank1", std::to_string(now_ms() - start) + "\n" + message);
+    std::_Exit(1);
+  }
+  const std::string dir = shardit::testing::make_temp_dir("dist-no-store");
+  const int code =
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
+  EXPECT_NE(code, 0);
+  const std::string report = read_file(dir + "/rank1");
+  ASSERT_FALSE(report.empty());
+  const int64_t elapsed = std::stoll(report.substr(0, report.find('\n')));
+  const std::string message = report.substr(report.find('\n') + 1);
+  EXPECT_GE(elapsed, kRendezvousMs - 100) << message;
+  EXPECT_LT(elapsed, kRendezvousMs + 1000) << message;
+  EXPECT_THAT(message, HasSubstr("rank 1 of 2 (torchrun): rendezvous at 127.0.0.1:"));
+  EXPECT_THAT(message, HasSubstr("failed within 2000 ms: nothing listens there (rank 0 hosts the store)"));
+}
+
 // Sets variables for one call and restores the environment after.
 class ScopedEnv {
  public:
