@@ -54,9 +54,9 @@ struct Outcome {
 };
 
 struct Spawn {
-  std::vector<std::string> args;
-  std::map<std::string, std::string> env;  // added to (or replacing) the test's environment
-  std::optional<rlim_t> file_size_limit;
+  std::vector<std::string> args{};
+  std::map<std::string, std::string> env{};  // added to (or replacing) the test's environment
+  std::optional<rlim_t> file_size_limit{};
 };
 
 /// A started CLI process; wait() collects its output within `limit` seconds (then SIGKILL).
@@ -237,7 +237,9 @@ class Hostile : public ::testing::Test {
     EXPECT_FALSE(outcome.timed_out) << "did not finish within " << limit << " s\n" << outcome.err;
     EXPECT_EQ(outcome.signal, 0) << "killed by signal " << outcome.signal << "\n" << outcome.err;
     EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty()) << "processes left running";
-    if (!files_may_change) EXPECT_EQ(snapshot(root_), before) << "files were created or changed";
+    if (!files_may_change) {
+      EXPECT_EQ(snapshot(root_), before) << "files were created or changed";
+    }
     return outcome;
   }
 
@@ -536,6 +538,20 @@ TEST_F(Hostile, TimeoutOptionBoundsAMissingRank) {
       run({args, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}}, 15);
   expect_refused(outcome, {"rank 1", "2000 ms"});
   EXPECT_LT(outcome.seconds, 8.0);
+}
+
+TEST_F(Hostile, HugeWorldSizeIsBoundedByTheTimeoutAndNamedBriefly) {
+  // Rank 0 of 100000: it hosts the store and waits the timeout for 99999 ranks that never come;
+  // the message lists a few of them, not all.
+  auto args = run_args(out_path());
+  args.insert(args.begin(), {"--timeout", "2"});
+  const int port = 20000 + (::getpid() + 13) % 20000;
+  const Outcome outcome = run(
+      {args, {{"RANK", "0"}, {"WORLD_SIZE", "100000"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}},
+      30);
+  expect_refused(outcome, {"rank 0 of 100000", "2000 ms", "did not join", "more)"});
+  EXPECT_LT(outcome.err.size(), 2000u) << outcome.err;
+  EXPECT_LT(outcome.seconds, 10.0);
 }
 
 // ---------------------------------------------------------------------------------------------

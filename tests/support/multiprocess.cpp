@@ -128,7 +128,9 @@ void become_rank(const ForkRequest& request, int& argc, char**& argv) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != request.header.launcher) ::_exit(128 + SIGKILL);
   ::setpgid(0, 0);
-  for (int signal : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGCHLD}) ::signal(signal, SIG_DFL);
+  // As the launcher's exec path: these to their defaults (the forker ignores SIGINT), the rest as
+  // the test process had them when it started.
+  for (int signal : {SIGINT, SIGTERM, SIGHUP}) ::signal(signal, SIG_DFL);
   ::clearenv();
   for (const std::string& entry : request.env) ::putenv(::strdup(entry.c_str()));
   if (request.header.with_fds != 0) {

@@ -4,11 +4,16 @@
 // of run_ranks is started (support/multiprocess.h).
 #include <gtest/gtest.h>
 
+#include <csignal>
+
 #include "shardit/nn/gemm.h"
 #include "support/multiprocess.h"
 
 int main(int argc, char** argv) {
   shardit::nn::exec_with_cpu_blas_kernels(argv);
+  // As the CLI: a write to a peer that is gone is an error to report, not a silent death (a rank
+  // that outlives a lost peer must say which rank it lost).
+  ::signal(SIGPIPE, SIG_IGN);
   // Returns in this process, and later in every rank that run_ranks forks, with the rank's argv.
   shardit::testing::start_rank_forker(argc, argv);
   shardit::testing::record_worker_tests();
