@@ -310,8 +310,8 @@ double flux_forward_flops(const FluxTransformer2DModelConfig& config, int64_t ba
                   conditioning);
 }
 
-/// GFLOP/s of an fp32 product shaped like the model's projections ([B·S, D] x [D, D]) on the
-/// kernel the model's Linears use (nn::linear: --gemm-backend), measured with this rank's threads.
+/// GFLOP/s of a product in `dtype` shaped like the model's projections ([B·S, D] x [D, D]) on the
+/// kernel the model's Linears use for it (nn::linear: --gemm-backend), with this rank's threads.
 double measure_gemm_gflops(int64_t rows, int64_t dim, at::ScalarType dtype) {
   const at::Tensor a = at::randn({rows, dim}).to(dtype);
   const at::Tensor b = at::randn({dim, dim}).to(dtype);
@@ -367,14 +367,19 @@ int run_forward(const BenchOptions& options) {
   const auto& config = model->config;
 
   // Every rank measures its GEMM rate at the same time, so the sum is the machine's rate with
-  // this many ranks and threads each.
-  world.group()->barrier();
+  // this many ranks and threads each: in the dtype the forward computes in (the yardstick of
+  // "of GEMM rate"), and in fp32 beside it.
   const int64_t image_tokens = static_cast<int64_t>(options.height / 16) * (options.width / 16);
-  const double gemm_rank =
-      measure_gemm_gflops(options.batch * (image_tokens + options.text_tokens), config.inner_dim(), at::kFloat);
-  at::Tensor gemm_sum = at::tensor({gemm_rank}, at::kDouble);
-  world.group()->all_reduce(gemm_sum);
-  const double gemm_machine = gemm_sum.item<double>();
+  const auto machine_gemm_gflops = [&](at::ScalarType product_dtype) {
+    world.group()->barrier();
+    at::Tensor sum = at::tensor(
+        {measure_gemm_gflops(options.batch * (image_tokens + options.text_tokens), config.inner_dim(), product_dtype)},
+        at::kDouble);
+    world.group()->all_reduce(sum);
+    return sum.item<double>();
+  };
+  const double gemm_machine = machine_gemm_gflops(dtype);
+  const double gemm_machine_fp32 = dtype == at::kFloat ? gemm_machine : machine_gemm_gflops(at::kFloat);
 
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
@@ -550,7 +555,9 @@ int run_forward(const BenchOptions& options) {
       {"step_seconds", {{"median", median}, {"min", sorted.front()}, {"max", sorted.back()}, {"all", step_seconds}}},
       {"matmul_gflop_per_step", flops / 1e9},
       {"achieved_gflops", achieved},
+      {"gemm_dtype", c10::toString(dtype)},
       {"gemm_gflops_machine", gemm_machine},
+      {"gemm_gflops_machine_fp32", gemm_machine_fp32},
       {"fraction_of_gemm_rate", achieved / gemm_machine},
       {"collectives_per_step", collectives},
       {"all_reduces_per_step", all_reduces},
@@ -584,8 +591,11 @@ int run_forward(const BenchOptions& options) {
                 cache->config().to_string().c_str(), computed_seconds.size(), median_of(computed_seconds),
                 skipped_seconds.size(), median_of(skipped_seconds), shardit::human_bytes(cache->state_bytes()).c_str());
   }
-  const std::string gemm_kernel = shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(
-      at::kCPU, at::kFloat, options.batch * (image_tokens + options.text_tokens), config.inner_dim() * config.inner_dim()));
+  const std::string gemm_kernel =
+      std::string(c10::toString(dtype)) + " on " +
+      shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(at::kCPU, dtype,
+                                                                   options.batch * (image_tokens + options.text_tokens),
+                                                                   config.inner_dim() * config.inner_dim()));
   char row[512];
   std::snprintf(row, sizeof(row),
                 "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f (%s) "
