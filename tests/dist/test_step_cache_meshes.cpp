@@ -172,79 +172,100 @@ INSTANTIATE_TEST_SUITE_P(Golden, StepCacheGolden, ::testing::Values("cache_flux1
 // FLUX.2 [klein] and [dev]: diffusers registers no cache hooks for FLUX.2's blocks; shardit runs
 // the same rules on them. Threshold 0 computes every step and equals the uncached image bit for
 // bit; a threshold that skips (chosen from the ratios, at least 2% away from every one compared)
-// gives the same decisions and image on every mesh of up to 4 ranks; TaylorSeer likewise.
+// gives the same decisions and image on every mesh of up to 4 ranks; TaylorSeer likewise. The
+// single-rank references are computed once, by the test process, and the ranks read them.
 class StepCacheFlux2 : public ::testing::TestWithParam<std::string> {};
 
+/// One generation of a FLUX.2 golden case on `dims` of the world, with `cache` (every rank decodes,
+/// so the images compare on each).
+GenerateResult generate_flux2_case(const PipelineCase& golden, const ParallelDims& dims,
+                                   const std::optional<StepCacheConfig>& cache) {
+  PipelineLoadOptions options;
+  options.parallel = dims.build(shardit::dist::World::get());
+  options.load_vae = true;
+  const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
+  auto request = golden.request;
+  request.cache = cache;
+  return pipeline->generate(request);
+}
+
 TEST_P(StepCacheFlux2, SameDecisionsAndImageOnEveryMesh) {
+  PipelineCase golden = shardit::testing::read_prompt_case(is_worker() ? shardit::testing::env_or("SHARDIT_PIPELINE_CASE")
+                                                                       : GetParam());
+  shardit::testing::set_case_steps(golden, kCacheSteps);
+  const StepCacheConfig taylor = StepCacheConfig::parse("taylorseer_lite:cache_interval=3,disable_cache_before_step=2");
+  const ParallelDims one_rank{1, 1, 1, 1};
   if (!is_worker()) {
-    EXPECT_EQ(run_ranks(kRanks, {{"SHARDIT_PIPELINE_CASE", GetParam()}}), 0);
+    // The single-rank references, once, in this process (the ranks read them from a file).
+    shardit::dist::World::init();
+    const GenerateResult uncached = generate_flux2_case(golden, one_rank, std::nullopt);
+    const GenerateResult never =
+        generate_flux2_case(golden, one_rank, StepCacheConfig::parse("first_block_cache:threshold=0"));
+    EXPECT_TRUE(at::equal(never.latents, uncached.latents));
+    EXPECT_TRUE(at::equal(never.image, uncached.image));
+    ASSERT_TRUE(never.cache_computed.defined());
+    EXPECT_EQ(never.cache_computed.sum().item<int64_t>(), never.cache_computed.numel());
+
+    // A threshold in the widest gap between the ratios of the never-skipping run whose decisions
+    // all stay >= 2% away from it and which skips at least once.
+    std::vector<double> ratios;
+    const at::Tensor ratio_table = never.cache_ratio.flatten();
+    for (int64_t i = 0; i < ratio_table.numel(); ++i) {
+      if (!std::isnan(ratio_table[i].item<double>())) ratios.push_back(ratio_table[i].item<double>());
+    }
+    std::sort(ratios.begin(), ratios.end());
+    std::vector<std::pair<double, double>> gaps;  // (width, midpoint)
+    for (size_t i = 1; i < ratios.size(); ++i) gaps.emplace_back(ratios[i] - ratios[i - 1], (ratios[i] + ratios[i - 1]) / 2);
+    std::sort(gaps.rbegin(), gaps.rend());
+    std::optional<double> skipping;
+    GenerateResult reference;
+    for (const auto& [width, threshold] : gaps) {
+      StepCacheConfig config;
+      config.method = shardit::models::FirstBlockCacheConfig{threshold};
+      GenerateResult result = generate_flux2_case(golden, one_rank, config);
+      const at::Tensor compared = result.cache_ratio.flatten();
+      double margin = std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < compared.numel(); ++i) {
+        const double r = compared[i].item<double>();
+        if (!std::isnan(r)) margin = std::min(margin, std::abs(r - threshold) / threshold);
+      }
+      if (margin >= 0.02 && result.cache_computed.sum().item<int64_t>() < result.cache_computed.numel()) {
+        skipping = threshold;
+        reference = result;
+        break;
+      }
+    }
+    ASSERT_TRUE(skipping.has_value()) << "no threshold skips with a 2% margin on this case";
+    const GenerateResult taylor_reference = generate_flux2_case(golden, one_rank, taylor);
+    const std::string references = shardit::testing::make_temp_dir("step-cache-flux2") + "/references.safetensors";
+    shardit::io::save_safetensors(
+        references, {{"threshold", at::tensor({*skipping}, at::kDouble)},
+                     {"cfg", at::tensor({static_cast<int64_t>(never.cache_contexts.size() == 2)})},
+                     {"computed", reference.cache_computed}, {"latents", reference.latents}, {"image", reference.image},
+                     {"taylor.computed", taylor_reference.cache_computed}, {"taylor.latents", taylor_reference.latents}});
+    EXPECT_EQ(run_ranks(kRanks, {{"SHARDIT_PIPELINE_CASE", GetParam()}, {"SHARDIT_STEP_CACHE_REFERENCES", references}}), 0);
     return;
   }
-  auto& world = shardit::dist::World::init();
-  PipelineCase golden = shardit::testing::read_prompt_case(shardit::testing::env_or("SHARDIT_PIPELINE_CASE"));
-  shardit::testing::set_case_steps(golden, kCacheSteps);
-  const auto generate = [&](const ParallelDims& dims, const std::optional<StepCacheConfig>& cache) {
-    PipelineLoadOptions options;
-    options.parallel = dims.build(world);
-    options.load_vae = true;  // every rank decodes: the images compare on each
-    const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
-    auto request = golden.request;
-    request.cache = cache;
-    return pipeline->generate(request);
-  };
-  const ParallelDims one_rank{1, 1, 1, 1};
-  const GenerateResult uncached = generate(one_rank, std::nullopt);
-  const GenerateResult never = generate(one_rank, StepCacheConfig::parse("first_block_cache:threshold=0"));
-  EXPECT_TRUE(at::equal(never.latents, uncached.latents));
-  EXPECT_TRUE(at::equal(never.image, uncached.image));
-  ASSERT_TRUE(never.cache_computed.defined());
-  EXPECT_EQ(never.cache_computed.sum().item<int64_t>(), never.cache_computed.numel());
-  const bool cfg = never.cache_contexts.size() == 2;
-
-  // A threshold in the widest gap between the ratios of the never-skipping run whose decisions all
-  // stay >= 2% away from it and which skips at least once.
-  std::vector<double> ratios;
-  const at::Tensor ratio_table = never.cache_ratio.flatten();
-  for (int64_t i = 0; i < ratio_table.numel(); ++i) {
-    if (!std::isnan(ratio_table[i].item<double>())) ratios.push_back(ratio_table[i].item<double>());
-  }
-  std::sort(ratios.begin(), ratios.end());
-  std::vector<std::pair<double, double>> gaps;  // (width, midpoint)
-  for (size_t i = 1; i < ratios.size(); ++i) gaps.emplace_back(ratios[i] - ratios[i - 1], (ratios[i] + ratios[i - 1]) / 2);
-  std::sort(gaps.rbegin(), gaps.rend());
-  std::optional<StepCacheConfig> skipping;
-  GenerateResult reference;
-  for (const auto& [width, threshold] : gaps) {
-    StepCacheConfig config;
-    config.method = shardit::models::FirstBlockCacheConfig{threshold};
-    GenerateResult result = generate(one_rank, config);
-    const at::Tensor compared = result.cache_ratio.flatten();
-    double margin = std::numeric_limits<double>::infinity();
-    for (int64_t i = 0; i < compared.numel(); ++i) {
-      const double r = compared[i].item<double>();
-      if (!std::isnan(r)) margin = std::min(margin, std::abs(r - threshold) / threshold);
-    }
-    if (margin >= 0.02 && result.cache_computed.sum().item<int64_t>() < result.cache_computed.numel()) {
-      skipping = config;
-      reference = result;
-      break;
-    }
-  }
-  ASSERT_TRUE(skipping.has_value()) << "no threshold skips with a 2% margin on this case";
-  const StepCacheConfig taylor = StepCacheConfig::parse("taylorseer_lite:cache_interval=3,disable_cache_before_step=2");
-  const GenerateResult taylor_reference = generate(one_rank, taylor);
+  shardit::dist::World::init();
+  const auto references = shardit::io::SafetensorsFile::open(shardit::testing::env_or("SHARDIT_STEP_CACHE_REFERENCES"));
+  StepCacheConfig skipping;
+  skipping.method = shardit::models::FirstBlockCacheConfig{references->read("threshold").item<double>()};
+  const bool cfg = references->read("cfg").item<int64_t>() == 1;
+  const at::Tensor reference_computed = references->read("computed");
+  const at::Tensor reference_latents = references->read("latents");
+  const at::Tensor reference_image = references->read("image");
 
   int meshes = 0;
   for (const int ranks : {2, kRanks}) {
     for (const ParallelDims& mesh : ParallelDims::fitting(ranks)) {
       if (mesh.cfg > 1 && !cfg) continue;
       SCOPED_TRACE(mesh.to_string());
-      const std::string what = golden.dir + " " + skipping->to_string() + " on " + mesh.to_string();
-      const GenerateResult result = generate(mesh, skipping);
-      EXPECT_TRUE(at::equal(result.cache_computed, reference.cache_computed)) << what;
-      EXPECT_TRUE(shardit::testing::tensors_close(what + ": latents", result.latents, reference.latents,
+      const std::string what = golden.dir + " " + skipping.to_string() + " on " + mesh.to_string();
+      const GenerateResult result = generate_flux2_case(golden, mesh, skipping);
+      EXPECT_TRUE(at::equal(result.cache_computed, reference_computed)) << what;
+      EXPECT_TRUE(shardit::testing::tensors_close(what + ": latents", result.latents, reference_latents,
                                                   shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
-      EXPECT_TRUE(shardit::testing::tensors_close(what + ": image", result.image, reference.image,
+      EXPECT_TRUE(shardit::testing::tensors_close(what + ": image", result.image, reference_image,
                                                   shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
       ++meshes;
     }
@@ -252,10 +273,10 @@ TEST_P(StepCacheFlux2, SameDecisionsAndImageOnEveryMesh) {
   // Without CFG: tp 2, ring 2, ulysses 2, and the six of 4 ranks.
   EXPECT_GE(meshes, 9);
   // TaylorSeer predicts the gathered output: the same under a split sequence.
-  const GenerateResult taylor_split = generate(ParallelDims{1, 2, 1, 2}, taylor);
-  EXPECT_TRUE(at::equal(taylor_split.cache_computed, taylor_reference.cache_computed));
+  const GenerateResult taylor_split = generate_flux2_case(golden, ParallelDims{1, 2, 1, 2}, taylor);
+  EXPECT_TRUE(at::equal(taylor_split.cache_computed, references->read("taylor.computed")));
   EXPECT_TRUE(shardit::testing::tensors_close("TaylorSeer on ulysses 2 x tp 2: latents", taylor_split.latents,
-                                              taylor_reference.latents, shardit::testing::kPipelineAtol,
+                                              references->read("taylor.latents"), shardit::testing::kPipelineAtol,
                                               shardit::testing::kPipelineRtol));
 }
 
