@@ -146,6 +146,10 @@ void register_serve(CLI::App& app, CommandBody& body) {
   command->add_option("--max-connections", options->serve.http.max_connections,
                       "connections served at once (each on its own thread); one more is answered 503")
       ->check(integer_in(4, 4096));
+  command->add_option("--max-connections-per-client", options->serve.http.max_connections_per_client,
+                      "connections one client address may hold at once; one more is answered 503 (default 0: no "
+                      "cap; behind a proxy every client has its address)")
+      ->check(integer_in(0, 4096));
   command->add_option_function<double>(
              "--request-timeout",
              [options](double seconds) {

@@ -755,6 +755,45 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
+// --max-connections-per-client: a client address that holds the most connections gets 503 for one
+// more, naming the cap; once one of its connections closes, it is served again.
+TEST(Serve, ClientOverItsConnectionCapAnswers503) {
+  const std::string dir = make_temp_dir("serve_client_cap");
+  auto server = start_server(dir, {"--max-connections-per-client", "2"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  std::vector<std::unique_ptr<RawConnection>> held;
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(std::make_unique<RawConnection>(port));
+    ASSERT_TRUE(held.back()->connected());
+  }
+  // Both are taken up (served) before the third arrives: a request on each gets its answer.
+  for (auto& connection : held) {
+    connection->send("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    RawConnection third(port);
+    ASSERT_TRUE(third.connected());
+    const std::string answer = third.read_until_closed(std::chrono::seconds(5));
+    EXPECT_EQ(raw_status(answer), 503) << answer;
+    EXPECT_EQ(raw_message(answer),
+              "this client (127.0.0.1) has 2 connections open, the most one client may; retry later");
+  }
+  held.pop_back();
+  const auto served_by = Clock::now() + std::chrono::seconds(10);
+  bool served = false;
+  while (!served && Clock::now() < served_by) {
+    auto health = client(port)->Get("/health");
+    served = health && health->status == 200;
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(served) << "the client was not served again after one of its connections closed";
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
 TEST(Serve, FullQueueAnswers429) {
   const std::string dir = make_temp_dir("serve_queue");
   auto server = start_server(dir, {"--queue-depth", "4"});

@@ -33,6 +33,19 @@ constexpr auto kPollSlice = std::chrono::milliseconds(100);
 
 bool equals_ignoring_case(const std::string& a, const char* b) { return ::strcasecmp(a.c_str(), b) == 0; }
 
+/// The peer's address without its port ("127.0.0.1", "::1"), or "unknown".
+std::string peer_address(int sock) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (::getpeername(sock, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "unknown";
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* raw = address.ss_family == AF_INET6
+                        ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&address)->sin6_addr)
+                        : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&address)->sin_addr);
+  if (::inet_ntop(address.ss_family, raw, text, sizeof(text)) == nullptr) return "unknown";
+  return text;
+}
+
 /// Sends what fits without waiting: used only on connections about to be closed.
 void send_now(int fd, const std::string& bytes) {
   (void)::send(fd, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -420,6 +433,32 @@ bool HttpServer::process_and_close_socket(socket_t sock) {
     ::close(sock);
     return false;
   }
+  if (limits_.max_connections_per_client > 0) {
+    const std::string client = peer_address(sock);
+    {
+      std::lock_guard<std::mutex> lock(clients_mutex_);
+      int64_t& open = connections_of_client_[client];
+      if (open < limits_.max_connections_per_client) {
+        ++open;
+      } else {
+        send_now(sock, raw_answer(refuse_, 503,
+                                  fmt::format("this client ({}) has {} connections open, the most one client may; "
+                                              "retry later",
+                                              client, limits_.max_connections_per_client)));
+        ::shutdown(sock, SHUT_RDWR);
+        ::close(sock);
+        return false;
+      }
+    }
+    const bool result = serve_connection(sock);
+    std::lock_guard<std::mutex> lock(clients_mutex_);
+    if (--connections_of_client_[client] == 0) connections_of_client_.erase(client);
+    return result;
+  }
+  return serve_connection(sock);
+}
+
+bool HttpServer::serve_connection(socket_t sock) {
   // httplib's keep-alive loop (process_server_socket_core), over a Connection instead of its
   // SocketStream.
   Connection connection(sock, *this);

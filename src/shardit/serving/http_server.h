@@ -14,7 +14,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 
@@ -26,6 +28,10 @@ struct HttpLimits {
   size_t max_body_bytes = size_t{1} << 20;
   /// Connections served at once, each on its own thread; one more is answered 503 and closed.
   int64_t max_connections = 64;
+  /// Connections one client address may hold at once (0: no cap); one more is answered 503 and
+  /// closed, so one host cannot take every connection thread. Off by default: behind a proxy or
+  /// load balancer every request comes from its address.
+  int64_t max_connections_per_client = 0;
   /// The most time one request's head and body may take to arrive, counted from its first byte (an
   /// idle connection is closed after httplib's keep-alive timeout, 5 s): a slower client is
   /// answered 408 and its connection closed.
@@ -73,11 +79,15 @@ class HttpServer : public httplib::Server {
 
  private:
   // httplib's per-connection entry point (private there, overridable): the keep-alive loop over a
-  // Connection, or a 503 when the cap is reached.
+  // Connection, or a 503 when the cap (or the client's cap) is reached.
   bool process_and_close_socket(socket_t sock) override;
+  // The keep-alive loop over one accepted connection, then closes it.
+  bool serve_connection(socket_t sock);
   void refuse_and_close(httplib::Response& response, int status, const std::string& message) const;
 
   const HttpLimits limits_;
+  std::mutex clients_mutex_;
+  std::map<std::string, int64_t> connections_of_client_;  ///< open connections per peer address
   const Refuse refuse_;
   std::set<std::string> body_paths_;  ///< POST routes that read a body
   std::atomic<bool> stopping_{false};
