@@ -615,6 +615,17 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
 // What a careless or hostile HTTP client does (bad or missing lengths, encoded or endless chunked
 // bodies, connections trickling a byte a second, more connections than the cap) is answered at
 // once or within the request deadline, and the server keeps answering /health and generating.
+/// True once /health answers 200 (asked every 100 ms), false if it does not within `limit`.
+bool health_answers_within(int port, std::chrono::seconds limit) {
+  const auto deadline = Clock::now() + limit;
+  for (;;) {
+    auto health = client(port)->Get("/health");
+    if (health && health->status == 200) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   const std::string dir = make_temp_dir("serve_hostile_http");
   auto server = start_server(dir, {"--request-timeout", "6", "--max-connections", "60", "--max-body-mb", "1"}, "1");
@@ -742,14 +753,8 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   EXPECT_GE(refused, 10) << "70 connections, at most 60";
   EXPECT_LT(refused, 70);
   idle.clear();
-  const auto recovered_by = Clock::now() + std::chrono::seconds(20);
-  bool recovered = false;
-  while (!recovered && Clock::now() < recovered_by) {
-    auto health = client(port)->Get("/health");
-    recovered = health && health->status == 200;
-    if (!recovered) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  EXPECT_TRUE(recovered) << "the server did not answer again after the idle connections left";
+  EXPECT_TRUE(health_answers_within(port, std::chrono::seconds(20)))
+      << "the server did not answer again after the idle connections left";
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
@@ -781,14 +786,8 @@ TEST(Serve, ClientOverItsConnectionCapAnswers503) {
               "this client (127.0.0.1) has 2 connections open, the most one client may; retry later");
   }
   held.pop_back();
-  const auto served_by = Clock::now() + std::chrono::seconds(10);
-  bool served = false;
-  while (!served && Clock::now() < served_by) {
-    auto health = client(port)->Get("/health");
-    served = health && health->status == 200;
-    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_TRUE(served) << "the client was not served again after one of its connections closed";
+  EXPECT_TRUE(health_answers_within(port, std::chrono::seconds(10)))
+      << "the client was not served again after one of its connections closed";
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
