@@ -175,12 +175,21 @@ TEST(DistFailure, StoppedRankIsReportedAsStopped) {
   EXPECT_THAT(report, ::testing::Not(HasSubstr("exited, crashed or was killed")));
 }
 
-TEST(DistFailure, RankThatNeverArrivesTimesOut) {
-  constexpr int kRendezvousMs = 3000;
+/// What the rank that waits at the rendezvous for an absent one saw: how long World::init took
+/// and its error.
+struct AbsentRankReport {
+  int64_t elapsed_ms = -1;
+  std::string message;
+};
+
+/// Two ranks, one of which (`absent`) never calls World::init: in a worker, the absent rank sleeps
+/// past the timeout and the other records its rendezvous error, then both exit (never returns);
+/// in the test process, runs the two and returns the report.
+AbsentRankReport rendezvous_with_absent_rank(int absent, int timeout_ms, const std::string& dir_name) {
   if (is_worker()) {
     const std::string dir = env_or("SHARDIT_TEST_DIR");
-    if (std::atoi(env_or("RANK").c_str()) == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(3 * kRendezvousMs));
+    if (std::atoi(env_or("RANK").c_str()) == absent) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 * timeout_ms));
       std::_Exit(0);
     }
     const int64_t start = now_ms();
@@ -190,22 +199,28 @@ TEST(DistFailure, RankThatNeverArrivesTimesOut) {
     } catch (const c10::Error& e) {
       message = e.what_without_backtrace();
     }
-    write_file(dir + "/rank0", std::to_string(now_ms() - start) + "\n" + message);
+    write_file(dir + "/report", std::to_string(now_ms() - start) + "\n" + message);
     std::_Exit(1);
   }
-  const std::string dir = shardit::testing::make_temp_dir("dist-absent");
-  const int code =
-      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
+  const std::string dir = shardit::testing::make_temp_dir(dir_name);
+  const int code = run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(timeout_ms)}});
   EXPECT_NE(code, 0);
-  const std::string report = read_file(dir + "/rank0");
-  ASSERT_FALSE(report.empty());
-  const int64_t elapsed = std::stoll(report.substr(0, report.find('\n')));
-  const std::string message = report.substr(report.find('\n') + 1);
+  const std::string report = read_file(dir + "/report");
+  if (report.empty()) {
+    ADD_FAILURE() << "the waiting rank wrote no report";
+    return {};
+  }
+  return {std::stoll(report.substr(0, report.find('\n'))), report.substr(report.find('\n') + 1)};
+}
+
+TEST(DistFailure, RankThatNeverArrivesTimesOut) {
+  constexpr int kRendezvousMs = 3000;
+  const AbsentRankReport report = rendezvous_with_absent_rank(1, kRendezvousMs, "dist-absent");
   // The wait is the timeout (+0.5 s that rank 0 keeps its store up for the others).
-  EXPECT_GE(elapsed, kRendezvousMs - 100) << message;
-  EXPECT_LT(elapsed, kRendezvousMs + 2000) << message;
-  EXPECT_THAT(message, HasSubstr("rank 0 of 2 (torchrun): rendezvous at 127.0.0.1:"));
-  EXPECT_THAT(message, HasSubstr("failed within 3000 ms: rank 1 did not join"));
+  EXPECT_GE(report.elapsed_ms, kRendezvousMs - 100) << report.message;
+  EXPECT_LT(report.elapsed_ms, kRendezvousMs + 2000) << report.message;
+  EXPECT_THAT(report.message, HasSubstr("rank 0 of 2 (torchrun): rendezvous at 127.0.0.1:"));
+  EXPECT_THAT(report.message, HasSubstr("failed within 3000 ms: rank 1 did not join"));
 }
 
 // The mirror case: rank 0, which hosts the store, never starts it. Rank 1 waits for a listener
@@ -213,34 +228,11 @@ TEST(DistFailure, RankThatNeverArrivesTimesOut) {
 // listens, within the timeout rather than after a second one of c10d's own.
 TEST(DistFailure, StoreThatNeverListensIsNamedWithinTheTimeout) {
   constexpr int kRendezvousMs = 2000;
-  if (is_worker()) {
-    const std::string dir = env_or("SHARDIT_TEST_DIR");
-    if (std::atoi(env_or("RANK").c_str()) == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2 * kRendezvousMs));
-      std::_Exit(0);
-    }
-    const int64_t start = now_ms();
-    std::string message = "no error";
-    try {
-      World::init();
-    } catch (const c10::Error& e) {
-      message = e.what_without_backtrace();
-    }
-    write_file(dir + "/rank1", std::to_string(now_ms() - start) + "\n" + message);
-    std::_Exit(1);
-  }
-  const std::string dir = shardit::testing::make_temp_dir("dist-no-store");
-  const int code =
-      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kRendezvousMs)}});
-  EXPECT_NE(code, 0);
-  const std::string report = read_file(dir + "/rank1");
-  ASSERT_FALSE(report.empty());
-  const int64_t elapsed = std::stoll(report.substr(0, report.find('\n')));
-  const std::string message = report.substr(report.find('\n') + 1);
-  EXPECT_GE(elapsed, kRendezvousMs - 100) << message;
-  EXPECT_LT(elapsed, kRendezvousMs + 1000) << message;
-  EXPECT_THAT(message, HasSubstr("rank 1 of 2 (torchrun): rendezvous at 127.0.0.1:"));
-  EXPECT_THAT(message, HasSubstr("failed within 2000 ms: nothing listens there (rank 0 hosts the store)"));
+  const AbsentRankReport report = rendezvous_with_absent_rank(0, kRendezvousMs, "dist-no-store");
+  EXPECT_GE(report.elapsed_ms, kRendezvousMs - 100) << report.message;
+  EXPECT_LT(report.elapsed_ms, kRendezvousMs + 1000) << report.message;
+  EXPECT_THAT(report.message, HasSubstr("rank 1 of 2 (torchrun): rendezvous at 127.0.0.1:"));
+  EXPECT_THAT(report.message, HasSubstr("failed within 2000 ms: nothing listens there (rank 0 hosts the store)"));
 }
 
 // Sets variables for one call and restores the environment after.

@@ -69,7 +69,7 @@ struct ForkRequest {
   int out_fd = -1, err_fd = -1;
 };
 
-ssize_t send_all_retrying(int socket, msghdr* message) {
+ssize_t send_retrying(int socket, msghdr* message) {
   for (;;) {
     const ssize_t n = ::sendmsg(socket, message, MSG_NOSIGNAL);
     if (n >= 0 || errno != EINTR) return n;
@@ -221,7 +221,7 @@ pid_t fork_rank(const std::vector<std::string>& argv, const std::vector<std::str
     std::memcpy(CMSG_DATA(c), fds, sizeof(fds));
   }
   pid_t answer = 0;
-  if (send_all_retrying(g_forker_socket, &message) != static_cast<ssize_t>(payload.size())) {
+  if (send_retrying(g_forker_socket, &message) != static_cast<ssize_t>(payload.size())) {
     error = std::string("could not reach the rank forker: ") + std::strerror(errno);
     return -1;
   }

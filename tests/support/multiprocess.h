@@ -1,6 +1,6 @@
 #pragma once
-// Multi-process gtest cases: the test executable re-runs itself as N ranks on this host, each rank
-// running only the current test.
+// Multi-process gtest cases: the test executable runs again as N ranks on this host (forked by the
+// rank forker, see start_rank_forker), each rank running only the current test.
 //
 //   TEST(DistThing, TwoRanks) {
 //     if (shardit::testing::is_worker()) {

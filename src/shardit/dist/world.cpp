@@ -531,7 +531,7 @@ void check_port_free(int port) {
 // client that finds no listener yet (rank 0 still starting its store) is retried by c10d only
 // after a whole second, which ranks started together would nearly always pay. An address that
 // does not resolve is left to the store's own connection, which names it (true).
-bool wait_for_listener(const std::string& host, int port, std::chrono::steady_clock::time_point deadline) {
+bool wait_for_listener(const std::string& host, int port, Clock::time_point deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -555,7 +555,7 @@ bool wait_for_listener(const std::string& host, int port, std::chrono::steady_cl
         return true;
       }
     }
-    if (std::chrono::steady_clock::now() >= deadline) break;
+    if (Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ::freeaddrinfo(found);
