@@ -132,6 +132,16 @@ void register_serve(CLI::App& app, CommandBody& body) {
   command->add_option("--queue-depth", options->serve.queue_depth,
                       "generation requests that may wait behind the running one; more get 429")
       ->check(integer_in(1, 4096));
+  command->add_option("--max-batch", options->serve.max_batch,
+                      "most images one generation runs for queued requests that differ only in prompt, seed and "
+                      "response format (each still gets exactly its own image); 1: one request at a time")
+      ->check(integer_in(1, 64));
+  command->add_option_function<int64_t>(
+             "--batch-wait-ms",
+             [options](int64_t ms) { options->serve.batch_wait = std::chrono::milliseconds(ms); },
+             "how long a request waits for compatible ones to join its batch while it has room (default 0: only "
+             "those already queued)")
+      ->check(integer_in(0, 1000));
   command->add_option("--output-dir", options->serve.output_dir,
                       "folder for response_format \"url\" (images served under /images/); default: url refused");
   command->add_option("--max-images", options->serve.limits.max_images, "largest `n` per request")

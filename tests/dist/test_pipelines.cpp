@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "shardit/nn/gemm.h"
+#include "shardit/nn/linear.h"
 #include "shardit/pipelines/pipeline.h"
 #include "shardit/pipelines/prompt_encoders.h"
 #include "support/multiprocess.h"
@@ -139,6 +141,83 @@ TEST(PipelinesBuiltin, Tp3AndReplicasMatchTp1) {
     EXPECT_TRUE(shardit::testing::tensors_close(name + " image", run.image, tp1.image, 1e-4, 0));
     EXPECT_LE((run.png - tp1.png).abs().max().item<int>(), 1) << name;
   }
+}
+
+// generate_batch (the server's dynamic batching) against generate() of each request alone, on
+// every rank of the world: the same latents and image bits. Requests: two prompts of different
+// token counts, each twice with its own seed, the last with two images; SHARDIT_BATCH_CASES names
+// the golden prompt cases, or "builtin". FLUX.1 and FLUX.2 pad every prompt to
+// max_sequence_length (one batch of four); Qwen-Image keeps each prompt's length (two batches).
+void batch_worker() {
+  auto& world = shardit::dist::World::init();
+  std::stringstream cases(env_or("SHARDIT_BATCH_CASES"));
+  for (std::string name; std::getline(cases, name, ',');) {
+    shardit::pipelines::GenerateRequest base;
+    std::string dir;
+    if (name == "builtin") {
+      dir = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("batch-builtin") + "/model").pipeline;
+      base.height = 64;
+      base.width = 48;
+      base.num_inference_steps = 2;
+      base.max_sequence_length = kEncoderMaxLength;
+    } else {
+      const shardit::testing::PipelineCase golden = shardit::testing::read_prompt_case(name);
+      dir = golden.dir;
+      base = golden.request;
+      base.latents.reset();
+      base.callback_on_step_end = nullptr;
+    }
+    base.notes = false;
+    shardit::pipelines::PipelineLoadOptions options;
+    if (world.size() > 1) options.parallel = shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world);
+    const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(dir, options);
+    std::vector<shardit::pipelines::GenerateRequest> requests;
+    for (int i = 0; i < 4; ++i) {
+      shardit::pipelines::GenerateRequest request = base;
+      request.prompt = {kEncoderPrompts[i % 2]};
+      if (!base.negative_prompt.empty()) request.negative_prompt = {base.negative_prompt[i % base.negative_prompt.size()]};
+      request.seed = 11 + static_cast<uint64_t>(i);
+      request.num_images_per_prompt = i == 3 ? 2 : 1;
+      requests.push_back(request);
+    }
+    std::vector<std::vector<size_t>> batches;
+    const auto results = pipeline->generate_batch(requests, [&](const std::vector<size_t>& members, int64_t done,
+                                                                int64_t) {
+      if (done == 0) batches.push_back(members);
+      return false;
+    });
+    const std::string what = name + " at TP=" + std::to_string(world.size());
+    if (name == "pipeline_qwenimage") {
+      EXPECT_EQ(batches, (std::vector<std::vector<size_t>>{{0, 2}, {1, 3}})) << what;
+    } else {
+      EXPECT_EQ(batches, (std::vector<std::vector<size_t>>{{0, 1, 2, 3}})) << what;
+    }
+    const shardit::nn::SamplewiseProducts samplewise;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSERT_TRUE(results[i].has_value()) << what;
+      const auto alone = pipeline->generate(requests[i]);
+      EXPECT_TRUE(at::equal(results[i]->latents, alone.latents)) << what << ": request " << i << "'s latents";
+      EXPECT_EQ(results[i]->image.defined(), alone.image.defined()) << what;
+      if (alone.image.defined()) {
+        EXPECT_EQ(results[i]->image.size(0), requests[i].num_images_per_prompt) << what;
+        EXPECT_TRUE(at::equal(results[i]->image, alone.image)) << what << ": request " << i << "'s image";
+      }
+    }
+  }
+}
+
+TEST(PipelinesBatch, GoldenBatchedRequestsEqualEachAloneAtTp1AndTp2) {
+  if (is_worker()) return batch_worker();
+  const std::string cases = "pipeline_flux1,pipeline_flux2_klein,pipeline_qwenimage";
+  EXPECT_EQ(run_ranks(1, {{"SHARDIT_BATCH_CASES", cases}}), 0);
+  EXPECT_EQ(run_ranks(2, {{"SHARDIT_BATCH_CASES", cases}}), 0);
+}
+
+// Three ranks sum the rowwise layers' partial products in an order that depends on the tensor's
+// size: each sample's all-reduce runs alone too.
+TEST(PipelinesBatch, BatchedRequestsEqualEachAloneAtTp3) {
+  if (is_worker()) return batch_worker();
+  EXPECT_EQ(run_ranks(3, {{"SHARDIT_BATCH_CASES", "builtin"}}), 0);
 }
 
 // Busy processes that load every core while they live (killed when it goes).

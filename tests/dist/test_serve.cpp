@@ -834,6 +834,85 @@ TEST(Serve, FullQueueAnswers429) {
   EXPECT_EQ(health->status, 200);
 }
 
+// The bodies of `requests` posted at once, each from its own client; their answers in order.
+std::vector<json> post_together(int port, const std::vector<json>& requests) {
+  std::promise<void> go;
+  std::shared_future<void> start = go.get_future().share();
+  std::vector<std::future<json>> answers;
+  for (const json& request : requests) {
+    answers.push_back(std::async(std::launch::async, [port, request, start] {
+      auto c = client(port);
+      start.wait();
+      auto answer = c->Post("/v1/images/generations", request.dump(), "application/json");
+      EXPECT_TRUE(answer && answer->status == 200) << (answer ? answer->body : httplib::to_string(answer.error()));
+      return answer && answer->status == 200 ? json::parse(answer->body) : json();
+    }));
+  }
+  go.set_value();
+  std::vector<json> out;
+  for (auto& answer : answers) out.push_back(answer.get());
+  return out;
+}
+
+// --max-batch: four compatible requests that arrive together run as one batch at TP=2 (the
+// answers and /metrics say so), and each image equals the one the same request gets alone, from
+// this server and from `shardit generate`; four requests that differ in size or steps run one by
+// one.
+TEST(Serve, CompatibleRequestsAreBatchedAndEachGetsItsOwnImage) {
+  const std::string dir = make_temp_dir("serve_batch");
+  auto server = start_server(dir, {"--max-batch", "4", "--batch-wait-ms", "1000"});
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  std::vector<json> compatible;
+  for (int i = 0; i < 4; ++i) {
+    json request = kValid;
+    request["prompt"] = "a lighthouse, picture " + std::to_string(i) + (i % 2 ? " at dusk in the rain" : "");
+    request["seed"] = 40 + i;
+    compatible.push_back(request);
+  }
+  const std::vector<json> batched = post_together(port, compatible);
+  std::vector<std::string> batched_images;
+  for (const json& answer : batched) {
+    ASSERT_FALSE(answer.is_null());
+    EXPECT_EQ(answer["batch_requests"], 4) << answer.dump().substr(0, 300);
+    batched_images.push_back(answer["data"][0]["b64_json"]);
+  }
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_batches_total{requests=\"4\"} 1\n"));
+  EXPECT_EQ(metric_value(metrics->body, "shardit_batched_images_total"), 4);
+  for (int i = 0; i < 4; ++i) {
+    auto alone = post(port, compatible[i].dump());
+    ASSERT_TRUE(alone && alone->status == 200);
+    const json answer = json::parse(alone->body);
+    EXPECT_EQ(answer["batch_requests"], 1);
+    EXPECT_EQ(answer["data"][0]["b64_json"], batched_images[i]) << "request " << i << " in a batch of 4";
+  }
+  // `shardit generate` at the same degree gives the first request's image.
+  const at::Tensor served = png_pixels(batched_images[0], dir, "batched0.png");
+  std::string output;
+  ASSERT_EQ(run_command(cli_path() + " --nproc-per-node 2 generate --model " + served_model() + " --prompt '" +
+                            compatible[0]["prompt"].get<std::string>() + "' --height 48 --width 64 --steps 2 --seed 40 "
+                            "--max-sequence-length " + kMaxSequenceLength + " --out " + dir + "/generated.png",
+                        &output),
+            0)
+      << output;
+  EXPECT_TRUE(at::equal(served, shardit::io::read_png(dir + "/generated.png"))) << "batched image vs generate";
+
+  std::vector<json> incompatible = compatible;
+  incompatible[1]["num_inference_steps"] = 3;
+  incompatible[2]["size"] = "48x64";
+  incompatible[3]["n"] = 2;
+  for (const json& answer : post_together(port, incompatible)) {
+    ASSERT_FALSE(answer.is_null());
+    EXPECT_EQ(answer["batch_requests"], 1);
+  }
+  metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_batches_total{requests=\"4\"} 1\n"));
+  EXPECT_EQ(metric_value(metrics->body, "shardit_batched_images_total"), 4) << "incompatible requests were batched";
+}
+
 // A slow request (256x256, `steps` steps) written on a raw connection with the X-Request-Id `id`,
 // so that the test can close the connection while the server computes.
 std::unique_ptr<RawConnection> post_raw(int port, int steps, const std::string& id) {

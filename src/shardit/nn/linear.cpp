@@ -26,7 +26,16 @@ const char* mode_name(LinearParallel mode) {
   return "?";
 }
 
+thread_local bool t_samplewise_products = false;
+
+/// Whether `x` is a batch that SamplewiseProducts splits: [B, ..., in] with B > 1.
+bool split_by_sample(const at::Tensor& x) { return t_samplewise_products && x.dim() >= 2 && x.size(0) > 1; }
+
 }  // namespace
+
+SamplewiseProducts::SamplewiseProducts() : previous_(t_samplewise_products) { t_samplewise_products = true; }
+SamplewiseProducts::~SamplewiseProducts() { t_samplewise_products = previous_; }
+bool SamplewiseProducts::active() { return t_samplewise_products; }
 
 Linear::Linear(const LinearOptions& options) : options_(options) {
   TORCH_CHECK(options.in_features > 0 && options.out_features > 0,
@@ -52,6 +61,16 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   // A quantized weight is dequantized here, block by block as layers run, so only one layer's
   // dense weight is alive at a time.
   const at::Tensor weight = dense_weight(x.scalar_type());
+  if (split_by_sample(x)) {
+    std::vector<at::Tensor> samples;
+    samples.reserve(static_cast<size_t>(x.size(0)));
+    for (int64_t i = 0; i < x.size(0); ++i) samples.push_back(forward_dense(x.narrow(0, i, 1), weight));
+    return at::cat(samples, 0);
+  }
+  return forward_dense(x, weight);
+}
+
+at::Tensor Linear::forward_dense(const at::Tensor& x, const at::Tensor& weight) {
   switch (mode_) {
     case LinearParallel::None:
     case LinearParallel::Colwise: {
@@ -98,6 +117,15 @@ at::Tensor Linear::forward(const at::Tensor& x) {
 
 at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   TORCH_CHECK(!parts.empty(), "Linear '", path(), "': forward_blocks needs at least one input");
+  if (split_by_sample(parts.front())) {
+    std::vector<at::Tensor> samples;
+    for (int64_t i = 0; i < parts.front().size(0); ++i) {
+      std::vector<at::Tensor> sample_parts;
+      for (const at::Tensor& part : parts) sample_parts.push_back(part.narrow(0, i, 1));
+      samples.push_back(forward_blocks(sample_parts));
+    }
+    return at::cat(samples, 0);
+  }
   // Gathered outputs take the concatenated path. Adapters add their delta from the concatenated
   // input below, so the base product sums in the same order whether or not one is active.
   // oneDNN reads a weight in place only whole (a column block would be copied, which costs more

@@ -58,6 +58,27 @@ struct LoraSelection {
   double scale = 1.0;
 };
 
+/// While one lives, every Linear on this thread computes each sample of a batched input (dim 0 of
+/// [B, ..., in], B > 1) on its own, products and all-reduce alike, exactly as it would for that
+/// sample alone. Why: a product's kernel, and so its rounding, may depend on its row count (a
+/// conditioning row [1, D] goes to a matrix-vector kernel, [B, D] to a matrix product; oneDNN's
+/// bf16 kernels block differently for few rows) and an all-reduce over 3+ ranks sums an element
+/// in an order set by the tensor's size; a server batching requests must give each request the
+/// image it would get alone. Costs little where a sample has many rows (tokens); the conditioning
+/// products read their weight once per sample. Scopes nest.
+class SamplewiseProducts {
+ public:
+  SamplewiseProducts();
+  ~SamplewiseProducts();
+  SamplewiseProducts(const SamplewiseProducts&) = delete;
+  SamplewiseProducts& operator=(const SamplewiseProducts&) = delete;
+  /// Whether one lives on this thread.
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
 /// How a Linear's output relates to the other ranks'. Set by parallel::apply_tensor_parallel.
 enum class LinearParallel { None, Colwise, Rowwise, ColwiseGather };
 
@@ -119,6 +140,8 @@ class Linear : public Module {
   std::vector<LoraLayer> loras_;
   std::shared_ptr<const LoraSelection> lora_selection_;
 
+  /// forward() with the weight in the input's dtype (dequantized once per call).
+  at::Tensor forward_dense(const at::Tensor& x, const at::Tensor& weight);
   /// Rowwise: sums the partial products over the group, then adds the bias once.
   void finish_rowwise(at::Tensor& y);
   /// Adds the active adapters' deltas to `y` (local output, or partial sums before the

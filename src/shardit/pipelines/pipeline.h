@@ -159,6 +159,10 @@ struct GenerateResult {
   at::Tensor cache_computed;
   at::Tensor cache_ratio;
   int64_t cache_state_bytes = 0;  ///< what the cache held at the end, on this rank
+  /// generate_batch() only: the notes (core/notes.h) that preparing this request emitted (a
+  /// prompt truncated, a size rounded), taken out of the caller's notes so that each request
+  /// gets its own; the notes of the batch's shared loop go to the caller as usual.
+  std::vector<std::string> notes;
 };
 
 /// How a pipeline folder is loaded: each component gets its own parallel config.
@@ -235,6 +239,22 @@ class DiffusionPipeline {
   /// with the same request. The start of the call is shared (prepare()); the family's
   /// generate_prepared() runs the rest.
   GenerateResult generate(const GenerateRequest& request);
+
+  /// After each step of a batch of generate_batch(), on every rank: the indices (into its
+  /// requests) of the batch that runs, the steps done and in all. Returns whether to stop that
+  /// batch now; it must return the same on every rank (a server broadcasts its decision).
+  using BatchProgress = std::function<bool(const std::vector<size_t>& members, int64_t done, int64_t total)>;
+  /// Runs several requests together where they can share one denoising loop (no diffusers
+  /// counterpart: a server's batching of its clients' requests), each request's image bit for bit
+  /// the one generate(request) gives under nn::SamplewiseProducts (which this call holds):
+  /// prompts are encoded and noise drawn per request, the transformer and the VAE compute each
+  /// sample alone. Requests are batched with the first earlier one that agrees in size, steps,
+  /// guidance, the CFG decision and the shapes of the prompt embeddings (Qwen-Image's differ with
+  /// the prompt's length); the batches run one after another. None may carry a step cache (its
+  /// decision to skip a step is taken for the whole batch), reference images or callbacks. An
+  /// entry is nullopt when `progress` stopped its batch. Collective like generate().
+  std::vector<std::optional<GenerateResult>> generate_batch(const std::vector<GenerateRequest>& requests,
+                                                             const BatchProgress& progress = {});
 
   /// Whether `request` runs classifier-free guidance (a negative prediction combined with the
   /// positive one at every step).

@@ -419,6 +419,15 @@ nlohmann::json ImageRequest::to_json() const {
   return out;
 }
 
+std::string ImageRequest::batch_key() const {
+  if (!images.empty() || cache) return "";
+  json key = to_json();
+  for (const char* own : {"prompt", "seed", "response_format"}) key.erase(own);
+  // Whether there is a negative prompt decides CFG; its text is the request's own.
+  key["negative_prompt"] = negative_prompt.has_value();
+  return key.dump();
+}
+
 ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   ImageRequest request;
   request.prompt = json.at("prompt").get<std::string>();

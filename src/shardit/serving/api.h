@@ -88,6 +88,10 @@ struct ImageRequest {
   /// [] for none), or the server's (RequestLimits::lora).
   std::vector<LoraChoice> lora;
 
+  /// What a request must share with others to run in one batch (serve --max-batch): everything
+  /// but the prompt, the negative prompt's text, the seed and the answer's format. Empty when it
+  /// runs alone: with reference images, or with a step cache (which decides for a whole batch).
+  std::string batch_key() const;
   /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;
   /// As the control plane sends it to the other ranks.

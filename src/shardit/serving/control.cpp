@@ -52,7 +52,7 @@ std::pair<ControlKind, std::string> ControlPlane::receive() {
   group_->broadcast(header, 0);
   const int64_t kind = header[0].item<int64_t>();
   const int64_t length = header[1].item<int64_t>();
-  TORCH_CHECK(kind >= 0 && kind <= 2 && length >= 0 && length <= kMaxPayload, "control message from rank 0 is "
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(ControlKind::GenerateBatch) && length >= 0 && length <= kMaxPayload, "control message from rank 0 is "
               "malformed (kind ", kind, ", ", length, " bytes): the ranks run different versions of shardit");
   std::string payload;
   if (length > 0) {

@@ -20,6 +20,7 @@ enum class ControlKind : int64_t {
   Tick = 0,      ///< no work: report status and memory
   Generate = 1,  ///< run the request in the payload (ImageRequest::to_json)
   Stop = 2,      ///< leave the serving loop
+  GenerateBatch = 3,  ///< run the requests in the payload (a JSON array of ImageRequest::to_json) as one batch
 };
 
 /// One rank's report after a message.

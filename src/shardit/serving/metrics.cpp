@@ -63,6 +63,12 @@ void Metrics::count_cancelled(const std::string& reason) {
   ++cancelled_[reason];
 }
 
+void Metrics::observe_batch(int64_t requests, int64_t images) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++batches_[requests];
+  batched_images_ += static_cast<uint64_t>(images);
+}
+
 void Metrics::count_warnings(int64_t count) {
   std::lock_guard<std::mutex> lock(mutex_);
   warnings_ += static_cast<uint64_t>(count);
@@ -118,6 +124,13 @@ std::string Metrics::render() const {
     out += fmt::format("shardit_cancelled_total{{reason=\"{}\"}} {}\n", reason,
                        found == cancelled_.end() ? 0 : found->second);
   }
+  header("shardit_batches_total", "counter",
+         "generations that ran several requests as one batch (serve --max-batch), by their request count");
+  for (const auto& [requests, count] : batches_) {
+    out += fmt::format("shardit_batches_total{{requests=\"{}\"}} {}\n", requests, count);
+  }
+  scalar("shardit_batched_images_total", "counter", "images generated in batches of several requests",
+         batched_images_);
   scalar("shardit_warnings_total", "counter", "warnings returned in answers (a prompt truncated, ...)", warnings_);
   header("shardit_rank_resident_memory_bytes", "gauge", "resident memory of each rank");
   for (const auto& rank : ranks_) {

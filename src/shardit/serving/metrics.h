@@ -28,6 +28,8 @@ class Metrics {
   void observe_lora_switch(double seconds);
   /// A generation request cancelled before its answer: `reason` "disconnected" or "timeout".
   void count_cancelled(const std::string& reason);
+  /// A generation that ran `requests` (> 1) requests with `images` images in all as one batch.
+  void observe_batch(int64_t requests, int64_t images);
   /// A generation answered with `count` warnings.
   void count_warnings(int64_t count);
   /// Prometheus text format, version 0.0.4.
@@ -55,6 +57,8 @@ class Metrics {
   double lora_switch_seconds_ = 0;
   std::map<std::string, uint64_t> cancelled_;
   uint64_t warnings_ = 0;
+  std::map<int64_t, uint64_t> batches_;  ///< batches by their request count
+  uint64_t batched_images_ = 0;
 };
 
 }  // namespace shardit::serving

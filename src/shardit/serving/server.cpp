@@ -23,6 +23,7 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/file.h"
 #include "shardit/io/png.h"
+#include "shardit/nn/linear.h"
 #include "shardit/serving/base64.h"
 #include "shardit/serving/control.h"
 #include "shardit/serving/metrics.h"
@@ -71,6 +72,7 @@ struct Job {
   std::string id;
   ImageRequest request;
   std::string base_url;  ///< "http://host:port" as the client addressed the server
+  std::string batch_key;  ///< ImageRequest::batch_key with batching on; empty: runs alone
   Clock::time_point arrived;
   time_t created = 0;
   std::optional<Clock::time_point> deadline;  ///< --generation-timeout after arrival
@@ -161,14 +163,14 @@ struct Server::State {
   Phase phase = Phase::Loading;
   std::string failure;
   std::deque<std::shared_ptr<Job>> waiting;
-  std::shared_ptr<Job> running;
+  std::vector<std::shared_ptr<Job>> running;  // the jobs of the running generation (a batch's all)
   std::map<std::string, std::shared_ptr<Job>> jobs;  // queued, running, and the last jobs_kept finished
   std::deque<std::string> finished;                  // ids of finished jobs, oldest first
   std::vector<RankReport> ranks;
   const pipelines::DiffusionPipeline* pipeline = nullptr;
   uint64_t images_written = 0;
 
-  void publish_queue() { metrics.set_queue(static_cast<int64_t>(waiting.size()), options.queue_depth, running != nullptr); }
+  void publish_queue() { metrics.set_queue(static_cast<int64_t>(waiting.size()), options.queue_depth, !running.empty()); }
 
   // The adapters active now on every rank (lora_json of what was set last); only generate() changes it.
   std::string active_lora;
@@ -230,21 +232,7 @@ struct Server::State {
   // step at which rank 0 tells every rank whether `job` (rank 0's; null elsewhere) is cancelled.
   pipelines::GenerateResult generate(pipelines::DiffusionPipeline& pipeline, const ImageRequest& request,
                                      ControlPlane& plane, Job* job) {
-    if (!options.lora.empty() && !options.fuse_lora) {
-      const std::string wanted = lora_json(request.lora).dump();
-      if (wanted != active_lora) {
-        const auto start = Clock::now();
-        std::vector<std::string> names;
-        std::vector<double> weights;
-        for (const auto& choice : request.lora) {
-          names.push_back(choice.name);
-          weights.push_back(choice.scale);
-        }
-        pipeline.lora_adapters().set_adapters(names, weights);
-        active_lora = wanted;
-        metrics.observe_lora_switch(seconds_between(start, Clock::now()));
-      }
-    }
+    use_lora(pipeline, request.lora);
     pipelines::GenerateRequest call = request.to_generate();
     call.on_progress = [&plane, job](int64_t done, int64_t total) {
       if (job != nullptr) {
@@ -255,6 +243,75 @@ struct Server::State {
       if (plane.step_boundary(job != nullptr && job->cancel_asked.load())) throw GenerationCancelled();
     };
     return pipeline.generate(call);
+  }
+
+  // Makes `lora` the active adapters on this rank (collective: every rank switches alike).
+  void use_lora(pipelines::DiffusionPipeline& pipeline, const std::vector<LoraChoice>& lora) {
+    if (options.lora.empty() || options.fuse_lora) return;
+    const std::string wanted = lora_json(lora).dump();
+    if (wanted == active_lora) return;
+    const auto start = Clock::now();
+    std::vector<std::string> names;
+    std::vector<double> weights;
+    for (const auto& choice : lora) {
+      names.push_back(choice.name);
+      weights.push_back(choice.scale);
+    }
+    pipeline.lora_adapters().set_adapters(names, weights);
+    active_lora = wanted;
+    metrics.observe_lora_switch(seconds_between(start, Clock::now()));
+  }
+
+  // Runs requests that share a batch key as one batch on this rank (collective like generate()):
+  // after each step rank 0 tells every rank whether every job of the running batch is cancelled
+  // (`jobs`: rank 0's, one per request; empty elsewhere), which stops it there. A job cancelled
+  // while others of its batch go on is answered when the batch ends.
+  std::vector<std::optional<pipelines::GenerateResult>> generate_batch(pipelines::DiffusionPipeline& pipeline,
+                                                                       const std::vector<ImageRequest>& requests,
+                                                                       ControlPlane& plane,
+                                                                       const std::vector<Job*>& jobs) {
+    use_lora(pipeline, requests.front().lora);
+    std::vector<pipelines::GenerateRequest> calls;
+    for (const ImageRequest& request : requests) calls.push_back(request.to_generate());
+    return pipeline.generate_batch(calls, [&](const std::vector<size_t>& members, int64_t done, int64_t total) {
+      bool all_cancelled = !jobs.empty();
+      for (const size_t i : members) {
+        if (jobs.empty()) break;
+        jobs[i]->steps.store(total);
+        jobs[i]->step.store(done);
+        all_cancelled = all_cancelled && jobs[i]->cancel_asked.load();
+      }
+      if (done == 0) return false;
+      return plane.step_boundary(all_cancelled);
+    });
+  }
+
+  // Takes the next job and, with batching on, the queued jobs that share its batch key, waiting
+  // up to --batch-wait for more while the batch has room (the caller holds the lock, released
+  // while waiting). Each taken job is running.
+  std::vector<std::shared_ptr<Job>> take_batch(std::unique_lock<std::mutex>& lock) {
+    std::vector<std::shared_ptr<Job>> batch = {waiting.front()};
+    waiting.pop_front();
+    int64_t images = batch.front()->request.n;
+    const std::string& key = batch.front()->batch_key;
+    const auto deadline = Clock::now() + options.batch_wait;
+    while (!key.empty() && images < options.max_batch) {
+      for (auto it = waiting.begin(); it != waiting.end() && images < options.max_batch;) {
+        if ((*it)->batch_key == key && images + (*it)->request.n <= options.max_batch) {
+          images += (*it)->request.n;
+          batch.push_back(*it);
+          it = waiting.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (images >= options.max_batch || Clock::now() >= deadline || g_stop_signal.load() != 0) break;
+      wake.wait_until(lock, deadline);
+    }
+    for (const auto& job : batch) job->status = JobStatus::Running;
+    running = batch;
+    publish_queue();
+    return batch;
   }
 
   // The phase clients see (the caller holds the lock): a stop signal shows at once, before the
@@ -278,7 +335,7 @@ struct Server::State {
     json body = {{"status", names[static_cast<int>(seen)]},
                  {"model", options.model_id},
                  {"world_size", dist::World::get().size()},
-                 {"queue", {{"waiting", waiting.size()}, {"capacity", options.queue_depth}, {"running", running != nullptr}}}};
+                 {"queue", {{"waiting", waiting.size()}, {"capacity", options.queue_depth}, {"running", !running.empty()}}}};
     json ranks_json = json::array();
     for (const auto& r : ranks) {
       ranks_json.push_back({{"rank", r.rank}, {"pid", r.pid}, {"resident_memory_bytes", r.rss_bytes},
@@ -351,6 +408,7 @@ struct Server::State {
     }
     job->arrived = Clock::now();
     job->created = std::time(nullptr);
+    if (options.max_batch > 1 && job->request.n < options.max_batch) job->batch_key = job->request.batch_key();
     if (options.generation_timeout.count() > 0) job->deadline = job->arrived + options.generation_timeout;
     // The Host header goes into the answer's URLs: only a plain host[:port] is taken from it.
     const std::string host = request.get_header_value("Host");
@@ -461,7 +519,7 @@ struct Server::State {
 
   // The answer to a finished generation: the PNGs as base64 or as files under output_dir.
   Reply images_reply(const Job& job, const pipelines::GenerateResult& result,
-                     const std::vector<std::string>& warnings) {
+                     const std::vector<std::string>& warnings, int64_t batch_requests) {
     json data = json::array();
     const std::vector<std::pair<std::string, std::string>> text = {
         {"prompt", job.request.prompt},
@@ -491,6 +549,8 @@ struct Server::State {
                  {"num_inference_steps", result.num_inference_steps},
                  {"id", job.id},
                  {"lora", lora_json(job.request.lora)},
+                 // How many requests ran in the same denoising loop (serve --max-batch).
+                 {"batch_requests", batch_requests},
                  // Where the request was not taken exactly as given (a prompt truncated, ...).
                  {"warnings", warnings}};
     return {200, body.dump()};
@@ -499,6 +559,10 @@ struct Server::State {
 
 Server::Server(ServeOptions options) : state_(std::make_unique<State>()) {
   TORCH_CHECK(options.queue_depth >= 1, "serve: --queue-depth must be at least 1, got ", options.queue_depth);
+  TORCH_CHECK(options.max_batch >= 1 && options.max_batch <= 64, "serve: --max-batch must be 1 to 64 images, got ",
+              options.max_batch);
+  TORCH_CHECK(options.batch_wait.count() >= 0 && options.batch_wait <= std::chrono::milliseconds(1000),
+              "serve: --batch-wait-ms must be 0 to 1000, got ", options.batch_wait.count());
   options.limits.url_output = !options.output_dir.empty();
   options.limits.lora.clear();
   for (const auto& file : options.lora) options.limits.lora.push_back({file.name, file.weight});
@@ -548,6 +612,10 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
   dist::World& world = dist::World::get();
   ControlPlane plane(world.group());
   State& s = *state_;
+  // With batching on, every generation computes each image alone (a batch's and a lone
+  // request's alike), so that an image never depends on the requests it ran beside.
+  std::optional<nn::SamplewiseProducts> samplewise;
+  if (s.options.max_batch > 1) samplewise.emplace();
 
   // The adapters, read once by every rank (each its slices) and then only switched per request.
   if (!s.options.lora.empty()) {
@@ -562,10 +630,16 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
     for (;;) {
       auto [kind, payload] = plane.receive();
       bool failed = false;
-      if (kind == ControlKind::Generate) {
+      if (kind == ControlKind::Generate || kind == ControlKind::GenerateBatch) {
         try {
           NoteCollector notes;  // rank 0 answers the notes; here they would only repeat in the log
-          s.generate(pipeline, ImageRequest::from_json(json::parse(payload)), plane, nullptr);
+          if (kind == ControlKind::Generate) {
+            s.generate(pipeline, ImageRequest::from_json(json::parse(payload)), plane, nullptr);
+          } else {
+            std::vector<ImageRequest> requests;
+            for (const json& request : json::parse(payload)) requests.push_back(ImageRequest::from_json(request));
+            s.generate_batch(pipeline, requests, plane, {});
+          }
         } catch (const GenerationCancelled&) {
           // rank 0 answers it
         } catch (const std::exception&) {
@@ -583,9 +657,10 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       s.phase = Phase::Failed;
       s.failure = message;
       s.metrics.set_ready(false);
-      if (s.running)
-        s.finish(s.running, JobStatus::Failed, error_reply(ApiError(500, "the generation failed: " + message)));
-      s.running.reset();
+      for (const auto& job : s.running) {
+        s.finish(job, JobStatus::Failed, error_reply(ApiError(500, "the generation failed: " + message)));
+      }
+      s.running.clear();
       s.fail_waiting(ApiError(503, "the server failed: " + message));
     }
     std::this_thread::sleep_for(s.options.linger);
@@ -611,7 +686,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
     std::fflush(stdout);
     auto last_message = Clock::now();
     for (;;) {
-      std::shared_ptr<Job> job;
+      std::vector<std::shared_ptr<Job>> batch;
       {
         std::unique_lock<std::mutex> lock(s.mutex);
         s.wake.wait_for(lock, std::min<std::chrono::milliseconds>(s.options.tick, std::chrono::milliseconds(100)),
@@ -620,15 +695,9 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
           s.stop_accepting();
           break;
         }
-        if (!s.waiting.empty()) {
-          job = s.waiting.front();
-          s.waiting.pop_front();
-          s.running = job;
-          job->status = JobStatus::Running;
-          s.publish_queue();
-        }
+        if (!s.waiting.empty()) batch = s.take_batch(lock);
       }
-      if (!job) {
+      if (batch.empty()) {
         if (Clock::now() - last_message < s.options.tick) continue;
         plane.send(ControlKind::Tick);
         const auto reports = plane.report(false);
@@ -639,18 +708,32 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
         continue;
       }
 
-      plane.send(ControlKind::Generate, job->request.to_json().dump());
+      // One result per job: nullopt where the generation was cancelled.
+      std::vector<std::optional<pipelines::GenerateResult>> results(batch.size());
       const auto start = Clock::now();
-      pipelines::GenerateResult result;
       std::string failure;
-      std::vector<std::string> warnings;
-      bool cancelled = false;
+      std::vector<std::string> warnings;  // the notes of the shared run, for every job
       try {
         NoteCollector notes;
-        result = s.generate(pipeline, job->request, plane, job.get());
+        if (batch.size() == 1) {
+          plane.send(ControlKind::Generate, batch.front()->request.to_json().dump());
+          try {
+            results.front() = s.generate(pipeline, batch.front()->request, plane, batch.front().get());
+          } catch (const GenerationCancelled&) {
+          }
+        } else {
+          json requests = json::array();
+          std::vector<ImageRequest> calls;
+          std::vector<Job*> jobs;
+          for (const auto& job : batch) {
+            requests.push_back(job->request.to_json());
+            calls.push_back(job->request);
+            jobs.push_back(job.get());
+          }
+          plane.send(ControlKind::GenerateBatch, requests.dump());
+          results = s.generate_batch(pipeline, calls, plane, jobs);
+        }
         for (const auto& note : notes.notes()) warnings.push_back(client_note(note));
-      } catch (const GenerationCancelled&) {
-        cancelled = true;
       } catch (const std::exception& e) {
         failure = error_message(e);
       }
@@ -660,35 +743,49 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       for (const auto& r : reports) {
         if (failure.empty() && r.failed) failure = fmt::format("the generation failed on rank {}", r.rank);
       }
-      Reply reply;
-      JobStatus status = JobStatus::Failed;
-      if (cancelled && failure.empty()) {
+      int64_t images = 0;
+      for (const auto& result : results) images += result ? result->image.size(0) : 0;
+      if (batch.size() > 1) s.metrics.observe_batch(static_cast<int64_t>(batch.size()), images);
+      bool loop_counted = false;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        Job& job = *batch[i];
+        Reply reply;
+        JobStatus status = JobStatus::Failed;
         std::string reason;
         {
           std::lock_guard<std::mutex> lock(s.mutex);
-          reason = job->cancel_reason;
+          if (job.cancel_asked.load()) reason = job.cancel_reason;
         }
-        reply = s.cancelled_reply(*job, reason);
-        status = JobStatus::Cancelled;
-        s.metrics.count_cancelled(reason);
-      } else if (failure.empty()) {
-        try {
-          reply = s.images_reply(*job, result, warnings);
-          status = JobStatus::Succeeded;
-          s.metrics.observe_generation(seconds_between(job->arrived, Clock::now()), result.image.size(0),
-                                       result.num_inference_steps, seconds_between(start, end));
-          s.metrics.count_warnings(static_cast<int64_t>(warnings.size()));
-        } catch (const std::exception& e) {
-          reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
+        if (failure.empty() && (!results[i] || !reason.empty())) {
+          reply = s.cancelled_reply(job, reason);
+          status = JobStatus::Cancelled;
+          s.metrics.count_cancelled(reason);
+        } else if (failure.empty()) {
+          try {
+            std::vector<std::string> job_warnings;
+            for (const auto& note : results[i]->notes) job_warnings.push_back(client_note(note));
+            job_warnings.insert(job_warnings.end(), warnings.begin(), warnings.end());
+            reply = s.images_reply(job, *results[i], job_warnings, static_cast<int64_t>(batch.size()));
+            status = JobStatus::Succeeded;
+            // The batch's steps and time are counted once, with its first answered request.
+            s.metrics.observe_generation(seconds_between(job.arrived, Clock::now()), results[i]->image.size(0),
+                                         loop_counted ? 0 : results[i]->num_inference_steps,
+                                         loop_counted ? 0 : seconds_between(start, end));
+            loop_counted = true;
+            s.metrics.count_warnings(static_cast<int64_t>(job_warnings.size()));
+          } catch (const std::exception& e) {
+            reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
+          }
+        } else {
+          reply = error_reply(ApiError(500, "the generation failed: " + failure));
         }
-      } else {
-        reply = error_reply(ApiError(500, "the generation failed: " + failure));
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.finish(batch[i], status, std::move(reply));
       }
       std::lock_guard<std::mutex> lock(s.mutex);
       s.ranks = reports;
       s.metrics.set_ranks(reports);
-      s.finish(job, status, std::move(reply));
-      s.running.reset();
+      s.running.clear();
       s.publish_queue();
     }
     plane.send(ControlKind::Stop);

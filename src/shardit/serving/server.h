@@ -36,6 +36,13 @@ struct ServeOptions {
   /// The most time from a generation request's arrival to its answer (queue wait included); a
   /// later one is cancelled at its next step boundary and answered 504. Zero: no limit.
   std::chrono::milliseconds generation_timeout{0};
+  /// Dynamic batching: the most images one generation runs for queued requests that share their
+  /// ImageRequest::batch_key (each request still gets exactly its own image, see
+  /// DiffusionPipeline::generate_batch); 1: one request at a time.
+  int64_t max_batch = 1;
+  /// How long the first request of a batch waits for compatible ones to arrive while the batch
+  /// holds fewer than max_batch images.
+  std::chrono::milliseconds batch_wait{0};
   /// Finished jobs GET /v1/jobs/{id} still reports (the oldest are forgotten first).
   size_t jobs_kept = 256;
 };
