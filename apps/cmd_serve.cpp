@@ -28,6 +28,7 @@ struct ServeCommandOptions {
   std::string model_name;
   serving::ServeOptions serve;
   PipelineCliOptions pipeline;
+  int replicas = 0;  ///< 0: what the world leaves after cfg x ulysses x ring x tp
 };
 
 // `--lora NAME=FILE[:W]`: the name requests give in "lora"; without NAME= (or when the whole
@@ -87,9 +88,25 @@ int serve(ServeCommandOptions options) {
                           serve.limits.max_sequence_length, pipeline_options.tiled_vae, pipeline_options.vae_parallel,
                           fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
                           pipeline_options.lora.fuse) +
-                  "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype);
+                  "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype + "|" +
+                  std::to_string(options.replicas) + "|" + std::to_string(serve.max_batch));
 
-  auto load = pipeline_load_options(world, pipeline_options);
+  PipelineCliOptions layout_options = pipeline_options;
+  if (options.replicas > 0) {
+    // --replicas R: the world as R copies of the mesh; an unset --tp takes what they leave.
+    const parallel::ParallelDims dims = pipeline_options.dims();
+    const int context = dims.cfg * dims.ulysses * dims.ring;
+    if (dims.tp == 0 && world.size() % (options.replicas * context) == 0) {
+      layout_options.tp = world.size() / (options.replicas * context);
+    }
+    TORCH_CHECK(layout_options.tp >= 1 && layout_options.dims().product() * options.replicas == world.size(),
+                "serve: --replicas ", options.replicas, " of ", layout_options.dims().to_string(), " do not make the ",
+                world.size(), " ranks; choose --replicas and --tp (--cfg-parallel, --ulysses, --ring) so that "
+                "replicas x cfg x ulysses x ring x tp = ", world.size());
+  }
+  auto load = pipeline_load_options(world, layout_options);
+  // Each replica of the mesh serves requests of its own.
+  load.independent_replicas = true;
   load.lora.clear();  // the server loads them, named, once the weights are in (ServeOptions::lora)
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
   serve.lora = open_named_lora(pipeline_options.lora, *pipeline->transformer());
@@ -131,6 +148,10 @@ void register_serve(CLI::App& app, CommandBody& body) {
       ->check(integer_in(0, 65535));
   command->add_option("--queue-depth", options->serve.queue_depth,
                       "generation requests that may wait behind the running one; more get 429")
+      ->check(integer_in(1, 4096));
+  command->add_option("--replicas", options->replicas,
+                      "data-parallel replicas of the cfg x ulysses x ring x tp mesh, each serving requests of its "
+                      "own (default: the ranks the mesh leaves; --tp unset: what the replicas leave)")
       ->check(integer_in(1, 4096));
   command->add_option("--max-batch", options->serve.max_batch,
                       "most images one generation runs for queued requests that differ only in prompt, seed and "

@@ -26,6 +26,7 @@
 #include <optional>
 #include <regex>
 #include <sstream>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1067,17 +1068,21 @@ TEST(Serve, GenerationTimeoutCancelsAndWarningsAreAnswered) {
 }
 
 // Two ranks started by hand, as torchrun would (no launcher to report or forward anything).
-std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir) {
+std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir, int world_size = 2,
+                                                 const std::vector<std::string>& extra = {}) {
   const int master_port = free_port();
   std::vector<std::unique_ptr<Process>> ranks;
-  for (int r = 0; r < 2; ++r) {
-    const std::map<std::string, std::string> env = {{"RANK", std::to_string(r)},       {"WORLD_SIZE", "2"},
-                                                     {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "2"},
+  const std::string world = std::to_string(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    const std::map<std::string, std::string> env = {{"RANK", std::to_string(r)},       {"WORLD_SIZE", world},
+                                                     {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", world},
                                                      {"MASTER_ADDR", "127.0.0.1"},      {"MASTER_PORT", std::to_string(master_port)},
                                                      {"SHARDIT_DIST_TIMEOUT_MS", "10000"}};
+    std::vector<std::string> argv = {cli_path(), "serve", "--model", served_model(), "--port", "0",
+                                     "--max-sequence-length", kMaxSequenceLength};
+    argv.insert(argv.end(), extra.begin(), extra.end());
     ranks.push_back(std::make_unique<Process>(
-        std::vector<std::string>{cli_path(), "serve", "--model", served_model(), "--port", "0",
-                                 "--max-sequence-length", kMaxSequenceLength},
+        argv,
         env,
         dir + "/rank" + std::to_string(r) + ".log"));
   }
@@ -1264,6 +1269,90 @@ TEST(Serve, EditsEqualGenerateWithImageAndRefuseBadImagesGolden) {
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
+
+// --replicas 2 --tp 2 on 4 ranks: two requests that arrive together run at the same time, one on
+// each replica (both jobs are seen running at once through GET /v1/jobs/{id}), and give the same
+// image; /health lists every rank and both replicas. Then a rank of replica 1 is killed: the
+// server fails as it does for any lost rank (/health 503 naming the replica and the rank, exit
+// non-zero), and every other rank exits non-zero too.
+TEST(Serve, ReplicasServeConcurrentlyAndALostReplicaRankFailsTheServer) {
+  const std::string dir = make_temp_dir("serve_replicas");
+  auto ranks = start_ranks(dir, 4, {"--replicas", "2", "--tp", "2"});
+  const int port = ranks[0]->wait_listening();
+  ASSERT_GT(port, 0) << ranks[0]->log();
+  // The other replica's ranks report after their first tick.
+  json health_json;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto health = client(port)->Get("/health");
+    ASSERT_TRUE(health);
+    health_json = json::parse(health->body);
+    if (health->status == 200 && health_json["ranks"].size() == 4u) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(health_json["ranks"].size(), 4u) << health_json.dump();
+  ASSERT_EQ(health_json["replicas"].size(), 2u) << health_json.dump();
+  EXPECT_EQ(health_json["ranks"][3]["pid"].get<int64_t>(), ranks[3]->pid());
+
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = 12;
+  std::vector<std::future<httplib::Result>> answers;
+  for (const std::string id : {"replica-job-a", "replica-job-b"}) {
+    answers.push_back(std::async(std::launch::async, [port, slow, id] {
+      return client(port)->Post("/v1/images/generations", httplib::Headers{{"X-Request-Id", id}}, slow.dump(),
+                                "application/json");
+    }));
+  }
+  // Both jobs running at the same moment: each on its own replica.
+  bool both_running = false;
+  const auto asked = Clock::now();
+  while (!both_running && Clock::now() - asked < std::chrono::seconds(60)) {
+    int running = 0;
+    for (const std::string id : {"replica-job-a", "replica-job-b"}) {
+      auto job = client(port)->Get(("/v1/jobs/" + id).c_str());
+      if (job && job->status == 200 && json::parse(job->body)["status"] == "running") ++running;
+    }
+    both_running = running == 2;
+    if (!both_running) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(both_running) << "the two requests never ran at the same time";
+  std::set<int> replicas_used;
+  std::vector<std::string> images;
+  for (auto& answer : answers) {
+    auto result = answer.get();
+    ASSERT_TRUE(result && result->status == 200) << (result ? result->body : httplib::to_string(result.error()));
+    const json body = json::parse(result->body);
+    replicas_used.insert(body["replica"].get<int>());
+    images.push_back(body["data"][0]["b64_json"]);
+  }
+  EXPECT_EQ(replicas_used, (std::set<int>{0, 1}));
+  EXPECT_EQ(images[0], images[1]) << "the two replicas gave different images for the same request";
+  auto metrics = client(port)->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, HasSubstr("shardit_replica_generations_total{replica=\"1\"} 1\n"));
+
+  const auto killed_at = Clock::now();
+  ::kill(static_cast<pid_t>(ranks[3]->pid()), SIGKILL);
+  std::string failure_body;
+  while (Clock::now() - killed_at < std::chrono::seconds(20)) {
+    auto answer = client(port)->Get("/health");
+    if (!answer) break;
+    if (answer->status == 503) {
+      failure_body = answer->body;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_THAT(failure_body, HasSubstr("\"status\":\"failed\""));
+  EXPECT_THAT(failure_body, HasSubstr("replica 1"));
+  EXPECT_THAT(failure_body, HasSubstr("lost rank 3"));
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(30))) << "rank " << r << ":\n" << ranks[r]->log();
+    EXPECT_NE(ranks[r]->exit_code(), 0) << "rank " << r;
+  }
+  EXPECT_THAT(ranks[0]->log(), HasSubstr("lost rank 3"));
 }
 
 }  // namespace

@@ -114,13 +114,15 @@ class Heartbeat {
     if (thread_.joinable()) thread_.join();
   }
 
-  // A sentence about the members of `global_ranks` (other than this rank) that were lost.
-  std::string lost_ranks(const std::vector<int>& global_ranks) {
+  // A sentence about the members of `global_ranks` (other than this rank) that were lost;
+  // `when_alive` when none was.
+  std::string lost_ranks(const std::vector<int>& global_ranks,
+                         const std::string& when_alive = "every other member is still alive") {
     std::vector<int> others;
     for (int r : global_ranks) {
       if (r != rank_) others.push_back(r);
     }
-    if (others.empty()) return "";
+    if (others.empty()) return when_alive;
     try {
       std::vector<int64_t> before = read(others);
       std::this_thread::sleep_for(kProbeWindow);
@@ -150,14 +152,13 @@ class Heartbeat {
         text += (text.empty() ? "" : "; ") + std::string(never_joined.size() == 1 ? "rank " : "ranks ") +
                 list_ranks(never_joined) + " never joined";
       }
-      return text.empty() ? "every other member is still alive" : text;
+      return text.empty() ? when_alive : text;
     } catch (const std::exception& e) {
       return "the rendezvous store hosted by rank 0 is unreachable: rank 0 exited (perhaps after "
              "another rank failed), crashed or was killed";
     }
   }
 
- private:
   std::vector<int64_t> read(const std::vector<int>& ranks) {
     std::lock_guard<std::mutex> lock(store_mutex_);
     std::vector<int64_t> values;
@@ -165,6 +166,7 @@ class Heartbeat {
     return values;
   }
 
+ private:
   // How a rank whose heartbeat stands still is doing, when it runs on this host (known from the
   // host and pid it published); Gone otherwise (no process to look at).
   ProcessState local_state(int rank) {
@@ -646,6 +648,7 @@ struct World::Impl {
   std::unique_ptr<Heartbeat> heartbeat;
   int groups_made = 0;
   int agreements = 0;
+  std::mutex mailbox_mutex;  // post/take from several threads share the store's connection
 
   c10::intrusive_ptr<C10dBackend> make_gloo(const std::string& prefix, int rank, int size,
                                             std::chrono::milliseconds timeout) {
@@ -874,6 +877,32 @@ std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
     TORCH_CHECK(false, "new_group ", name, " failed on rank ", rank(), " within ",
                 options_.timeout.count(), " ms: ", error_message(e), lost.empty() ? "" : "; ", lost);
   }
+}
+
+void World::post(const std::string& key, const std::string& value) {
+  TORCH_CHECK(impl_ && impl_->store, "World::post: a world of one rank has no store");
+  std::lock_guard<std::mutex> lock(impl_->mailbox_mutex);
+  impl_->store->set("shardit/mailbox/" + key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::optional<std::string> World::take(const std::string& key) {
+  TORCH_CHECK(impl_ && impl_->store, "World::take: a world of one rank has no store");
+  const std::string full = "shardit/mailbox/" + key;
+  std::lock_guard<std::mutex> lock(impl_->mailbox_mutex);
+  if (!impl_->store->check({full})) return std::nullopt;
+  const std::vector<uint8_t> value = impl_->store->get(full);
+  impl_->store->deleteKey(full);
+  return std::string(value.begin(), value.end());
+}
+
+std::vector<int64_t> World::heartbeats(const std::vector<int>& ranks) {
+  if (!impl_ || !impl_->heartbeat) return std::vector<int64_t>(ranks.size(), 0);
+  return impl_->heartbeat->read(ranks);
+}
+
+std::string World::lost_ranks(const std::vector<int>& ranks) {
+  if (!impl_ || !impl_->heartbeat) return "";
+  return impl_->heartbeat->lost_ranks(ranks, "");
 }
 
 }  // namespace shardit::dist

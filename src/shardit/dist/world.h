@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,21 @@ class World {
   /// A group over `ranks` (global ranks). Collective over the world: every rank calls it, in the
   /// same order, with the same list; a rank outside `ranks` gets nullptr.
   std::shared_ptr<Group> new_group(const std::vector<int>& ranks);
+
+  /// Messages through the rendezvous store (c10d's TCPStore, hosted by rank 0) between ranks that
+  /// cannot meet in a collective, such as a server's dispatcher and a replica busy with its own
+  /// requests: post() sets `key` to `value` (replacing it); take() returns and removes it when it
+  /// is there, nullopt otherwise, without waiting. One reader per key. Thread-safe. Errors are
+  /// c10d's (the store is gone when rank 0 is).
+  void post(const std::string& key, const std::string& value);
+  std::optional<std::string> take(const std::string& key);
+  /// The members of `ranks` whose heartbeat stands still, in a sentence ("lost rank 3 (exited,
+  /// crashed or was killed)"); "" when all are alive or on a world of one. Watches for about a
+  /// second.
+  std::string lost_ranks(const std::vector<int>& ranks);
+  /// The heartbeat counters of `ranks` now (each rank bumps its own every 200 ms from a thread of
+  /// its own): one that stands still for seconds belongs to a lost rank. Zeros on a world of one.
+  std::vector<int64_t> heartbeats(const std::vector<int>& ranks);
 
  private:
   World() = default;

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <numeric>
 #include <tuple>
 
 #include "shardit/core/notes.h"
@@ -311,6 +312,22 @@ at::Tensor DiffusionPipeline::guided(
 void DiffusionPipeline::load() {
   if (loaded_) return;
   check_parallel();
+  dist::World& world = dist::World::get();
+  // The ranks of one replica: consecutive blocks of cfg x ulysses x ring x tp (the mesh's layout).
+  const int replica_size = options_.independent_replicas ? options_.parallel.dims.product() : world.size();
+  TORCH_CHECK(!options_.independent_replicas || !options_.vae_parallel, class_name(),
+              ": a parallel VAE decode spans the world, so it cannot serve independent replicas; drop --vae-parallel");
+  TORCH_CHECK(replica_size >= 1 && world.size() % replica_size == 0, class_name(), ": replicas of ", replica_size,
+              " ranks do not divide the world of ", world.size());
+  replica_group_ = world.group();
+  if (replica_size < world.size()) {
+    for (int first = 0; first < world.size(); first += replica_size) {
+      std::vector<int> ranks(static_cast<size_t>(replica_size));
+      std::iota(ranks.begin(), ranks.end(), first);
+      std::shared_ptr<dist::Group> group = world.new_group(ranks);
+      if (group) replica_group_ = group;
+    }
+  }
   parallel::LoadOptions load;
   load.dtype = options_.dtype;
   load.device = options_.device;
@@ -326,6 +343,7 @@ void DiffusionPipeline::load() {
     text.device = options_.device;
     text.tp_degree = options_.text_encoder_tp;
     text.transformer_tp_degree = options_.parallel.dims.tp;
+    text.replica_size = replica_size;
     prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
   }
   transformer_->load(transformer_weights_, load);
@@ -337,7 +355,7 @@ void DiffusionPipeline::load() {
     // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
     transformer_->enable_context_parallelism(parallel::ContextParallelConfig(*options_.parallel.mesh));
   }
-  if (options_.vae_parallel || options_.load_vae.value_or(dist::World::get().rank() == 0)) {
+  if (options_.vae_parallel || options_.load_vae.value_or(world.rank() % replica_size == 0)) {
     parallel::LoadOptions vae_load;  // replicated: no parallel config
     vae_load.dtype = options_.dtype;
     vae_load.device = options_.device;
@@ -416,7 +434,7 @@ ReferenceTokens DiffusionPipeline::reference_tokens(const GenerateRequest& reque
 void DiffusionPipeline::check_reference_images(const GenerateRequest& /*request*/, int64_t /*batch*/) const {}
 
 at::Tensor DiffusionPipeline::encode_image_latents(const at::Tensor& image) const {
-  const std::shared_ptr<dist::Group> world = dist::World::get().group();
+  const std::shared_ptr<dist::Group>& world = replica_group_ ? replica_group_ : dist::World::get().group();
   const auto encode_here = [&] {
     TORCH_CHECK(vae_ != nullptr && vae_->has_encoder(), class_name(), ": the VAE (", folder_.root(),
                 "/vae) has no encoder to encode reference images");

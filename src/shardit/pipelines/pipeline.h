@@ -203,6 +203,12 @@ struct PipelineLoadOptions {
   /// diffusers' `FluxKontextPipeline.from_pretrained(flux1_folder)`: it must take the folder's
   /// transformer class (FluxPipeline and FluxKontextPipeline share FLUX.1's).
   std::optional<std::string> pipeline_class;
+  /// Whether the mesh's replicas (a world larger than cfg x ulysses x ring x tp) run different
+  /// requests, as `serve` runs them: each replica then also encodes prompts on its own ranks (the
+  /// text encoders' degree divides the replica's size), its first rank loads the VAE (unless
+  /// load_vae says otherwise) and reference images are shared within it (replica_group()). Not
+  /// with vae_parallel. Otherwise every replica computes the same image.
+  bool independent_replicas = false;
   /// The transformer's Linears in 8 bits (parallel::LoadOptions::weights; docs/quantization.md).
   /// The text encoders and the VAE load in `dtype`.
   nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
@@ -298,6 +304,10 @@ class DiffusionPipeline {
   /// merges them into the weights at `lora_scale` instead. Every file is checked before the
   /// first is loaded (after load()).
   void load_lora_weights(const std::vector<models::LoraRequest>& requests, double lora_scale = 1.0, bool fuse = false);
+
+  /// The ranks that compute one generate() together: this rank's replica under
+  /// independent_replicas (after load()), otherwise the world.
+  const std::shared_ptr<dist::Group>& replica_group() const { return replica_group_; }
 
   /// Uses `encoder` for GenerateRequest::prompt.
   void set_prompt_encoder(std::shared_ptr<PromptEncoder> encoder) { prompt_encoder_ = std::move(encoder); }
@@ -420,6 +430,7 @@ class DiffusionPipeline {
   schedulers::FlowMatchEulerDiscreteSchedulerConfig scheduler_config_;
   /// The group of the mesh's "cfg" dimension when it is 2 (CFG-parallel); null otherwise.
   std::shared_ptr<dist::Group> cfg_group_;
+  std::shared_ptr<dist::Group> replica_group_;
 
  private:
   /// Refuses CFG-parallel on a pipeline that cannot run CFG, and a mesh the transformer cannot be

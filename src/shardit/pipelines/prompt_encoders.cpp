@@ -209,10 +209,13 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   }
 
   int degree = 1;
+  const int ranks = options.replica_size > 0 ? options.replica_size : world.size();
+  const std::string ranks_what = options.replica_size > 0 && options.replica_size < world.size()
+                                     ? "the ranks of a replica (" + std::to_string(ranks) + ")"
+                                     : "the number of ranks (" + std::to_string(ranks) + ")";
   if (options.tp_degree) {
     degree = *options.tp_degree;
-    TORCH_CHECK(degree >= 1 && world.size() % degree == 0, "--text-encoder-tp ", degree,
-                " must divide the number of ranks (", world.size(), ")");
+    TORCH_CHECK(degree >= 1 && ranks % degree == 0, "--text-encoder-tp ", degree, " must divide ", ranks_what);
     // Every encoder's plan at that degree, before any of them loads: the error names the encoder.
     for (size_t i = 0; i < encoders.size(); ++i) {
       try {
@@ -223,8 +226,8 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
       }
     }
   } else {
-    for (int d = world.size(); d >= 1; --d) {
-      if (world.size() % d == 0 && degree_fits(encoders, d, options.dtype)) {
+    for (int d = ranks; d >= 1; --d) {
+      if (ranks % d == 0 && degree_fits(encoders, d, options.dtype)) {
         degree = d;
         break;
       }

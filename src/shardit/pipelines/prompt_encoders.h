@@ -21,6 +21,9 @@ struct TextEncoderLoadOptions {
   /// The tensor-parallel degree (a divisor of the world size); nullopt: the largest divisor of the
   /// world that every text encoder's heads allow.
   std::optional<int> tp_degree;
+  /// The ranks that encode one prompt together (a serving replica's; 0: the world): the degree
+  /// divides it, so the encoders' groups stay within a replica.
+  int replica_size = 0;
   /// The transformer's degree, for the note printed when the text encoders' differs.
   int transformer_tp_degree = 1;
 };

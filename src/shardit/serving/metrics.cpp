@@ -69,6 +69,19 @@ void Metrics::observe_batch(int64_t requests, int64_t images) {
   batched_images_ += static_cast<uint64_t>(images);
 }
 
+void Metrics::set_replicas(int count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  replica_busy_.assign(static_cast<size_t>(count), false);
+  replica_generations_.assign(static_cast<size_t>(count), 0);
+}
+
+void Metrics::set_replica_busy(int replica, bool busy) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (replica < 0 || static_cast<size_t>(replica) >= replica_busy_.size()) return;
+  if (replica_busy_[replica] && !busy) ++replica_generations_[replica];
+  replica_busy_[replica] = busy;
+}
+
 void Metrics::count_warnings(int64_t count) {
   std::lock_guard<std::mutex> lock(mutex_);
   warnings_ += static_cast<uint64_t>(count);
@@ -132,6 +145,14 @@ std::string Metrics::render() const {
   scalar("shardit_batched_images_total", "counter", "images generated in batches of several requests",
          batched_images_);
   scalar("shardit_warnings_total", "counter", "warnings returned in answers (a prompt truncated, ...)", warnings_);
+  header("shardit_replica_busy", "gauge", "1 while the replica runs a generation (serve --replicas)");
+  for (size_t r = 0; r < replica_busy_.size(); ++r) {
+    out += fmt::format("shardit_replica_busy{{replica=\"{}\"}} {}\n", r, replica_busy_[r] ? 1 : 0);
+  }
+  header("shardit_replica_generations_total", "counter", "generations each replica ran (a batch counts once)");
+  for (size_t r = 0; r < replica_generations_.size(); ++r) {
+    out += fmt::format("shardit_replica_generations_total{{replica=\"{}\"}} {}\n", r, replica_generations_[r]);
+  }
   header("shardit_rank_resident_memory_bytes", "gauge", "resident memory of each rank");
   for (const auto& rank : ranks_) {
     out += fmt::format("shardit_rank_resident_memory_bytes{{rank=\"{}\"}} {}\n", rank.rank, rank.rss_bytes);

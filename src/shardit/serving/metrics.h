@@ -30,6 +30,10 @@ class Metrics {
   void count_cancelled(const std::string& reason);
   /// A generation that ran `requests` (> 1) requests with `images` images in all as one batch.
   void observe_batch(int64_t requests, int64_t images);
+  /// The server's data-parallel replicas (serve --replicas): `count` of them, all idle.
+  void set_replicas(int count);
+  /// Replica `replica` starts (busy) or ends a generation; an end counts one.
+  void set_replica_busy(int replica, bool busy);
   /// A generation answered with `count` warnings.
   void count_warnings(int64_t count);
   /// Prometheus text format, version 0.0.4.
@@ -57,6 +61,8 @@ class Metrics {
   double lora_switch_seconds_ = 0;
   std::map<std::string, uint64_t> cancelled_;
   uint64_t warnings_ = 0;
+  std::vector<bool> replica_busy_;
+  std::vector<uint64_t> replica_generations_;
   std::map<int64_t, uint64_t> batches_;  ///< batches by their request count
   uint64_t batched_images_ = 0;
 };

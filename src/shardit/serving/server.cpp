@@ -11,9 +11,11 @@
 #include <ctime>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <regex>
 #include <thread>
@@ -94,6 +96,69 @@ struct Job {
   }
 };
 
+/// How a generation reports a request's progress and learns that it is cancelled: bound to the
+/// job on rank 0, to the dispatcher's mailbox on another replica's first rank; empty on the
+/// ranks that only compute.
+struct JobLink {
+  std::function<void(int64_t done, int64_t total)> progress;
+  std::function<bool()> cancelled;
+};
+
+/// What became of one request of a generation, as a replica's first rank hands it to rank 0:
+/// its images as PNG files, or why there are none.
+struct JobOutcome {
+  enum class Kind { Images, Cancelled, Failed };
+  Kind kind = Kind::Failed;
+  std::vector<std::string> pngs;
+  int64_t width = 0;
+  int64_t height = 0;
+  int64_t steps = 0;
+  std::vector<std::string> warnings;
+  std::string failure;
+
+  json to_json() const {
+    json encoded = json::array();
+    for (const std::string& png : pngs) encoded.push_back(base64_encode(png));
+    return {{"kind", static_cast<int>(kind)}, {"pngs", encoded}, {"width", width}, {"height", height},
+            {"steps", steps}, {"warnings", warnings}, {"failure", failure}};
+  }
+  static JobOutcome from_json(const json& in) {
+    JobOutcome out;
+    out.kind = static_cast<Kind>(in.at("kind").get<int>());
+    for (const auto& png : in.at("pngs")) out.pngs.push_back(base64_decode(png.get<std::string>()).value());
+    out.width = in.at("width").get<int64_t>();
+    out.height = in.at("height").get<int64_t>();
+    out.steps = in.at("steps").get<int64_t>();
+    out.warnings = in.at("warnings").get<std::vector<std::string>>();
+    out.failure = in.at("failure").get<std::string>();
+    return out;
+  }
+};
+
+json reports_json(const std::vector<RankReport>& reports) {
+  json out = json::array();
+  for (const RankReport& r : reports) {
+    out.push_back({{"rank", r.rank}, {"pid", r.pid}, {"rss", r.rss_bytes}, {"peak", r.peak_rss_bytes},
+                   {"failed", r.failed}});
+  }
+  return out;
+}
+
+std::vector<RankReport> reports_from_json(const json& in) {
+  std::vector<RankReport> out;
+  for (const json& r : in) {
+    out.push_back({r.at("rank").get<int>(), r.at("pid").get<int64_t>(), r.at("rss").get<int64_t>(),
+                   r.at("peak").get<int64_t>(), r.at("failed").get<int64_t>()});
+  }
+  return out;
+}
+
+/// How long a replica rank's heartbeat (200 ms) may stand still before its replica is lost.
+constexpr auto kHeartbeatSilence = std::chrono::seconds(3);
+
+/// The mailbox keys (dist::World::post) between rank 0 and the first rank of replica `replica`.
+std::string replica_key(int replica, const char* what) { return fmt::format("serve/replica{}/{}", replica, what); }
+
 /// Thrown on every rank at the same step boundary when rank 0 cancels the running generation.
 struct GenerationCancelled : std::exception {
   const char* what() const noexcept override { return "the generation was cancelled"; }
@@ -166,8 +231,13 @@ struct Server::State {
   std::vector<std::shared_ptr<Job>> running;  // the jobs of the running generation (a batch's all)
   std::map<std::string, std::shared_ptr<Job>> jobs;  // queued, running, and the last jobs_kept finished
   std::deque<std::string> finished;                  // ids of finished jobs, oldest first
-  std::vector<RankReport> ranks;
+  std::vector<std::vector<RankReport>> ranks;  // per replica: its ranks' last reports
   const pipelines::DiffusionPipeline* pipeline = nullptr;
+  int replicas = 1;
+  int replica_size = 1;
+  std::vector<bool> replica_busy;  // replicas' state for /health
+  bool stop_dispatch = false;      // the dispatchers finish their generation and stop their replica
+  std::string replica_failure;     // set by a dispatcher whose replica was lost: the server fails
   uint64_t images_written = 0;
 
   void publish_queue() { metrics.set_queue(static_cast<int64_t>(waiting.size()), options.queue_depth, !running.empty()); }
@@ -231,16 +301,13 @@ struct Server::State {
   // LoRA adapters (switched, never reloaded), then the pipeline, with a step boundary after every
   // step at which rank 0 tells every rank whether `job` (rank 0's; null elsewhere) is cancelled.
   pipelines::GenerateResult generate(pipelines::DiffusionPipeline& pipeline, const ImageRequest& request,
-                                     ControlPlane& plane, Job* job) {
+                                     ControlPlane& plane, const JobLink* link) {
     use_lora(pipeline, request.lora);
     pipelines::GenerateRequest call = request.to_generate();
-    call.on_progress = [&plane, job](int64_t done, int64_t total) {
-      if (job != nullptr) {
-        job->steps.store(total);
-        job->step.store(done);
-      }
+    call.on_progress = [&plane, link](int64_t done, int64_t total) {
+      if (link != nullptr) link->progress(done, total);
       if (done == 0) return;
-      if (plane.step_boundary(job != nullptr && job->cancel_asked.load())) throw GenerationCancelled();
+      if (plane.step_boundary(link != nullptr && link->cancelled())) throw GenerationCancelled();
     };
     return pipeline.generate(call);
   }
@@ -264,26 +331,138 @@ struct Server::State {
 
   // Runs requests that share a batch key as one batch on this rank (collective like generate()):
   // after each step rank 0 tells every rank whether every job of the running batch is cancelled
-  // (`jobs`: rank 0's, one per request; empty elsewhere), which stops it there. A job cancelled
-  // while others of its batch go on is answered when the batch ends.
+  // (`links`: one per request on the replica's first rank; empty elsewhere), which stops it
+  // there. A job cancelled while others of its batch go on is answered when the batch ends.
   std::vector<std::optional<pipelines::GenerateResult>> generate_batch(pipelines::DiffusionPipeline& pipeline,
                                                                        const std::vector<ImageRequest>& requests,
                                                                        ControlPlane& plane,
-                                                                       const std::vector<Job*>& jobs) {
+                                                                       const std::vector<JobLink>& links) {
     use_lora(pipeline, requests.front().lora);
     std::vector<pipelines::GenerateRequest> calls;
     for (const ImageRequest& request : requests) calls.push_back(request.to_generate());
     return pipeline.generate_batch(calls, [&](const std::vector<size_t>& members, int64_t done, int64_t total) {
-      bool all_cancelled = !jobs.empty();
+      bool all_cancelled = !links.empty();
       for (const size_t i : members) {
-        if (jobs.empty()) break;
-        jobs[i]->steps.store(total);
-        jobs[i]->step.store(done);
-        all_cancelled = all_cancelled && jobs[i]->cancel_asked.load();
+        if (links.empty()) break;
+        links[i].progress(done, total);
+        all_cancelled = all_cancelled && links[i].cancelled();
       }
       if (done == 0) return false;
       return plane.step_boundary(all_cancelled);
     });
+  }
+
+  // One generation on this replica, whose first rank this is (collective over the replica
+  // through `plane`): the control message, the generation (alone, or as a batch) with a step
+  // boundary after every step, every rank's report. Each request's outcome, with its images as
+  // PNGs; `reports` gets the ranks' reports. A failed collective (a lost rank) throws.
+  std::vector<JobOutcome> run_generation(pipelines::DiffusionPipeline& pipeline, ControlPlane& plane,
+                                         const std::vector<ImageRequest>& requests, const std::vector<JobLink>& links,
+                                         std::vector<RankReport>* reports) {
+    std::vector<std::optional<pipelines::GenerateResult>> results(requests.size());
+    std::string failure;
+    std::vector<std::string> shared_warnings;  // the notes of the shared run, for every request
+    try {
+      NoteCollector notes;
+      if (requests.size() == 1) {
+        plane.send(ControlKind::Generate, requests.front().to_json().dump());
+        try {
+          results.front() = generate(pipeline, requests.front(), plane, &links.front());
+        } catch (const GenerationCancelled&) {
+        }
+      } else {
+        json payload = json::array();
+        for (const ImageRequest& request : requests) payload.push_back(request.to_json());
+        plane.send(ControlKind::GenerateBatch, payload.dump());
+        results = generate_batch(pipeline, requests, plane, links);
+      }
+      for (const auto& note : notes.notes()) shared_warnings.push_back(client_note(note));
+    } catch (const std::exception& e) {
+      failure = error_message(e);
+    }
+    *reports = plane.report(!failure.empty());
+    for (const auto& r : *reports) {
+      if (failure.empty() && r.failed) failure = fmt::format("the generation failed on rank {}", r.rank);
+    }
+    std::vector<JobOutcome> outcomes(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      JobOutcome& out = outcomes[i];
+      if (!failure.empty()) {
+        out.failure = failure;
+        continue;
+      }
+      if (!results[i] || links[i].cancelled()) {
+        out.kind = JobOutcome::Kind::Cancelled;
+        continue;
+      }
+      const pipelines::GenerateResult& result = *results[i];
+      try {
+        const std::vector<std::pair<std::string, std::string>> text = {
+            {"prompt", requests[i].prompt},
+            {"seed", std::to_string(requests[i].seed)},
+            {"steps", std::to_string(result.num_inference_steps)},
+            {"model", options.model_id},
+            {"Software", "shardit"}};
+        for (int64_t k = 0; k < result.image.size(0); ++k) {
+          out.pngs.push_back(io::encode_png(io::to_uint8_pixels(result.image[k]), text));
+        }
+      } catch (const std::exception& e) {
+        out.failure = "encoding the images failed: " + error_message(e);
+        continue;
+      }
+      out.kind = JobOutcome::Kind::Images;
+      out.width = result.width;
+      out.height = result.height;
+      out.steps = result.num_inference_steps;
+      for (const auto& note : result.notes) out.warnings.push_back(client_note(note));
+      out.warnings.insert(out.warnings.end(), shared_warnings.begin(), shared_warnings.end());
+    }
+    return outcomes;
+  }
+
+  // Rank 0: answers the jobs of one generation from their outcomes (`seconds`: the generation's
+  // time, counted once for the batch) and marks them finished.
+  void answer(const std::vector<std::shared_ptr<Job>>& batch, const std::vector<JobOutcome>& outcomes,
+              double seconds, int replica) {
+    int64_t images = 0;
+    for (const auto& outcome : outcomes) images += static_cast<int64_t>(outcome.pngs.size());
+    if (batch.size() > 1) metrics.observe_batch(static_cast<int64_t>(batch.size()), images);
+    bool loop_counted = false;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Job& job = *batch[i];
+      const JobOutcome& outcome = outcomes[i];
+      Reply reply;
+      JobStatus status = JobStatus::Failed;
+      std::string reason;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (job.cancel_asked.load()) reason = job.cancel_reason;
+      }
+      if (outcome.kind == JobOutcome::Kind::Cancelled || (outcome.kind == JobOutcome::Kind::Images && !reason.empty())) {
+        reply = cancelled_reply(job, reason);
+        status = JobStatus::Cancelled;
+        metrics.count_cancelled(reason);
+      } else if (outcome.kind == JobOutcome::Kind::Images) {
+        try {
+          reply = images_reply(job, outcome, static_cast<int64_t>(batch.size()), replica);
+          status = JobStatus::Succeeded;
+          // The batch's steps and time are counted once, with its first answered request.
+          metrics.observe_generation(seconds_between(job.arrived, Clock::now()),
+                                     static_cast<int64_t>(outcome.pngs.size()), loop_counted ? 0 : outcome.steps,
+                                     loop_counted ? 0 : seconds);
+          loop_counted = true;
+          metrics.count_warnings(static_cast<int64_t>(outcome.warnings.size()));
+        } catch (const std::exception& e) {
+          reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
+        }
+      } else {
+        reply = error_reply(ApiError(500, "the generation failed: " + outcome.failure));
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      finish(batch[i], status, std::move(reply));
+      running.erase(std::remove(running.begin(), running.end(), batch[i]), running.end());
+      publish_queue();
+    }
   }
 
   // Takes the next job and, with batching on, the queued jobs that share its batch key, waiting
@@ -292,6 +471,13 @@ struct Server::State {
   std::vector<std::shared_ptr<Job>> take_batch(std::unique_lock<std::mutex>& lock) {
     std::vector<std::shared_ptr<Job>> batch = {waiting.front()};
     waiting.pop_front();
+    // Running from the moment it is taken: a cancel while the batch waits for more is then asked
+    // of the generation, not answered twice.
+    const auto start_running = [this](const std::shared_ptr<Job>& job) {
+      job->status = JobStatus::Running;
+      running.push_back(job);
+    };
+    start_running(batch.front());
     int64_t images = batch.front()->request.n;
     const std::string& key = batch.front()->batch_key;
     const auto deadline = Clock::now() + options.batch_wait;
@@ -300,6 +486,7 @@ struct Server::State {
         if ((*it)->batch_key == key && images + (*it)->request.n <= options.max_batch) {
           images += (*it)->request.n;
           batch.push_back(*it);
+          start_running(*it);
           it = waiting.erase(it);
         } else {
           ++it;
@@ -308,8 +495,6 @@ struct Server::State {
       if (images >= options.max_batch || Clock::now() >= deadline || g_stop_signal.load() != 0) break;
       wake.wait_until(lock, deadline);
     }
-    for (const auto& job : batch) job->status = JobStatus::Running;
-    running = batch;
     publish_queue();
     return batch;
   }
@@ -337,11 +522,19 @@ struct Server::State {
                  {"world_size", dist::World::get().size()},
                  {"queue", {{"waiting", waiting.size()}, {"capacity", options.queue_depth}, {"running", !running.empty()}}}};
     json ranks_json = json::array();
-    for (const auto& r : ranks) {
+    for (const auto& r : all_ranks()) {
       ranks_json.push_back({{"rank", r.rank}, {"pid", r.pid}, {"resident_memory_bytes", r.rss_bytes},
                             {"peak_resident_memory_bytes", r.peak_rss_bytes}});
     }
     body["ranks"] = ranks_json;
+    if (replicas > 1) {
+      json replicas_json = json::array();
+      for (int r = 0; r < replicas; ++r) {
+        replicas_json.push_back({{"replica", r}, {"first_rank", r * replica_size}, {"ranks", replica_size},
+                                 {"busy", static_cast<bool>(replica_busy[static_cast<size_t>(r)])}});
+      }
+      body["replicas"] = replicas_json;
+    }
     if (!failure.empty()) body["error"] = failure;
     return {seen == Phase::Ready ? 200 : 503, body.dump()};
   }
@@ -517,18 +710,194 @@ struct Server::State {
     });
   }
 
+  // Every rank's last report, in rank order (the caller holds the lock).
+  std::vector<RankReport> all_ranks() const {
+    std::vector<RankReport> out;
+    for (const auto& replica : ranks) out.insert(out.end(), replica.begin(), replica.end());
+    return out;
+  }
+
+  // Keeps replica `replica`'s reports (for /health and /metrics).
+  void set_ranks(int replica, std::vector<RankReport> reports) {
+    std::lock_guard<std::mutex> lock(mutex);
+    ranks[static_cast<size_t>(replica)] = std::move(reports);
+    metrics.set_ranks(all_ranks());
+  }
+
+  // Replica `replica` starts or ends a generation (for /health and /metrics).
+  void set_busy(int replica, bool busy) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      replica_busy[static_cast<size_t>(replica)] = busy;
+    }
+    metrics.set_replica_busy(replica, busy);
+  }
+
+  // A replica's first rank other than rank 0: runs on its replica the generations rank 0's
+  // dispatcher posts to it (dist::World::post) and posts back their outcomes, reporting each
+  // step and taking a cancellation at each step boundary. Between them it keeps its replica's
+  // ranks in touch (a tick every --tick) and stops them when rank 0 says so. A failure is posted
+  // for rank 0 before it is thrown.
+  int serve_replica(pipelines::DiffusionPipeline& pipeline, ControlPlane& plane, int replica) {
+    dist::World& world = dist::World::get();
+    try {
+      world.post(replica_key(replica, "ranks"), reports_json(plane.report(false)).dump());
+      auto last_message = Clock::now();
+      for (;;) {
+        if (world.take(replica_key(replica, "stop"))) break;
+        const std::optional<std::string> posted = world.take(replica_key(replica, "job"));
+        if (!posted) {
+          if (Clock::now() - last_message >= options.tick) {
+            plane.send(ControlKind::Tick);
+            world.post(replica_key(replica, "ranks"), reports_json(plane.report(false)).dump());
+            last_message = Clock::now();
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          continue;
+        }
+        const json message = json::parse(*posted);
+        const int64_t sequence = message.at("sequence").get<int64_t>();
+        std::vector<ImageRequest> requests;
+        for (const json& request : message.at("requests")) requests.push_back(ImageRequest::from_json(request));
+        auto cancelled = std::make_shared<bool>(false);
+        JobLink link;
+        link.progress = [&world, replica, sequence](int64_t done, int64_t total) {
+          world.post(replica_key(replica, "progress"),
+                     json{{"sequence", sequence}, {"step", done}, {"steps", total}}.dump());
+        };
+        link.cancelled = [&world, replica, sequence, cancelled] {
+          if (!*cancelled) {
+            const std::optional<std::string> asked = world.take(replica_key(replica, "cancel"));
+            *cancelled = asked && *asked == std::to_string(sequence);
+          }
+          return *cancelled;
+        };
+        const auto start = Clock::now();
+        std::vector<RankReport> reports;
+        const std::vector<JobOutcome> outcomes =
+            run_generation(pipeline, plane, requests, std::vector<JobLink>(requests.size(), link), &reports);
+        last_message = Clock::now();
+        world.post(replica_key(replica, "ranks"), reports_json(reports).dump());
+        json answer = {{"sequence", sequence}, {"seconds", seconds_between(start, last_message)},
+                       {"outcomes", json::array()}};
+        for (const JobOutcome& outcome : outcomes) answer["outcomes"].push_back(outcome.to_json());
+        world.post(replica_key(replica, "result"), answer.dump());
+      }
+      plane.send(ControlKind::Stop);
+      plane.report(false);
+      world.post(replica_key(replica, "stopped"), "1");
+      return 0;
+    } catch (const std::exception& e) {
+      try {
+        world.post(replica_key(replica, "failed"), error_message(e));
+      } catch (const std::exception&) {
+        // the store is gone with rank 0: nobody to tell
+      }
+      throw;
+    }
+  }
+
+  // Rank 0's thread for replica `replica` (> 0): while the replica is free, hands it the next
+  // queued jobs (a batch, as the serving loop takes them) and answers them from the outcomes it
+  // posts back, passing their progress and cancellation along. It watches the replica's ranks'
+  // heartbeats: a replica that fails or loses a rank fails the whole server (replica_failure,
+  // which the serving loop turns into the server's failure; docs/serving.md says why).
+  void dispatch(int replica) {
+    dist::World& world = dist::World::get();
+    std::vector<int> members(static_cast<size_t>(replica_size));
+    std::iota(members.begin(), members.end(), replica * replica_size);
+    std::vector<int64_t> beats = world.heartbeats(members);
+    auto beats_read = Clock::now();
+    // Throws when the replica posted a failure or one of its members' heartbeats stood still for
+    // kHeartbeatSilence.
+    const auto check_alive = [&] {
+      if (const std::optional<std::string> failed = world.take(replica_key(replica, "failed"))) {
+        TORCH_CHECK(false, *failed);
+      }
+      if (const std::optional<std::string> reports = world.take(replica_key(replica, "ranks"))) {
+        set_ranks(replica, reports_from_json(json::parse(*reports)));
+      }
+      if (Clock::now() - beats_read < kHeartbeatSilence) return;
+      const std::vector<int64_t> now = world.heartbeats(members);
+      for (size_t i = 0; i < members.size(); ++i) {
+        if (now[i] == beats[i]) {
+          const std::string lost = world.lost_ranks(members);
+          TORCH_CHECK(false, lost.empty() ? fmt::format("rank {} stopped beating", members[i]) : lost);
+        }
+      }
+      beats = now;
+      beats_read = Clock::now();
+    };
+    const auto failing = [this] {
+      std::lock_guard<std::mutex> lock(mutex);
+      return phase == Phase::Failed;
+    };
+    try {
+      int64_t sequence = 0;
+      for (;;) {
+        std::vector<std::shared_ptr<Job>> batch;
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          wake.wait_for(lock, std::chrono::milliseconds(100), [&] { return !waiting.empty() || stop_dispatch; });
+          if (stop_dispatch || phase == Phase::Failed) break;
+          if (!waiting.empty()) batch = take_batch(lock);
+        }
+        if (batch.empty()) {
+          check_alive();
+          continue;
+        }
+        set_busy(replica, true);
+        json message = {{"sequence", ++sequence}, {"requests", json::array()}};
+        for (const auto& job : batch) message["requests"].push_back(job->request.to_json());
+        world.post(replica_key(replica, "job"), message.dump());
+        bool cancel_posted = false;
+        for (;;) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          if (failing()) return;
+          if (const std::optional<std::string> posted = world.take(replica_key(replica, "result"))) {
+            const json result = json::parse(*posted);
+            std::vector<JobOutcome> outcomes;
+            for (const json& outcome : result.at("outcomes")) outcomes.push_back(JobOutcome::from_json(outcome));
+            answer(batch, outcomes, result.at("seconds").get<double>(), replica);
+            break;
+          }
+          if (const std::optional<std::string> posted = world.take(replica_key(replica, "progress"))) {
+            const json progress = json::parse(*posted);
+            for (const auto& job : batch) {
+              job->steps.store(progress.at("steps").get<int64_t>());
+              job->step.store(progress.at("step").get<int64_t>());
+            }
+          }
+          const bool all_cancelled = std::all_of(batch.begin(), batch.end(),
+                                                 [](const std::shared_ptr<Job>& job) { return job->cancel_asked.load(); });
+          if (all_cancelled && !cancel_posted) {
+            world.post(replica_key(replica, "cancel"), std::to_string(sequence));
+            cancel_posted = true;
+          }
+          check_alive();
+        }
+        set_busy(replica, false);
+      }
+      if (failing()) return;
+      world.post(replica_key(replica, "stop"), "1");
+      while (!world.take(replica_key(replica, "stopped"))) {
+        check_alive();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (replica_failure.empty()) {
+        replica_failure = fmt::format("replica {} (ranks {} to {}) failed: {}", replica, members.front(), members.back(),
+                                      error_message(e));
+      }
+      wake.notify_all();
+    }
+  }
+
   // The answer to a finished generation: the PNGs as base64 or as files under output_dir.
-  Reply images_reply(const Job& job, const pipelines::GenerateResult& result,
-                     const std::vector<std::string>& warnings, int64_t batch_requests) {
+  Reply images_reply(const Job& job, const JobOutcome& outcome, int64_t batch_requests, int replica) {
     json data = json::array();
-    const std::vector<std::pair<std::string, std::string>> text = {
-        {"prompt", job.request.prompt},
-        {"seed", std::to_string(job.request.seed)},
-        {"steps", std::to_string(result.num_inference_steps)},
-        {"model", options.model_id},
-        {"Software", "shardit"}};
-    for (int64_t i = 0; i < result.image.size(0); ++i) {
-      const at::Tensor pixels = io::to_uint8_pixels(result.image[i]);
+    for (const std::string& png : outcome.pngs) {
       if (job.request.response_format == "url") {
         uint64_t index = 0;
         {
@@ -536,23 +905,27 @@ struct Server::State {
           index = images_written++;
         }
         const std::string name = fmt::format("img-{}-{}-{}.png", started, index, job.request.seed);
-        io::write_png(options.output_dir + "/" + name, pixels, text);
+        io::AtomicFile file(options.output_dir + "/" + name);
+        file.write(png.data(), png.size());
+        file.commit();
         data.push_back({{"url", job.base_url + "/images/" + name}});
       } else {
-        data.push_back({{"b64_json", base64_encode(io::encode_png(pixels, text))}});
+        data.push_back({{"b64_json", base64_encode(png)}});
       }
     }
     json body = {{"created", std::time(nullptr)},
                  {"data", data},
                  {"seed", job.request.seed},
-                 {"size", fmt::format("{}x{}", result.width, result.height)},
-                 {"num_inference_steps", result.num_inference_steps},
+                 {"size", fmt::format("{}x{}", outcome.width, outcome.height)},
+                 {"num_inference_steps", outcome.steps},
                  {"id", job.id},
                  {"lora", lora_json(job.request.lora)},
-                 // How many requests ran in the same denoising loop (serve --max-batch).
+                 // How many requests ran in the same denoising loop (serve --max-batch), and on
+                 // which replica (serve --replicas).
                  {"batch_requests", batch_requests},
+                 {"replica", replica},
                  // Where the request was not taken exactly as given (a prompt truncated, ...).
-                 {"warnings", warnings}};
+                 {"warnings", outcome.warnings}};
     return {200, body.dump()};
   }
 };
@@ -610,8 +983,17 @@ int Server::listen() {
 
 int Server::run(pipelines::DiffusionPipeline& pipeline) {
   dist::World& world = dist::World::get();
-  ControlPlane plane(world.group());
   State& s = *state_;
+  // Each replica of the mesh serves requests of its own (the pipeline's independent_replicas)
+  // and has its own control plane; with one replica that is the world.
+  const std::shared_ptr<dist::Group> replica_group = pipeline.replica_group() ? pipeline.replica_group() : world.group();
+  ControlPlane plane(replica_group);
+  s.replica_size = replica_group->size();
+  s.replicas = world.size() / s.replica_size;
+  s.replica_busy.assign(static_cast<size_t>(s.replicas), false);
+  s.ranks.assign(static_cast<size_t>(s.replicas), {});
+  s.metrics.set_replicas(s.replicas);
+  const int replica = world.rank() / s.replica_size;
   // With batching on, every generation computes each image alone (a batch's and a lone
   // request's alike), so that an image never depends on the requests it ran beside.
   std::optional<nn::SamplewiseProducts> samplewise;
@@ -625,7 +1007,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
     s.active_lora = lora_json(s.options.limits.lora).dump();  // load_lora_files made exactly them active
   }
 
-  if (world.rank() != 0) {
+  if (replica_group->rank() != 0) {
     plane.report(false);
     for (;;) {
       auto [kind, payload] = plane.receive();
@@ -650,8 +1032,22 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       if (kind == ControlKind::Stop) return 0;
     }
   }
+  if (replica != 0) return s.serve_replica(pipeline, plane, replica);
 
+  // Rank 0: HTTP, the queue, replica 0's generations here and a dispatcher thread per other replica.
+  std::vector<std::thread> dispatchers;
+  const auto stop_dispatchers = [&] {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.stop_dispatch = true;
+    }
+    s.wake.notify_all();
+    for (std::thread& thread : dispatchers) thread.join();
+    dispatchers.clear();
+  };
+  bool failed = false;  // fatal() ran: its error passes through the catch below unchanged
   const auto fatal = [&](const std::string& message) {
+    failed = true;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
       s.phase = Phase::Failed;
@@ -663,6 +1059,7 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
       s.running.clear();
       s.fail_waiting(ApiError(503, "the server failed: " + message));
     }
+    stop_dispatchers();
     std::this_thread::sleep_for(s.options.linger);
     s.http->stop_now();
     if (s.listener.joinable()) s.listener.join();
@@ -673,124 +1070,75 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
   try {
     {
       const auto reports = plane.report(false);
+      s.set_ranks(0, reports);
       std::lock_guard<std::mutex> lock(s.mutex);
-      s.ranks = reports;
-      s.metrics.set_ranks(reports);
       s.pipeline = &pipeline;
       s.phase = Phase::Ready;
       s.metrics.set_ready(true);
       s.publish_queue();
     }
-    fmt::print("shardit serve: {} on {} rank(s); listening on http://{}:{}\n", s.options.model_id, world.size(),
-               s.options.host, s.options.port);
+    for (int r = 1; r < s.replicas; ++r) dispatchers.emplace_back([&s, r] { s.dispatch(r); });
+    const std::string layout =
+        s.replicas > 1 ? fmt::format(" as {} replicas of {}", s.replicas, s.replica_size) : std::string();
+    fmt::print("shardit serve: {} on {} rank(s){}; listening on http://{}:{}\n", s.options.model_id, world.size(),
+               layout, s.options.host, s.options.port);
     std::fflush(stdout);
     auto last_message = Clock::now();
     for (;;) {
       std::vector<std::shared_ptr<Job>> batch;
+      std::string replica_failure;
       {
         std::unique_lock<std::mutex> lock(s.mutex);
         s.wake.wait_for(lock, std::min<std::chrono::milliseconds>(s.options.tick, std::chrono::milliseconds(100)),
-                        [&] { return !s.waiting.empty(); });
-        if (g_stop_signal.load() != 0) {
+                        [&] { return !s.waiting.empty() || !s.replica_failure.empty(); });
+        replica_failure = s.replica_failure;
+        if (replica_failure.empty() && g_stop_signal.load() != 0) {
           s.stop_accepting();
           break;
         }
-        if (!s.waiting.empty()) batch = s.take_batch(lock);
+        if (replica_failure.empty() && !s.waiting.empty()) batch = s.take_batch(lock);
       }
+      if (!replica_failure.empty()) fatal(replica_failure);
       if (batch.empty()) {
         if (Clock::now() - last_message < s.options.tick) continue;
         plane.send(ControlKind::Tick);
         const auto reports = plane.report(false);
         last_message = Clock::now();
-        std::lock_guard<std::mutex> lock(s.mutex);
-        s.ranks = reports;
-        s.metrics.set_ranks(reports);
+        s.set_ranks(0, reports);
         continue;
       }
 
-      // One result per job: nullopt where the generation was cancelled.
-      std::vector<std::optional<pipelines::GenerateResult>> results(batch.size());
+      std::vector<ImageRequest> requests;
+      std::vector<JobLink> links;
+      for (const auto& job : batch) {
+        requests.push_back(job->request);
+        links.push_back({[job](int64_t done, int64_t total) {
+                           job->steps.store(total);
+                           job->step.store(done);
+                         },
+                         [job] { return job->cancel_asked.load(); }});
+      }
+      s.set_busy(0, true);
       const auto start = Clock::now();
-      std::string failure;
-      std::vector<std::string> warnings;  // the notes of the shared run, for every job
-      try {
-        NoteCollector notes;
-        if (batch.size() == 1) {
-          plane.send(ControlKind::Generate, batch.front()->request.to_json().dump());
-          try {
-            results.front() = s.generate(pipeline, batch.front()->request, plane, batch.front().get());
-          } catch (const GenerationCancelled&) {
-          }
-        } else {
-          json requests = json::array();
-          std::vector<ImageRequest> calls;
-          std::vector<Job*> jobs;
-          for (const auto& job : batch) {
-            requests.push_back(job->request.to_json());
-            calls.push_back(job->request);
-            jobs.push_back(job.get());
-          }
-          plane.send(ControlKind::GenerateBatch, requests.dump());
-          results = s.generate_batch(pipeline, calls, plane, jobs);
-        }
-        for (const auto& note : notes.notes()) warnings.push_back(client_note(note));
-      } catch (const std::exception& e) {
-        failure = error_message(e);
-      }
-      const auto end = Clock::now();
-      const auto reports = plane.report(!failure.empty());
+      std::vector<RankReport> reports;
+      const std::vector<JobOutcome> outcomes = s.run_generation(pipeline, plane, requests, links, &reports);
       last_message = Clock::now();
-      for (const auto& r : reports) {
-        if (failure.empty() && r.failed) failure = fmt::format("the generation failed on rank {}", r.rank);
-      }
-      int64_t images = 0;
-      for (const auto& result : results) images += result ? result->image.size(0) : 0;
-      if (batch.size() > 1) s.metrics.observe_batch(static_cast<int64_t>(batch.size()), images);
-      bool loop_counted = false;
-      for (size_t i = 0; i < batch.size(); ++i) {
-        Job& job = *batch[i];
-        Reply reply;
-        JobStatus status = JobStatus::Failed;
-        std::string reason;
-        {
-          std::lock_guard<std::mutex> lock(s.mutex);
-          if (job.cancel_asked.load()) reason = job.cancel_reason;
-        }
-        if (failure.empty() && (!results[i] || !reason.empty())) {
-          reply = s.cancelled_reply(job, reason);
-          status = JobStatus::Cancelled;
-          s.metrics.count_cancelled(reason);
-        } else if (failure.empty()) {
-          try {
-            std::vector<std::string> job_warnings;
-            for (const auto& note : results[i]->notes) job_warnings.push_back(client_note(note));
-            job_warnings.insert(job_warnings.end(), warnings.begin(), warnings.end());
-            reply = s.images_reply(job, *results[i], job_warnings, static_cast<int64_t>(batch.size()));
-            status = JobStatus::Succeeded;
-            // The batch's steps and time are counted once, with its first answered request.
-            s.metrics.observe_generation(seconds_between(job.arrived, Clock::now()), results[i]->image.size(0),
-                                         loop_counted ? 0 : results[i]->num_inference_steps,
-                                         loop_counted ? 0 : seconds_between(start, end));
-            loop_counted = true;
-            s.metrics.count_warnings(static_cast<int64_t>(job_warnings.size()));
-          } catch (const std::exception& e) {
-            reply = error_reply(ApiError(500, "writing the images failed: " + error_message(e)));
-          }
-        } else {
-          reply = error_reply(ApiError(500, "the generation failed: " + failure));
-        }
-        std::lock_guard<std::mutex> lock(s.mutex);
-        s.finish(batch[i], status, std::move(reply));
-      }
-      std::lock_guard<std::mutex> lock(s.mutex);
-      s.ranks = reports;
-      s.metrics.set_ranks(reports);
-      s.running.clear();
-      s.publish_queue();
+      s.set_ranks(0, reports);
+      s.answer(batch, outcomes, seconds_between(start, last_message), 0);
+      s.set_busy(0, false);
     }
+    // The other replicas finish their generations and stop their ranks; then this one's.
+    stop_dispatchers();
+    std::string replica_failure;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      replica_failure = s.replica_failure;
+    }
+    if (!replica_failure.empty()) fatal(replica_failure);
     plane.send(ControlKind::Stop);
     plane.report(false);
   } catch (const c10::Error& e) {
+    if (failed) throw;
     fatal(error_message(e));
   }
   s.http->stop_now();
