@@ -315,10 +315,11 @@ void DiffusionPipeline::load() {
   dist::World& world = dist::World::get();
   // The ranks of one replica: consecutive blocks of cfg x ulysses x ring x tp (the mesh's layout).
   const int replica_size = options_.independent_replicas ? options_.parallel.dims.product() : world.size();
-  TORCH_CHECK(!options_.independent_replicas || !options_.vae_parallel, class_name(),
-              ": a parallel VAE decode spans the world, so it cannot serve independent replicas; drop --vae-parallel");
   TORCH_CHECK(replica_size >= 1 && world.size() % replica_size == 0, class_name(), ": replicas of ", replica_size,
               " ranks do not divide the world of ", world.size());
+  TORCH_CHECK(replica_size == world.size() || !options_.vae_parallel, class_name(),
+              ": a parallel VAE decode spans the world, so it cannot serve independent replicas (",
+              world.size() / replica_size, " of ", replica_size, " ranks); drop --vae-parallel");
   replica_group_ = world.group();
   if (replica_size < world.size()) {
     for (int first = 0; first < world.size(); first += replica_size) {
