@@ -370,5 +370,33 @@ TEST(DistLauncher, ForwardsSigtermToEveryRank) {
   EXPECT_THAT(out, HasSubstr("[1] rank 1 got TERM"));
 }
 
+// A signal to the launcher is the user's: the ranks get the time they need to finish (a server
+// answers its running request), however long past the failure grace period; a second signal
+// kills them at once.
+TEST(DistLauncher, RanksGetTheirTimeAfterASignalAndASecondOneKillsThem) {
+  if (is_worker()) GTEST_SKIP() << "runs in the parent process only";
+  std::string out, err;
+  shardit::dist::LocalLaunchOptions options;
+  options.nproc = 2;
+  options.grace_seconds = 1;
+  std::thread terminator([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    ::kill(::getpid(), SIGTERM);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // 2.5 grace periods
+    ::kill(::getpid(), SIGTERM);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const int code =
+      launch_captured({"/bin/sh", "-c", "trap 'echo \"rank $RANK got TERM\"' TERM; sleep 60 & wait; sleep 60"},
+                      options, &out, &err);
+  terminator.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(code, 128 + SIGKILL);
+  EXPECT_GE(seconds, 3.5) << "the ranks were killed before the second signal";
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_THAT(out, HasSubstr("[0] rank 0 got TERM"));
+  EXPECT_THAT(err, HasSubstr("shardit: a second signal: killing the ranks"));
+}
+
 }  // namespace
 }  // namespace test_dist_failure

@@ -1093,8 +1093,8 @@ std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir, int wo
 // the waiting requests are answered 503 at once, the running one finishes, and the server exits 0.
 TEST(Serve, SigtermAnswersWaitingAndNewRequestsAtOnce) {
   const std::string dir = make_temp_dir("serve_sigterm");
-  // Ranks started by hand: the --nproc-per-node launcher would SIGKILL them 5 s after forwarding
-  // the signal, cutting the running generation (documented).
+  // Ranks started by hand, as torchrun or srun start them, so the signal reaches rank 0 alone (the
+  // --nproc-per-node launcher forwards it to every rank and waits: test_dist_failure.cpp).
   auto ranks = start_ranks(dir);
   const int port = ranks[0]->wait_listening();
   ASSERT_GT(port, 0);

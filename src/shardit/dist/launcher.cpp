@@ -271,6 +271,9 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
   int failed_rank = -1;
   int failed_status = 0;
   bool stopping = !spawn_error.empty();
+  // Stopping because the user asked (a forwarded signal): the ranks take the time they need to
+  // finish (a server answers its running request), and a second signal kills them at once.
+  bool stop_asked = false;
   bool killed = false;
   Clock::time_point stop_since = Clock::now();
   if (stopping) {
@@ -313,13 +316,21 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
     if (g_forward_signal != 0) {
       const int sig = g_forward_signal;
       g_forward_signal = 0;
-      signal_running(sig);
+      if (stop_asked && !killed && any_running) {
+        const std::string line = "shardit: a second signal: killing the ranks\n";
+        write_all(2, line.data(), line.size());
+        signal_running(SIGKILL);
+        killed = true;
+      } else {
+        signal_running(sig);
+      }
       if (!stopping) {
         stopping = true;
+        stop_asked = true;
         stop_since = Clock::now();
       }
     }
-    if (stopping && !killed && any_running &&
+    if (stopping && !stop_asked && !killed && any_running &&
         Clock::now() - stop_since > std::chrono::seconds(options.grace_seconds)) {
       signal_running(SIGKILL);
       killed = true;

@@ -16,7 +16,9 @@ struct LocalLaunchOptions {
   int nproc = 1;
   /// Prefix every output line of rank r with "[r] ".
   bool prefix_output = true;
-  /// Seconds to wait for the other ranks to exit after one failed, before SIGKILL.
+  /// Seconds to wait for the other ranks to exit after one failed, before SIGKILL. A SIGINT or
+  /// SIGTERM to the launcher is forwarded to the ranks, which then take the time they need; a
+  /// second one SIGKILLs them.
   int grace_seconds = 5;
   /// How a rank is started when not by fork+exec of argv (the default, when empty): given the
   /// rank's argv, its whole environment ("NAME=value") and the descriptors its stdout and stderr
