@@ -156,6 +156,10 @@ std::vector<RankReport> reports_from_json(const json& in) {
 /// How long a replica rank's heartbeat (200 ms) may stand still before its replica is lost.
 constexpr auto kHeartbeatSilence = std::chrono::seconds(3);
 
+/// How often a replica's first rank looks for work and rank 0's dispatcher for its replica's word
+/// (a few store round trips each time): the latency it adds to a request on another replica.
+constexpr auto kMailboxPoll = std::chrono::milliseconds(10);
+
 /// The mailbox keys (dist::World::post) between rank 0 and the first rank of replica `replica`.
 std::string replica_key(int replica, const char* what) { return fmt::format("serve/replica{}/{}", replica, what); }
 
@@ -752,7 +756,7 @@ struct Server::State {
             world.post(replica_key(replica, "ranks"), reports_json(plane.report(false)).dump());
             last_message = Clock::now();
           }
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          std::this_thread::sleep_for(kMailboxPoll);
           continue;
         }
         const json message = json::parse(*posted);
@@ -852,7 +856,7 @@ struct Server::State {
         world.post(replica_key(replica, "job"), message.dump());
         bool cancel_posted = false;
         for (;;) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          std::this_thread::sleep_for(kMailboxPoll);
           if (failing()) return;
           if (const std::optional<std::string> posted = world.take(replica_key(replica, "result"))) {
             const json result = json::parse(*posted);
