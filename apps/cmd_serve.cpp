@@ -87,7 +87,8 @@ int serve(ServeCommandOptions options) {
                           serve.limits.max_sequence_length, pipeline_options.tiled_vae, pipeline_options.vae_parallel,
                           fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
                           pipeline_options.lora.fuse) +
-                  "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype);
+                  "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype + "|" +
+                  std::to_string(pipeline_options.int8_compute));
 
   auto load = pipeline_load_options(world, pipeline_options);
   load.lora.clear();  // the server loads them, named, once the weights are in (ServeOptions::lora)
