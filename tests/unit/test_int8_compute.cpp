@@ -2,12 +2,15 @@
 // activation codes in LibTorch's quantized engine. Against the integer product it stands for (bit
 // for bit: the engine's accumulator is exact and the scales are applied in the documented order),
 // against the dense Linear on the dequantized weight (within the activation-rounding bound), and
-// per token (a row's result does not depend on the other rows).
+// per token (a row's result does not depend on the other rows); the CLI's flag.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <memory>
+#include <string>
 
+#include "shardit/models/builtin.h"
 #include "shardit/nn/int8_compute.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/quantized_weight.h"
@@ -169,6 +172,22 @@ TEST(Int8Compute, RefusesOtherWeightsDtypesAndDevices) {
                   [&] { shardit::nn::check_int8_compute(WeightsDtype::Int8, at::Device(at::kCUDA, 0)); }),
               HasSubstr("--int8-compute runs on the CPU only"));
   shardit::nn::check_int8_compute(WeightsDtype::Int8, at::kCPU);  // accepted
+}
+
+TEST(Int8Compute, CliRunsItWithInt8WeightsAndRefusesItWithoutThem) {
+  const auto builtin = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
+  const std::string out = shardit::testing::make_temp_dir("int8-compute-cli");
+  const std::string generate = shardit::testing::cli_path() + " generate --model " + builtin.pipeline +
+                               " --prompt-embeds " + builtin.prompt_embeds + " --height 32 --width 48 --steps 2";
+  std::string output;
+  EXPECT_EQ(shardit::testing::run_command(generate + " --weights-dtype int8 --int8-compute --out " + out + "/a.png",
+                                          &output),
+            0)
+      << output;
+  EXPECT_TRUE(std::filesystem::exists(out + "/a.png"));
+  EXPECT_NE(shardit::testing::run_command(generate + " --int8-compute --out " + out + "/b.png", &output), 0);
+  EXPECT_THAT(output, HasSubstr("--int8-compute multiplies int8 weights: add --weights-dtype int8"));
+  EXPECT_FALSE(std::filesystem::exists(out + "/b.png"));
 }
 
 }  // namespace
