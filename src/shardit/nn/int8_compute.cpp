@@ -166,7 +166,8 @@ at::Tensor int8_rescale(const at::Tensor& accumulator, const at::Tensor& w_scale
   const at::Tensor w = w_scale.to(at::kFloat).contiguous();
   const at::Tensor x = x_scale.to(at::kFloat).contiguous();
   const at::Tensor b = bias.defined() ? bias.to(dtype).contiguous() : at::Tensor();
-  at::Tensor out = at::empty(accumulator.sizes(), accumulator.options().dtype(dtype));
+  // In place for fp32: a fresh output of a large product costs its page faults again every call.
+  at::Tensor out = dtype == at::kFloat ? accumulator : at::empty(accumulator.sizes(), accumulator.options().dtype(dtype));
   const float* acc = accumulator.data_ptr<float>();
   const float* w_data = w.data_ptr<float>();
   const float* x_data = x.data_ptr<float>();

@@ -55,7 +55,7 @@ class Int8PackedWeight {
 };
 
 /// acc[t, o] · w_scale[o] · x_scale[t] (+ bias[o] when defined) in `dtype`, in one pass: the
-/// product from Int8PackedWeight::accumulate's result.
+/// product from Int8PackedWeight::accumulate's result, written over it when `dtype` is fp32.
 at::Tensor int8_rescale(const at::Tensor& accumulator, const at::Tensor& w_scale, const at::Tensor& x_scale,
                         const at::Tensor& bias, at::ScalarType dtype);
 
