@@ -178,8 +178,8 @@ int generate(const GenerateOptions& given) {
                           fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
                           options.pipeline.lora.fuse) +
                   "|" + options.pipeline.cache + "|" + options.pipeline.pipeline_class + "|" + options.pipeline.weights_dtype +
-                  fmt::format("|{}|{}|{}", fmt::join(options.images, "\x1f"), options.max_area.value_or(-1),
-                              options.no_auto_resize));
+                  fmt::format("|{}|{}|{}|{}", fmt::join(options.images, "\x1f"), options.max_area.value_or(-1),
+                              options.no_auto_resize, options.pipeline.int8_compute));
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();

@@ -36,6 +36,7 @@ struct RunTransformerOptions {
   std::string out;
   std::string dtype = "f32";
   std::string weights_dtype = "checkpoint";
+  bool int8_compute = false;
   int tp = 0;  ///< 0: the world size
   bool check_finite = false;
   LoraCliOptions lora;
@@ -87,7 +88,7 @@ int run_transformer(const RunTransformerOptions& given) {
   // Ranks given different work would meet in a collective with different shapes (a transport
   // error at best): agree first, through the store, and name the difference.
   world.agree("compute dtype", options.dtype);
-  world.agree("weights dtype", options.weights_dtype);
+  world.agree("weights dtype", options.weights_dtype + (options.int8_compute ? " int8-compute" : ""));
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
   world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
@@ -104,6 +105,7 @@ int run_transformer(const RunTransformerOptions& given) {
 
   parallel::LoadOptions load_options = command_load_options(world, dtype, options.tp);
   load_options.weights = nn::parse_weights_dtype(options.weights_dtype);
+  load_options.int8_compute = options.int8_compute;
   const int tp = load_options.tensor_parallel ? load_options.tensor_parallel->tp_degree() : 1;
 
   const auto load_start = std::chrono::steady_clock::now();
@@ -147,7 +149,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
                       "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();
   command->add_option("--dtype", options->dtype, "compute dtype: f32 or bf16");
-  add_weights_dtype_option(command, options->weights_dtype);
+  add_weights_dtype_option(command, options->weights_dtype, options->int8_compute);
   command->add_option("--tp", options->tp,
                       "tensor-parallel degree, dividing the number of ranks (default: all ranks); the other "
                       "ranks hold replicas")

@@ -89,7 +89,8 @@ int serve(ServeCommandOptions options) {
                           fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
                           pipeline_options.lora.fuse) +
                   "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype + "|" +
-                  std::to_string(options.replicas) + "|" + std::to_string(serve.max_batch));
+                  std::to_string(options.replicas) + "|" + std::to_string(serve.max_batch) + "|" +
+                  std::to_string(pipeline_options.int8_compute));
 
   PipelineCliOptions layout_options = pipeline_options;
   if (options.replicas > 0) {

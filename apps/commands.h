@@ -79,8 +79,9 @@ std::vector<models::LoraRequest> lora_requests(const LoraCliOptions& options);
 /// Adds --lora, --lora-scale and --fuse-lora.
 void add_lora_options(CLI::App* command, LoraCliOptions& options);
 
-/// Adds --weights-dtype (checkpoint, fp8, int8: nn::parse_weights_dtype) to a command.
-void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype);
+/// Adds --weights-dtype (checkpoint, fp8, int8: nn::parse_weights_dtype) and --int8-compute to a
+/// command.
+void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype, bool& int8_compute);
 
 /// The options generate and serve share: how the pipeline is loaded and laid out on the ranks.
 struct PipelineCliOptions {
@@ -96,6 +97,7 @@ struct PipelineCliOptions {
   std::string cache;  ///< --cache KIND:key=value,... as given; empty: no step cache
   std::string pipeline_class;  ///< --pipeline CLASS; empty: the class model_index.json names
   std::string weights_dtype = "checkpoint";  ///< --weights-dtype: the transformer's Linears in 8 bits
+  bool int8_compute = false;                 ///< --int8-compute: those Linears multiply in int8
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
   parallel::ParallelDims dims() const;
   /// --cache parsed (errors name the key); nullopt without.

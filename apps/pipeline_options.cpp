@@ -45,6 +45,7 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
   load.fuse_lora = options.lora.fuse;
   if (!options.pipeline_class.empty()) load.pipeline_class = options.pipeline_class;
   load.weights = nn::parse_weights_dtype(options.weights_dtype);
+  load.int8_compute = options.int8_compute;
   return load;
 }
 
@@ -53,7 +54,7 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
                       "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
                       "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
   command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
-  add_weights_dtype_option(command, options.weights_dtype);
+  add_weights_dtype_option(command, options.weights_dtype, options.int8_compute);
   command
       ->add_option("--tp", options.tp,
                    "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
@@ -84,13 +85,17 @@ std::optional<models::StepCacheConfig> PipelineCliOptions::cache_config() const 
   return models::StepCacheConfig::parse(cache);
 }
 
-void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype) {
+void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype, bool& int8_compute) {
   command
       ->add_option("--weights-dtype", weights_dtype,
                    "the transformer's Linear weights in memory: checkpoint (as stored: F8_E4M3/F8_E5M2 stay 8-bit, "
                    "the rest --dtype), fp8 or int8 (quantized on load, per-row scales; the model's embedders, "
                    "modulation and output head stay in --dtype); see docs/quantization.md")
       ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}));
+  command->add_flag("--int8-compute", int8_compute,
+                    "with --weights-dtype int8, on CPU: multiply the int8 weights by int8 activations (each token "
+                    "quantized with its own scale) in LibTorch's quantized engine instead of dequantizing them; see "
+                    "docs/quantization.md");
 }
 
 models::LoraRequest parse_lora_request(const std::string& argument) {

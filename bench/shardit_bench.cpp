@@ -57,6 +57,7 @@
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/gemm.h"
+#include "shardit/nn/linear.h"
 #include "shardit/models/lora_formats.h"
 #include "shardit/parallel/lora.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -71,7 +72,7 @@ using shardit::models::FluxTransformer2DModelConfig;
 using Clock = std::chrono::steady_clock;
 
 struct BenchOptions {
-  std::string mode;  // forward | load | encoder
+  std::string mode;  // forward | load | encoder | attention | gemm
   int nproc_per_node = 1;
   std::string model_dir;
   std::string cache_dir = (fs::temp_directory_path() / "shardit-bench").string();
@@ -79,6 +80,10 @@ struct BenchOptions {
   int num_single = 4;
   std::string dtype = "f32";
   std::string weights_dtype = "checkpoint";  // forward: --weights-dtype (8-bit Linears)
+  bool int8_compute = false;                 // forward: --int8-compute
+  int64_t gemm_tokens = 1536;                // gemm: rows of the input
+  int64_t gemm_in = 3072;
+  int64_t gemm_out = 3072;
   int height = 512;
   int width = 512;
   int text_tokens = 512;
@@ -385,6 +390,7 @@ int run_forward(const BenchOptions& options) {
   shardit::parallel::LoadOptions load;
   load.dtype = dtype;
   load.weights = shardit::nn::parse_weights_dtype(options.weights_dtype);
+  load.int8_compute = options.int8_compute;
   if (mesh) {
     if (tp > 1) load.tensor_parallel = shardit::parallel::TensorParallelConfig(*mesh, "tp");
   } else if (tp > 1) {
@@ -549,6 +555,7 @@ int run_forward(const BenchOptions& options) {
       {"threads_per_rank", at::get_num_threads()},
       {"dtype", options.dtype},
       {"weights_dtype", options.weights_dtype},
+      {"int8_compute", options.int8_compute},
       {"batch", b},
       {"image_tokens", image_tokens},
       {"text_tokens", options.text_tokens},
@@ -600,7 +607,9 @@ int run_forward(const BenchOptions& options) {
   std::snprintf(row, sizeof(row),
                 "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f (%s) "
                 "| %.0f all-reduce (plan: %lld), %.1f MiB/rank | %s params, %s peak RSS (rank 0) |",
-                (options.dtype + (options.weights_dtype == "checkpoint" ? "" : " weights " + options.weights_dtype)).c_str(),
+                (options.dtype + (options.weights_dtype == "checkpoint" ? "" : " weights " + options.weights_dtype) +
+                 (options.int8_compute ? " int8-compute" : ""))
+                    .c_str(),
                 tp, options.ulysses, options.ring, at::get_num_threads(), static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
                 gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 shardit::gib(parameter_bytes).c_str(), shardit::gib(std::max(load_peak, peak_rss_bytes())).c_str());
@@ -837,6 +846,83 @@ int run_encoder(const BenchOptions& options) {
   return 0;
 }
 
+/// One Linear [tokens, in] x [out, in]^T + bias four ways, in one process: fp32 and bf16 dense
+/// weights, int8 weights dequantized to fp32 for the product (--weights-dtype int8), int8 compute
+/// (--int8-compute). Median time, GFLOP/s, and the error against the fp64 product of the fp32
+/// input and weight (max |y - y64| / max |y64|).
+int run_gemm(const BenchOptions& options) {
+  shardit::dist::World::init();  // threads: the cores
+  const int64_t t = options.gemm_tokens, in = options.gemm_in, out = options.gemm_out;
+  at::manual_seed(0);
+  const at::Tensor x = at::randn({t, in});
+  const at::Tensor weight = at::randn({out, in}) / std::sqrt(static_cast<double>(in));
+  const at::Tensor bias = at::randn({out}) * 0.1;
+  const at::Tensor exact = at::linear(x.to(at::kDouble), weight.to(at::kDouble), bias.to(at::kDouble));
+  const double scale = exact.abs().max().item<double>();
+  const auto make_linear = [&](at::ScalarType dtype, bool int8, bool int8_compute) {
+    auto linear = std::make_shared<shardit::nn::Linear>(shardit::nn::LinearOptions(in, out));
+    linear->weight = weight.to(dtype);
+    linear->bias = bias.to(dtype);
+    if (int8) {
+      const at::Tensor row_scale = shardit::nn::symmetric_row_scales(weight.abs().amax(1), shardit::nn::WeightFormat::Int8);
+      linear->set_quantized_weight(shardit::nn::quantize_rows(weight, shardit::nn::WeightFormat::Int8, row_scale),
+                                   shardit::nn::WeightFormat::Int8, row_scale, dtype);
+      if (int8_compute) linear->enable_int8_compute();
+    }
+    return linear;
+  };
+  struct Variant {
+    const char* name;
+    at::ScalarType dtype;
+    bool int8;
+    bool int8_compute;
+  };
+  const Variant variants[] = {{"f32", at::kFloat, false, false},
+                              {"bf16", at::kBFloat16, false, false},
+                              {"f32 weights int8", at::kFloat, true, false},
+                              {"f32 weights int8 int8-compute", at::kFloat, true, true}};
+  const double gflop = 2.0 * t * in * out / 1e9;
+  nlohmann::json rows = nlohmann::json::array();
+  std::string table;
+  for (const Variant& variant : variants) {
+    auto linear = make_linear(variant.dtype, variant.int8, variant.int8_compute);
+    const at::Tensor input = x.to(variant.dtype);
+    at::Tensor y = linear->forward(input);
+    const double error = (y.to(at::kDouble) - exact).abs().max().item<double>() / scale;
+    std::vector<double> seconds;
+    for (int i = 0; i < options.warmup + options.repeats; ++i) {
+      const auto start = Clock::now();
+      y = linear->forward(input);
+      if (i >= options.warmup) seconds.push_back(seconds_since(start));
+    }
+    std::sort(seconds.begin(), seconds.end());
+    const double median = seconds[seconds.size() / 2];
+    rows.push_back({{"variant", variant.name},
+                    {"step_seconds", {{"median", median}, {"min", seconds.front()}, {"max", seconds.back()}}},
+                    {"gflops", gflop / median},
+                    {"max_error_of_max", error}});
+    char row[256];
+    std::snprintf(row, sizeof(row), "| gemm | %s | [%lld, %lld] x [%lld, %lld] x %d thr | %.1f ms (%.1f–%.1f) | %.0f GFLOP/s | %.1e |\n",
+                  variant.name, static_cast<long long>(t), static_cast<long long>(in), static_cast<long long>(in),
+                  static_cast<long long>(out), at::get_num_threads(), median * 1e3, seconds.front() * 1e3,
+                  seconds.back() * 1e3, gflop / median, error);
+    table += row;
+  }
+  const nlohmann::json result = {{"benchmark", "gemm"},
+                                 {"label", options.label},
+                                 {"tokens", t},
+                                 {"in_features", in},
+                                 {"out_features", out},
+                                 {"threads", at::get_num_threads()},
+                                 {"int8_engine", c10::toString(shardit::nn::int8_compute_engine())},
+                                 {"int8_activation_code_max", shardit::nn::int8_activation_code_max()},
+                                 {"variants", rows},
+                                 {"gemm", gemm_report()}};
+  table.pop_back();
+  emit(options, result, table);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -861,6 +947,9 @@ int main(int argc, char** argv) {
   forward->add_option("--weights-dtype", options.weights_dtype,
                       "the Linear weights in memory: checkpoint, fp8 or int8 (docs/quantization.md)")
       ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}));
+  forward->add_flag("--int8-compute", options.int8_compute,
+                    "with --weights-dtype int8: multiply in int8 (LibTorch's quantized engine, per-token activation "
+                    "scales)");
   forward->add_option("--batch", options.batch, "batch size");
   forward->add_option("--warmup", options.warmup, "untimed steps first");
   forward->add_option("--repeats", options.repeats, "timed steps");
@@ -893,16 +982,24 @@ int main(int argc, char** argv) {
   attention->add_option("--warmup", options.warmup, "untimed calls first");
   attention->add_option("--repeats", options.repeats, "timed calls");
   attention->add_flag("--op-profile", options.op_profile, "print the operators of one call");
+  auto* gemm = app.add_subcommand("gemm", "one Linear: fp32, bf16, int8 weights dequantized, int8 compute");
+  gemm->add_option("--tokens", options.gemm_tokens, "rows of the input")->check(CLI::PositiveNumber);
+  gemm->add_option("--in", options.gemm_in, "input features")->check(CLI::PositiveNumber);
+  gemm->add_option("--out", options.gemm_out, "output features")->check(CLI::PositiveNumber);
+  gemm->add_option("--warmup", options.warmup, "untimed calls first");
+  gemm->add_option("--repeats", options.repeats, "timed calls");
   app.require_subcommand(1);
   // Common options may also follow the subcommand.
   forward->fallthrough();
   load->fallthrough();
   encoder->fallthrough();
   attention->fallthrough();
+  gemm->fallthrough();
   CLI11_PARSE(app, argc, argv);
   options.mode = forward->parsed()     ? "forward"
                  : encoder->parsed()   ? "encoder"
                  : attention->parsed() ? "attention"
+                 : gemm->parsed()      ? "gemm"
                                        : "load";
 
   if (options.nproc_per_node > 1) {
@@ -913,6 +1010,7 @@ int main(int argc, char** argv) {
     shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(options.gemm_backend));
     if (options.mode == "encoder") return run_encoder(options);
     if (options.mode == "attention") return run_attention(options);
+    if (options.mode == "gemm") return run_gemm(options);
     return options.mode == "forward" ? run_forward(options) : run_load(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shardit-bench: error: %s\n", shardit::error_message(e).c_str());

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Image error of 8-bit transformer weights on the golden pipelines (tests/golden/pipeline_*, the
 # diffusers cases' prompts, sizes, steps and latents): each pipeline in fp32, bf16, and with the
-# transformer's Linears in fp8 / int8 (--weights-dtype), PSNR of each image against the fp32 one.
+# transformer's Linears in fp8 / int8 (--weights-dtype), and int8 multiplied in int8
+# (--int8-compute), PSNR of each image against the fp32 one.
 # Usage: bash bench/quantization/quality.sh [out_dir]   (after building shardit_cli)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -9,19 +10,21 @@ cli=${SHARDIT_CLI:-build/apps/shardit}
 out=${1:-${TMPDIR:-/tmp}/shardit-quantization-quality}
 mkdir -p "$out"
 golden=tests/golden
-variants=("f32 checkpoint" "bf16 checkpoint" "f32 fp8" "f32 int8" "bf16 fp8" "bf16 int8")
+variants=("f32 checkpoint" "bf16 checkpoint" "f32 fp8" "f32 int8" "bf16 fp8" "bf16 int8" "f32 int8 int8-compute"
+          "bf16 int8 int8-compute")
 
 measure() {  # name folder generate-arguments...
   local name=$1 folder=$2
   shift 2
   local files=()
   for variant in "${variants[@]}"; do
-    read -r dtype weights <<<"$variant"
-    local file="$out/$name-$dtype-$weights.safetensors"
+    read -r dtype weights compute <<<"$variant"
+    local tag="$name-$dtype-$weights${compute:+-$compute}"
+    local file="$out/$tag.safetensors"
     local start=$(date +%s.%N)
     "$cli" generate --model "$folder" --latents "$folder/inputs.safetensors" --dtype "$dtype" \
-      --weights-dtype "$weights" --out-tensors "$file" "$@" >"$out/$name-$dtype-$weights.log" 2>&1
-    echo "$name $dtype $weights: $(echo "$(date +%s.%N) - $start" | bc) s (whole generate)"
+      --weights-dtype "$weights" ${compute:+--$compute} --out-tensors "$file" "$@" >"$out/$tag.log" 2>&1
+    echo "$name $dtype $weights $compute: $(echo "$(date +%s.%N) - $start" | bc) s (whole generate)"
     files+=("$file")
   done
   python3 bench/quantization/psnr.py "${files[@]}"

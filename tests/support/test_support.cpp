@@ -30,13 +30,15 @@ std::shared_ptr<models::AutoencoderModel> load_golden_vae(const std::string& cas
 
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::string& model_dir,
                                                                  const std::string& path, parallel::TpPlanKind kind,
-                                                                 nn::WeightsDtype weights, bool quantize_kept) {
+                                                                 nn::WeightsDtype weights, bool quantize_kept,
+                                                                 bool int8_compute) {
   const auto folder = io::open_component(model_dir, "transformer");
   auto model = models::create_transformer(folder);
   parallel::LoadOptions options;
   options.plan = kind;
   options.weights = weights;
   options.quantize_kept_layers = quantize_kept;
+  options.int8_compute = int8_compute;
   if (path == "shard-on-load") {
     auto& world = dist::World::get();
     options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, world.size());

@@ -23,11 +23,12 @@ namespace shardit::testing {
 
 /// Loads the transformer of `model_dir` through `path`: "whole", "shard-on-load" (TP over the
 /// whole world, each rank reading its slices) or "enable-parallelism" (load whole, then shard).
-/// `weights` and `quantize_kept`: parallel::LoadOptions::weights and quantize_kept_layers.
+/// `weights`, `quantize_kept`, `int8_compute`: parallel::LoadOptions::weights,
+/// quantize_kept_layers and int8_compute.
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(
     const std::string& model_dir, const std::string& path = "whole",
     parallel::TpPlanKind kind = parallel::TpPlanKind::Full, nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint,
-    bool quantize_kept = false);
+    bool quantize_kept = false, bool int8_compute = false);
 
 /// The VAE of the golden folder `case_name` (its vae/), built from its config and loaded.
 std::shared_ptr<models::AutoencoderModel> load_golden_vae(const std::string& case_name);

@@ -1,6 +1,7 @@
 // Malformed 8-bit checkpoints fail while loading, before any weight is read or any forward runs,
 // with an error naming the file, the tensor and the problem: a missing, mis-shaped, zero or NaN
-// scale, NaN FP8 codes, a scale beside a dense weight, and NaN in a weight to be quantized.
+// scale, NaN FP8 codes, a scale beside a dense weight, NaN in a weight to be quantized, and int8
+// compute asked for without int8 weights.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -127,6 +128,21 @@ TEST(QuantizedLoad, RefusesToQuantizeNan) {
   shardit::io::save_safetensors(file, tensors);
   EXPECT_THAT(load_error(dir, shardit::nn::WeightsDtype::Int8),
               AllOf(HasSubstr(std::string(kLayer) + ".weight"), HasSubstr("refusing to quantize")));
+}
+
+TEST(QuantizedLoad, RefusesInt8ComputeWithoutInt8Weights) {
+  // Before anything is read: the model holds no weight afterwards.
+  const auto builtin = shardit::models::write_builtin_model(shardit::testing::make_temp_dir("builtin") + "/model");
+  const auto folder = shardit::io::open_component(builtin.transformer, "transformer");
+  for (const auto weights : {shardit::nn::WeightsDtype::Checkpoint, shardit::nn::WeightsDtype::Fp8}) {
+    auto model = shardit::models::create_transformer(folder);
+    shardit::parallel::LoadOptions options;
+    options.weights = weights;
+    options.int8_compute = true;
+    EXPECT_THAT(error_of([&] { model->load(folder.weights(), options); }),
+                HasSubstr("--int8-compute multiplies int8 weights: add --weights-dtype int8"));
+    EXPECT_FALSE(model->is_materialized());
+  }
 }
 
 }  // namespace

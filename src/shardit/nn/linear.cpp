@@ -58,32 +58,25 @@ at::Tensor Linear::forward(const at::Tensor& x) {
               weight.size(1), "]");
   TORCH_CHECK(x.size(-1) == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): input has ", x.size(-1),
               " features, the weight ", weight.sizes(), " expects ", weight.size(1));
-  // A quantized weight is dequantized here, block by block as layers run, so only one layer's
-  // dense weight is alive at a time.
-  const at::Tensor weight = dense_weight(x.scalar_type());
   if (split_by_sample(x)) {
+    // Each sample alone (SamplewiseProducts); a quantized weight is then dequantized per sample.
     std::vector<at::Tensor> samples;
     samples.reserve(static_cast<size_t>(x.size(0)));
-    for (int64_t i = 0; i < x.size(0); ++i) samples.push_back(forward_dense(x.narrow(0, i, 1), weight));
+    for (int64_t i = 0; i < x.size(0); ++i) samples.push_back(forward(x.narrow(0, i, 1)));
     return at::cat(samples, 0);
   }
-  return forward_dense(x, weight);
-}
-
-at::Tensor Linear::forward_dense(const at::Tensor& x, const at::Tensor& weight) {
   switch (mode_) {
     case LinearParallel::None:
     case LinearParallel::Colwise: {
       // [..., out] or [..., out_local]
-      if (loras_.empty()) return nn::linear(x, weight, bias);
-      at::Tensor y = nn::linear(x, weight, bias);
-      add_lora_deltas(y, x);
+      at::Tensor y = product(x, bias);
+      if (!loras_.empty()) add_lora_deltas(y, x);
       return y;
     }
 
     case LinearParallel::Rowwise: {
       // Partial sums X_r A_r^T; the bias must be added once, after the sum.
-      at::Tensor y = nn::linear(x, weight);  // [..., out], partial
+      at::Tensor y = product(x, at::Tensor());  // [..., out], partial
       // Σ_r (x_r A_rᵀ) Bᵀ = (x Aᵀ) Bᵀ: each rank's LoRA partial joins the same all-reduce.
       if (!loras_.empty()) add_lora_deltas(y, x);
       finish_rowwise(y);
@@ -91,7 +84,7 @@ at::Tensor Linear::forward_dense(const at::Tensor& x, const at::Tensor& weight) 
     }
 
     case LinearParallel::ColwiseGather: {
-      at::Tensor local = nn::linear(x, weight, bias);                    // [..., out_local]
+      at::Tensor local = product(x, bias);                               // [..., out_local]
       if (!loras_.empty()) add_lora_deltas(local, x);
       at::Tensor gathered = group_->all_gather(local, local.dim() - 1);  // [..., out], rank-major
       if (gather_blocks_.empty()) return gathered;
@@ -178,6 +171,42 @@ void Linear::set_quantized_weight(at::Tensor codes, WeightFormat format, at::Ten
   weight_scale_ = scale.to(at::kFloat).contiguous();
   weight_format_ = format;
   dense_dtype_ = dtype;
+  if (int8_weight_) {
+    int8_weight_.reset();
+    enable_int8_compute();  // pack the new weight (a shard of the old one)
+  }
+}
+
+at::Tensor Linear::product(const at::Tensor& x, const at::Tensor& bias) const {
+  if (int8_weight_) return int8_product(x, bias);
+  // A quantized weight is dequantized here, block by block as layers run, so only one layer's
+  // dense weight is alive at a time.
+  return nn::linear(x, dense_weight(x.scalar_type()), bias);
+}
+
+at::Tensor Linear::int8_product(const at::Tensor& x, const at::Tensor& bias) const {
+  SHARDIT_PROFILE_SCOPE("Linear.int8");
+  const at::Tensor tokens = x.reshape({-1, x.size(-1)});  // [T, in_local]
+  at::Tensor absmax = int8_row_absmax(tokens);              // [T]
+  // A rowwise layer's input is split by columns: each token takes its whole row's maximum (exact
+  // in any order), so its codes are the ones TP=1 computes.
+  if (mode_ == LinearParallel::Rowwise) absmax = group_->all_gather(absmax.unsqueeze(0), 0).amax(0);
+  const at::Tensor x_scale = int8_activation_scales(absmax);
+  const at::Tensor accumulator = int8_weight_->accumulate(tokens, x_scale);  // [T, out_local] fp32
+  const at::Tensor y = int8_rescale(accumulator, weight_scale_, x_scale, bias, x.scalar_type());
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape);  // [..., out_local]
+}
+
+void Linear::enable_int8_compute() {
+  TORCH_CHECK(weight_format_ == WeightFormat::Int8, "Linear '", path(), "': int8 compute needs an int8 weight, this "
+              "one is ", weight_format_name(weight_format_), " (load with --weights-dtype int8)");
+  TORCH_CHECK(weight.device().is_cpu(), "Linear '", path(), "': int8 compute runs on the CPU, the weight is on ",
+              weight.device());
+  auto packed = std::make_shared<const Int8PackedWeight>(weight);
+  weight = packed->codes();  // the engine's copy: the layer's own is freed
+  int8_weight_ = std::move(packed);
 }
 
 at::Tensor Linear::dense_weight(at::ScalarType dtype) const {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "shardit/dist/group.h"
+#include "shardit/nn/int8_compute.h"
 #include "shardit/nn/module.h"
 #include "shardit/nn/quantized_weight.h"
 
@@ -116,6 +117,11 @@ class Linear : public Module {
   /// dequantizes the weight to the input's dtype (nn/quantized_weight.h). `dtype`: the dtype the
   /// weight would have had dense (what adapters and callers that cast inputs use).
   void set_quantized_weight(at::Tensor codes, WeightFormat format, at::Tensor scale, at::ScalarType dtype);
+  /// Multiplies in int8 from now on (nn/int8_compute.h): each token of the input quantized with
+  /// its own scale, times the int8 weight, in LibTorch's quantized engine. Needs an Int8 weight on
+  /// the CPU. Kept through a later set_quantized_weight (the shard is packed again).
+  void enable_int8_compute();
+  bool int8_compute() const { return int8_weight_ != nullptr; }
   /// The dtype of the dense weight (of its dequantized form when quantized).
   at::ScalarType weight_dtype() const {
     return weight_format_ == WeightFormat::Dense ? weight.scalar_type() : dense_dtype_;
@@ -133,6 +139,7 @@ class Linear : public Module {
   LinearOptions options_;
   WeightFormat weight_format_ = WeightFormat::Dense;
   at::Tensor weight_scale_;
+  std::shared_ptr<const Int8PackedWeight> int8_weight_;  ///< set by enable_int8_compute
   at::ScalarType dense_dtype_ = at::kFloat;
   LinearParallel mode_ = LinearParallel::None;
   std::shared_ptr<dist::Group> group_;
@@ -140,8 +147,10 @@ class Linear : public Module {
   std::vector<LoraLayer> loras_;
   std::shared_ptr<const LoraSelection> lora_selection_;
 
-  /// forward() with the weight in the input's dtype (dequantized once per call).
-  at::Tensor forward_dense(const at::Tensor& x, const at::Tensor& weight);
+  /// x [..., in_local] times the weight (dequantized, or in int8), plus `bias` when defined.
+  at::Tensor product(const at::Tensor& x, const at::Tensor& bias) const;
+  /// product() in int8 (int8_weight_).
+  at::Tensor int8_product(const at::Tensor& x, const at::Tensor& bias) const;
   /// Rowwise: sums the partial products over the group, then adds the bias once.
   void finish_rowwise(at::Tensor& y);
   /// Adds the active adapters' deltas to `y` (local output, or partial sums before the

@@ -107,7 +107,11 @@ at::Tensor dequantize_rows(const at::Tensor& codes, WeightFormat format, const a
 }
 
 at::Tensor symmetric_row_scales(const at::Tensor& row_absmax, WeightFormat format) {
-  at::Tensor scale = row_absmax.to(at::kFloat) / weight_format_max(format);
+  return symmetric_row_scales(row_absmax, weight_format_max(format));
+}
+
+at::Tensor symmetric_row_scales(const at::Tensor& row_absmax, float code_max) {
+  at::Tensor scale = row_absmax.to(at::kFloat) / code_max;
   return at::where(scale > 0, scale, at::ones_like(scale));
 }
 

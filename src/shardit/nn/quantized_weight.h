@@ -41,6 +41,8 @@ at::Tensor dequantize_rows(const at::Tensor& codes, WeightFormat format, const a
 /// Symmetric per-row scales for `row_absmax` ([out], the largest |w| of each whole row): absmax /
 /// the format's max, 1 for an all-zero row (its codes are all zero whatever the scale).
 at::Tensor symmetric_row_scales(const at::Tensor& row_absmax, WeightFormat format);
+/// The same for a code range of ±`code_max` (int8 compute's activation codes).
+at::Tensor symmetric_row_scales(const at::Tensor& row_absmax, float code_max);
 /// [out, in] float `weight` quantized to `format` (Fp8E4M3 or Int8) with per-row `scale` ([out]):
 /// e4m3 codes of w / scale rounded to nearest even, or round-half-even(w / scale) clamped to ±127.
 at::Tensor quantize_rows(const at::Tensor& weight, WeightFormat format, const at::Tensor& scale);

@@ -846,6 +846,7 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
   const bool parallel = options.tensor_parallel.has_value();
   TORCH_CHECK(!parallel || options.tensor_parallel->group != nullptr,
               "load_weights: the tensor-parallel config has no group");
+  if (options.int8_compute) nn::check_int8_compute(options.weights, options.device);
   Resolution resolution = resolve(model, plan, parallel ? options.tensor_parallel->tp_degree() : 1, traits,
                                   options.dtype, options.weights, options.quantize_kept_layers);
   auto slots = model.named_states();
@@ -984,6 +985,7 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
         codes = nn::quantize_rows(value, source.format, scale);
       }
       linear->set_quantized_weight(codes.to(options.device), source.format, scale.to(options.device), target);
+      if (options.int8_compute && source.format == nn::WeightFormat::Int8) linear->enable_int8_compute();
       resolution.plan.parameters[i].quantized = true;
       resolution.plan.parameters[i].element_size = 1;
       continue;

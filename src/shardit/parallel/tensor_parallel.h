@@ -165,6 +165,10 @@ struct LoadOptions {
   /// stay 8-bit (scaled by the checkpoint's `<module>.weight_scale` / `<module>.scale_weight`,
   /// docs/quantization.md), the rest load dense in `dtype`.
   nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
+  /// Int8 compute (nn/int8_compute.h): the int8 Linears multiply int8 activation codes in
+  /// LibTorch's quantized engine instead of dequantizing. Needs weights = Int8 on the CPU
+  /// (nn::check_int8_compute, before anything is read).
+  bool int8_compute = false;
   /// Quantizes the keep_high_precision Linears too (tests of every shard style; not a user default).
   bool quantize_kept_layers = false;
 };

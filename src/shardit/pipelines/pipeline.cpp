@@ -24,6 +24,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/nn/inputs.h"
+#include "shardit/nn/int8_compute.h"
 #include "shardit/nn/linear.h"
 #include "shardit/pipelines/pipeline_flux.h"
 #include "shardit/pipelines/pipeline_flux2_klein.h"
@@ -334,6 +335,9 @@ void DiffusionPipeline::load() {
   load.device = options_.device;
   load.tensor_parallel = transformer_parallel_;
   load.weights = options_.weights;
+  load.int8_compute = options_.int8_compute;
+  // Refused before the text encoders load, not after them.
+  if (load.int8_compute) nn::check_int8_compute(load.weights, load.device);
   // The adapter files are opened and checked against the transformer before any weight is read.
   const std::vector<models::LoraFile> adapter_files = models::open_lora_files(options_.lora, *transformer_);
   // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,

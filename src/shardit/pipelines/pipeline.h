@@ -212,6 +212,9 @@ struct PipelineLoadOptions {
   /// The transformer's Linears in 8 bits (parallel::LoadOptions::weights; docs/quantization.md).
   /// The text encoders and the VAE load in `dtype`.
   nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint;
+  /// The transformer's int8 Linears multiply in int8 (parallel::LoadOptions::int8_compute); needs
+  /// weights = Int8.
+  bool int8_compute = false;
 };
 
 /// A text-to-image pipeline: open(), load(), then generate().
