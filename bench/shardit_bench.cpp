@@ -276,13 +276,21 @@ std::string prepare_model_folder(const BenchOptions& options, shardit::dist::Wor
                         ("flux1-width3072-d" + std::to_string(options.num_double) + "-s" +
                          std::to_string(options.num_single));
   const fs::path done_marker = root / ".complete";
-  if (world.rank() == 0 && !fs::exists(done_marker)) {
-    std::fprintf(stderr, "bench: writing synthetic checkpoint %s\n", root.string().c_str());
-    fs::remove_all(root);
-    write_synthetic_folder(root, config);
-    std::ofstream(done_marker) << "ok\n";
+  if (world.rank() == 0) {
+    if (!fs::exists(done_marker)) {
+      std::fprintf(stderr, "bench: writing synthetic checkpoint %s\n", root.string().c_str());
+      fs::remove_all(root);
+      write_synthetic_folder(root, config);
+      std::ofstream(done_marker) << "ok\n";
+    }
+    for (int r = 1; r < world.size(); ++r) world.post("bench/synthetic-ready/" + std::to_string(r), root.string());
+  } else {
+    // Writing a full-depth checkpoint (24 GB) takes longer than a collective may wait: the
+    // others look for rank 0's word in the store instead (an error if rank 0 is gone).
+    while (!world.take("bench/synthetic-ready/" + std::to_string(world.rank()))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
   }
-  world.group()->barrier();
   return root.string();
 }
 
