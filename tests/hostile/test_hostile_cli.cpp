@@ -354,6 +354,25 @@ TEST_F(Hostile, LauncherStopsStartingRanksOnSigterm) {
   EXPECT_EQ(snapshot(root_), before);
 }
 
+// serve's batching and replica options: out-of-range values and a replica count that does not
+// fit the ranks are refused with the option named, before any weight is read, nothing left behind.
+TEST_F(Hostile, ServeBatchAndReplicaOptionsAreBounded) {
+  for (const auto& [option, value] : {std::pair<std::string, std::string>{"--max-batch", "0"},
+                                      {"--max-batch", "100000"},
+                                      {"--batch-wait-ms", "5000"},
+                                      {"--batch-wait-ms", "-1"},
+                                      {"--replicas", "0"}}) {
+    const Outcome outcome = run({{"serve", "--model", model_, "--port", "0", option, value}}, 10);
+    EXPECT_EQ(outcome.exit_code, 2) << option << " " << value << ": " << outcome.err;
+    EXPECT_THAT(outcome.err, HasSubstr(option));
+    EXPECT_LT(outcome.err.size(), 400u) << outcome.err;
+  }
+  const Outcome misfit = run({{"--nproc-per-node", "4", "serve", "--model", model_, "--port", "0", "--replicas", "3"}}, 30);
+  EXPECT_NE(misfit.exit_code, 0);
+  EXPECT_THAT(misfit.err, HasSubstr("--replicas 3"));
+  EXPECT_THAT(misfit.err, HasSubstr("replicas x cfg x ulysses x ring x tp = 4"));
+}
+
 TEST_F(Hostile, LocalRankCountIsBounded) {
   for (const std::string n : {"0", "1000", "-3"}) {
     const Outcome outcome = run({{"--nproc-per-node", n, "inspect", model_}}, 10);
