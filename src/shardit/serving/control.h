@@ -1,9 +1,10 @@
 #pragma once
-// The control plane of a served pipeline: rank 0 tells every other rank what to do next over the
-// world group (a header [kind, payload bytes] then the payload as uint8, both broadcast), and
-// every message ends with an all-gather of each rank's status and memory, so that rank 0 also
-// learns of a lost rank while the server is idle. Rank 0 sends at least one message every tick,
-// so a waiting rank never reaches the collective timeout while the server has no work.
+// The control plane of a served pipeline: a replica's first rank (rank 0 of its group; the world
+// when there is one replica) tells the replica's other ranks what to do next over the replica's
+// group (a header [kind, payload bytes] then the payload as uint8, both broadcast), and every
+// message ends with an all-gather of each rank's status and memory, so that the first rank also
+// learns of a lost rank while the server is idle. It sends at least one message every tick, so a
+// waiting rank never reaches the collective timeout while the server has no work.
 #include <ATen/ATen.h>
 
 #include <cstdint>

@@ -1,7 +1,9 @@
 #pragma once
 // `shardit serve`: an OpenAI-compatible images API over a tensor-parallel pipeline. Rank 0 answers
-// HTTP (cpp-httplib) and runs one generation at a time from a bounded queue; every rank computes,
-// told what to run by the control plane (control.h). Each request is a job (its id from
+// HTTP (cpp-httplib) and keeps one bounded queue; each data-parallel replica of the mesh runs one
+// generation at a time (a request, or a batch of compatible ones with max_batch), its ranks told
+// what to run by its control plane (control.h); rank 0 runs replica 0's and hands the others
+// theirs through the rendezvous store. Each request is a job (its id from
 // X-Request-Id or drawn): GET /v1/jobs/{id} reports its step, and a client that disconnects (or
 // --generation-timeout) cancels it at the next step boundary on every rank.
 #include <chrono>
