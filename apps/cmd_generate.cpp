@@ -24,6 +24,7 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/nn/cpu/fused.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/pipelines/pipeline.h"
 
@@ -232,7 +233,8 @@ int generate(const GenerateOptions& given) {
         pipeline->class_name(), options.pipeline.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
         result.height, result.num_inference_steps, seconds(start, end), seconds(load_start, start),
         fmt::join(pngs, ", "), options.out_tensors.empty() ? "" : ", " + options.out_tensors);
-    fmt::print("fp32 matrix products on {}\n", nn::gemm_kernel_summary());
+    fmt::print("fp32 matrix products on {}; fused element-wise kernels: {}\n", nn::gemm_kernel_summary(),
+               nn::cpu::fused_kernels_name());
   }
   return 0;
 }

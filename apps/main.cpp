@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "shardit/core/heap.h"
 #include "shardit/core/error.h"
 #include "shardit/dist/launch_env.h"
 #include "shardit/dist/launcher.h"
@@ -183,6 +184,7 @@ int run_cli(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardit::keep_freed_memory_for_reuse();
   shardit::nn::exec_with_cpu_blas_kernels(argv);
   return run_cli(argc, argv);
 }

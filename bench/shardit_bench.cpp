@@ -37,6 +37,8 @@
 #include <thread>
 #include <vector>
 
+#include "shardit/core/heap.h"
+#include "shardit/nn/cpu/fused.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
@@ -350,7 +352,8 @@ nlohmann::json gemm_report() {
           {"probe_threads", probe.threads},
           {"blas_core", shardit::nn::blas_core_name()},
           {"cpu_features", shardit::cpu_features().to_string()},
-          {"kernels", shardit::nn::gemm_kernel_summary()}};
+          {"kernels", shardit::nn::gemm_kernel_summary()},
+          {"fused_cpu_kernels", shardit::nn::cpu::fused_kernels_name()}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -934,6 +937,7 @@ int run_gemm(const BenchOptions& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardit::keep_freed_memory_for_reuse();
   shardit::nn::exec_with_cpu_blas_kernels(argv);
   CLI::App app{"shardit-bench: transformer forward and load benchmarks"};
   BenchOptions options;

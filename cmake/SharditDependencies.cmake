@@ -20,6 +20,9 @@ find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
 find_package(Threads REQUIRED)
+# OpenMP: at::parallel_for is inlined from ATen's headers and runs its loop on LibTorch's OpenMP
+# threads only where the including code is compiled with OpenMP; without it, it runs serially.
+find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(PNG REQUIRED)  # images written by `shardit generate` and read as inputs (libpng-dev)
 find_package(JPEG REQUIRED)  # JPEG input images for editing (libjpeg62-turbo-dev)
 # Tokenizers: SentencePiece (T5), PCRE2 (pre-tokenizer regexes), ICU (normalisation, case mapping).

@@ -16,6 +16,8 @@ packages=(
   libtorch-dev libgloo-dev
   # fast BLAS for LibTorch; without it Debian's reference BLAS is ~40x slower
   libopenblas0-openmp
+  # Sleef: the vector exp and tanh of the fused CPU kernels (nn/cpu), as LibTorch uses it
+  libsleef-dev
   # libraries
   nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev
   # input images for editing: JPEG

@@ -6,10 +6,12 @@
 
 #include <csignal>
 
+#include "shardit/core/heap.h"
 #include "shardit/nn/gemm.h"
 #include "support/multiprocess.h"
 
 int main(int argc, char** argv) {
+  shardit::keep_freed_memory_for_reuse();
   shardit::nn::exec_with_cpu_blas_kernels(argv);
   // As the CLI: a write to a peer that is gone is an error to report, not a silent death (a rank
   // that outlives a lost peer must say which rank it lost).

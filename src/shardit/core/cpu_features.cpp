@@ -31,6 +31,7 @@ CpuFeatures read_cpu_features() {
   features.fma = os_avx && fma;
   features.avx2 = os_avx && ((b >> 5) & 1);
   features.avx512f = os_avx512 && ((b >> 16) & 1);
+  features.avx512_bw_dq_vl = features.avx512f && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1);
   features.avx512_vnni = features.avx512f && ((c >> 11) & 1);
   features.amx_bf16 = os_amx && ((d >> 22) & 1);
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;

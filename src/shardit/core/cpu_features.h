@@ -10,6 +10,8 @@ struct CpuFeatures {
   bool avx2 = false;
   bool fma = false;
   bool avx512f = false;
+  /// AVX-512 F with BW, DQ and VL (Skylake-SP and later): what at::vec's AVX512 build assumes.
+  bool avx512_bw_dq_vl = false;
   bool avx512_vnni = false;
   bool avx512_bf16 = false;
   bool amx_bf16 = false;

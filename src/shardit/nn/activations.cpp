@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "shardit/nn/cpu/fused.h"
+
 namespace shardit::nn {
 
 Activation parse_activation(const std::string& name, const std::string& source, const char* key) {
@@ -14,11 +16,19 @@ Activation parse_activation(const std::string& name, const std::string& source, 
               "', which is not supported; supported: quick_gelu, gelu, gelu_new, gelu_pytorch_tanh, relu, silu");
 }
 
+at::Tensor& gelu_tanh_(at::Tensor& x) {
+  if (!cpu::try_gelu_tanh_(x)) at::gelu_(x, "tanh");
+  return x;
+}
+
 at::Tensor activate(const at::Tensor& x, Activation activation) {
   switch (activation) {
     case Activation::QuickGelu: return x * at::sigmoid(x * 1.702);
     case Activation::Gelu: return at::gelu(x);
-    case Activation::GeluTanh: return at::gelu(x, "tanh");
+    case Activation::GeluTanh: {
+      at::Tensor y = x.clone(at::MemoryFormat::Contiguous);
+      return gelu_tanh_(y);
+    }
     case Activation::Relu: return at::relu(x);
     case Activation::SiLU: return at::silu(x);
   }

@@ -18,6 +18,9 @@ enum class Activation {
 /// names otherwise.
 Activation parse_activation(const std::string& name, const std::string& source, const char* key);
 
+/// x = gelu(x, approximate="tanh") in place (the fused CPU kernel where it applies); returns x.
+at::Tensor& gelu_tanh_(at::Tensor& x);
+
 /// act(x), in x's dtype.
 at::Tensor activate(const at::Tensor& x, Activation activation);
 

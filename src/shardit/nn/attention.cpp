@@ -1,5 +1,6 @@
 #include "shardit/nn/attention.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/activations.h"
 
 #include <c10/util/Exception.h>
 
@@ -161,7 +162,7 @@ GELU::GELU(int64_t dim_in, int64_t dim_out, bool approximate_tanh, bool bias)
 
 at::Tensor GELU::forward(const at::Tensor& x) {
   at::Tensor h = proj->forward(x);
-  return approximate_tanh_ ? at::gelu_(h, "tanh") : at::gelu_(h);
+  return approximate_tanh_ ? gelu_tanh_(h) : at::gelu_(h);
 }
 
 FeedForward::FeedForward(const FeedForwardOptions& options) {

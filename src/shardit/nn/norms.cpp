@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "shardit/nn/cpu/fused.h"
+
 namespace shardit::nn {
 
 namespace {
@@ -45,6 +47,8 @@ RMSNorm::RMSNorm(const RMSNormOptions& options) : options_(options) {
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) const {
   check_last_dim(*this, x, options_.dim);
+  at::Tensor fused;
+  if (cpu::try_rms_norm(x, options_.elementwise_affine ? weight : at::Tensor(), options_.eps, fused)) return fused;
   const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   // [..., 1]
   const at::Tensor inv_rms = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true).add_(options_.eps));
@@ -56,6 +60,12 @@ at::Tensor RMSNorm::forward(const at::Tensor& x) const {
 
 at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale) {
   return normed.mul_(1 + scale.unsqueeze(1)).add_(shift.unsqueeze(1));
+}
+
+at::Tensor modulated_layer_norm(const at::Tensor& x, double eps, const at::Tensor& shift, const at::Tensor& scale) {
+  at::Tensor fused;
+  if (cpu::try_layer_norm_modulate(x, eps, shift, scale, fused)) return fused;
+  return modulate(layer_norm(x, eps), shift, scale);
 }
 
 at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
@@ -73,7 +83,7 @@ at::Tensor AdaLayerNormContinuous::forward(const at::Tensor& x, const at::Tensor
   const at::Tensor emb = linear->forward(at::silu(conditioning).to(x.scalar_type()));
   if (emb_out != nullptr) *emb_out = emb;
   const std::vector<at::Tensor> chunks = emb.chunk(2, 1);
-  return modulate(layer_norm(x, eps_), /*shift=*/chunks[1], /*scale=*/chunks[0]);
+  return modulated_layer_norm(x, eps_, /*shift=*/chunks[1], /*scale=*/chunks[0]);
 }
 
 }  // namespace shardit::nn

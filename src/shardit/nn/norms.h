@@ -76,6 +76,10 @@ class RMSNorm : public Module {
 /// ops, same roundings).
 at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale);
 
+/// modulate(layer_norm(x, eps), shift, scale): adaLN's normalised, shifted and scaled input. In
+/// bf16 on the CPU one fused pass (nn/cpu/fused.h) with the same roundings.
+at::Tensor modulated_layer_norm(const at::Tensor& x, double eps, const at::Tensor& shift, const at::Tensor& scale);
+
 /// residual + gate * update with a per-sample [B, D] gate over [B, S, D], in one pass.
 at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update);
 

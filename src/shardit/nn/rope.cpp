@@ -1,5 +1,7 @@
 #include "shardit/nn/rope.h"
 
+#include "shardit/nn/cpu/fused.h"
+
 #include <c10/util/Exception.h>
 
 #include <numeric>
@@ -89,6 +91,7 @@ void apply_rotary_emb_into(const at::Tensor& x, const RotaryEmbedding& rope, at:
     out.copy_(apply_rotary_emb_rotate_half(x, rope));
     return;
   }
+  if (cpu::try_rope_interleaved(x, rope.cos, rope.sin, out)) return;
   const int64_t seq = x.size(1);
   const int64_t head_dim = x.size(3);
   TORCH_CHECK(rope.cos.dim() == 2 && rope.cos.size(0) == seq && rope.cos.size(1) == head_dim &&

@@ -1,5 +1,6 @@
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/activations.h"
 #include "shardit/nn/inputs.h"
 
 #include <c10/util/Exception.h>
@@ -55,7 +56,7 @@ AdaLayerNormZero::Output AdaLayerNormZero::forward(const at::Tensor& x, const at
   out.shift_mlp = chunks[3];
   out.scale_mlp = chunks[4];
   out.gate_mlp = chunks[5];
-  out.hidden_states = nn::modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  out.hidden_states = nn::modulated_layer_norm(x, kNormEps, chunks[0], chunks[1]);
   return out;
 }
 
@@ -70,7 +71,7 @@ AdaLayerNormZeroSingle::Output AdaLayerNormZeroSingle::forward(const at::Tensor&
   out.emb = linear->forward(at::silu(emb));
   const std::vector<at::Tensor> chunks = out.emb.chunk(3, 1);
   out.gate = chunks[2];
-  out.hidden_states = nn::modulate(nn::layer_norm(x, kNormEps), chunks[0], chunks[1]);
+  out.hidden_states = nn::modulated_layer_norm(x, kNormEps, chunks[0], chunks[1]);
   return out;
 }
 
@@ -199,14 +200,14 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::forward(const at::Tensor
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, img.gate_msa, attention.hidden_states);
-  const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, kNormEps), img.shift_mlp, img.scale_mlp));
+  const at::Tensor ff_output = ff->forward(nn::modulated_layer_norm(image, kNormEps, img.shift_mlp, img.scale_mlp));
   emit("ff", ff_output);
   image = nn::gated_residual(image, img.gate_mlp, ff_output);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, txt.gate_msa, attention.encoder_hidden_states);
   const at::Tensor ff_context_output =
-      ff_context->forward(nn::modulate(nn::layer_norm(text, kNormEps), txt.shift_mlp, txt.scale_mlp));
+      ff_context->forward(nn::modulated_layer_norm(text, kNormEps, txt.shift_mlp, txt.scale_mlp));
   emit("ff_context", ff_context_output);
   text = nn::gated_residual(text, txt.gate_mlp, ff_context_output);
   return {text, image};
@@ -235,7 +236,7 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
   // [B, S, 4D_local]
   at::Tensor mlp = proj_mlp->forward(normed.hidden_states);
   emit("proj_mlp", mlp);
-  at::gelu_(mlp, "tanh");
+  nn::gelu_tanh_(mlp);
   // [B, S, D_local]
   const at::Tensor attention = attn->forward(normed.hidden_states, at::Tensor(), rope).hidden_states;
   emit("attn", attention);

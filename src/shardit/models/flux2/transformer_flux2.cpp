@@ -226,9 +226,9 @@ std::pair<at::Tensor, at::Tensor> Flux2TransformerBlock::forward(const at::Tenso
   TORCH_INTERNAL_ASSERT(mod_img.size() == 2 && mod_txt.size() == 2, "double block needs two modulation sets");
   // hidden_states [B, N, D], encoder_hidden_states [B, L, D]
   const at::Tensor norm_hidden_states =
-      nn::modulate(nn::layer_norm(hidden_states, eps_), mod_img[0].shift, mod_img[0].scale);
+      nn::modulated_layer_norm(hidden_states, eps_, mod_img[0].shift, mod_img[0].scale);
   const at::Tensor norm_encoder_hidden_states =
-      nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), mod_txt[0].shift, mod_txt[0].scale);
+      nn::modulated_layer_norm(encoder_hidden_states, eps_, mod_txt[0].shift, mod_txt[0].scale);
 
   const auto [attn_output, context_attn_output] = attn->forward(norm_hidden_states, norm_encoder_hidden_states, rope);
   emit("attn.hidden_states", attn_output);
@@ -236,14 +236,14 @@ std::pair<at::Tensor, at::Tensor> Flux2TransformerBlock::forward(const at::Tenso
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, mod_img[0].gate, attn_output);
-  const at::Tensor ff_output = ff->forward(nn::modulate(nn::layer_norm(image, eps_), mod_img[1].shift, mod_img[1].scale));
+  const at::Tensor ff_output = ff->forward(nn::modulated_layer_norm(image, eps_, mod_img[1].shift, mod_img[1].scale));
   emit("ff", ff_output);
   image = nn::gated_residual(image, mod_img[1].gate, ff_output);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, mod_txt[0].gate, context_attn_output);
   const at::Tensor ff_context_output =
-      ff_context->forward(nn::modulate(nn::layer_norm(text, eps_), mod_txt[1].shift, mod_txt[1].scale));
+      ff_context->forward(nn::modulated_layer_norm(text, eps_, mod_txt[1].shift, mod_txt[1].scale));
   emit("ff_context", ff_context_output);
   text = nn::gated_residual(text, mod_txt[1].gate, ff_context_output);
   return {text, image};
@@ -261,7 +261,7 @@ at::Tensor Flux2SingleTransformerBlock::forward(const at::Tensor& hidden_states,
                                                 const nn::RotaryEmbedding& rope) {
   SHARDIT_PROFILE_SCOPE("Flux2SingleTransformerBlock");
   // hidden_states [B, S, D]
-  const at::Tensor normed = nn::modulate(nn::layer_norm(hidden_states, eps_), mod.shift, mod.scale);
+  const at::Tensor normed = nn::modulated_layer_norm(hidden_states, eps_, mod.shift, mod.scale);
   const at::Tensor attn_output = attn->forward(normed, rope);
   emit("attn", attn_output);
   return nn::gated_residual(hidden_states, mod.gate, attn_output);

@@ -208,8 +208,8 @@ std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
   const std::vector<at::Tensor> img = img_params.chunk(6, 1);
   const std::vector<at::Tensor> txt = txt_params.chunk(6, 1);
 
-  const at::Tensor img_modulated = nn::modulate(nn::layer_norm(hidden_states, eps_), img[0], img[1]);
-  const at::Tensor txt_modulated = nn::modulate(nn::layer_norm(encoder_hidden_states, eps_), txt[0], txt[1]);
+  const at::Tensor img_modulated = nn::modulated_layer_norm(hidden_states, eps_, img[0], img[1]);
+  const at::Tensor txt_modulated = nn::modulated_layer_norm(encoder_hidden_states, eps_, txt[0], txt[1]);
 
   const auto [img_attn, txt_attn] = attn->forward(img_modulated, txt_modulated, img_rope, txt_rope, key_mask);
   emit("attn.hidden_states", img_attn);
@@ -217,13 +217,13 @@ std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
 
   // Image stream. [B, N, D]
   at::Tensor image = nn::gated_residual(hidden_states, img[2], img_attn);
-  const at::Tensor img_mlp_out = img_mlp->forward(nn::modulate(nn::layer_norm(image, eps_), img[3], img[4]));
+  const at::Tensor img_mlp_out = img_mlp->forward(nn::modulated_layer_norm(image, eps_, img[3], img[4]));
   emit("img_mlp", img_mlp_out);
   image = nn::gated_residual(image, img[5], img_mlp_out);
 
   // Text stream. [B, L, D]
   at::Tensor text = nn::gated_residual(encoder_hidden_states, txt[2], txt_attn);
-  const at::Tensor txt_mlp_out = txt_mlp->forward(nn::modulate(nn::layer_norm(text, eps_), txt[3], txt[4]));
+  const at::Tensor txt_mlp_out = txt_mlp->forward(nn::modulated_layer_norm(text, eps_, txt[3], txt[4]));
   emit("txt_mlp", txt_mlp_out);
   text = nn::gated_residual(text, txt[5], txt_mlp_out);
 

@@ -1,0 +1,54 @@
+#pragma once
+// Fused CPU kernels for the element-wise work around the products: GELU(tanh) in place, RMSNorm,
+// interleaved rotary embedding and the attention's softmax. Each reads and writes its tensors
+// once, computes in fp32 and rounds once to the output's dtype, where LibTorch 1.13 runs several
+// passes with temporaries (and bf16 through scalar loops): in bf16 they were a third of a FLUX
+// step on CPU (docs/benchmarks.md).
+//
+// The kernel build (AVX-512, AVX2 or portable) is chosen from the CPU's features once per
+// process; every row is computed by one thread in a fixed order. So the same inputs give the
+// same bits on the same machine whatever its load or thread count. SHARDIT_FUSED_KERNELS=off
+// turns them off (LibTorch's operators then run, as before), to compare.
+//
+// Each try_* returns false, having done nothing, for what it does not take (another device or
+// dtype, a layout it does not read, kernels off); the caller then runs LibTorch's operators.
+#include <ATen/ATen.h>
+
+namespace shardit::nn::cpu {
+
+/// "avx512", "avx2", "default" (the build this CPU runs), or "off".
+const char* fused_kernels_name();
+
+/// False when SHARDIT_FUSED_KERNELS=off.
+bool fused_kernels_enabled();
+
+/// Every row of `out` (a contiguous [rows, n] CPU tensor) set to `row` ([n], contiguous, same
+/// dtype), by memcpy.
+void fill_rows(const at::Tensor& out, const at::Tensor& row);
+
+/// x = gelu(x, approximate="tanh") in place; x contiguous bf16 on the CPU.
+bool try_gelu_tanh_(const at::Tensor& x);
+
+/// RMSNorm of bf16 rows (the last dimension contiguous) with an optional bf16 or fp32 weight,
+/// into a new contiguous tensor `out`.
+bool try_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+
+/// modulate(layer_norm(x), shift, scale) of bf16 x [B, ..., D] (D contiguous) with bf16 shift and
+/// scale [B, D] (D contiguous), into a new contiguous `out`; the roundings of diffusers' bf16 ops.
+bool try_layer_norm_modulate(const at::Tensor& x, double eps, const at::Tensor& shift, const at::Tensor& scale,
+                             at::Tensor& out);
+
+/// Interleaved rotary embedding of x [B, S, H, D] (fp32 or bf16, D contiguous) with fp32 tables
+/// cos, sin [S, D], written into out (x's shape and dtype, any strides with D contiguous).
+bool try_rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out);
+
+/// The attention weights of a block of scores [nq, nk] (fp32 or bf16, contiguous):
+/// exp(scale * (s - rowmax)), masked keys 0, divided by the row's sum when `normalize`.
+/// `key_mask`: undefined, or bool [nq or 1, nk] (true = attend). Returns false for anything
+/// else. Outputs: probs [nq, nk] in the scores' dtype (in place when passed in as `scores`
+/// itself, else allocated), row_max [nq] fp32 (scaled; -inf for a fully masked row), row_sum
+/// [nq] fp32.
+bool try_softmax_rows(const at::Tensor& scores, const at::Tensor& key_mask, double scale, bool normalize,
+                      at::Tensor& probs, at::Tensor& row_max, at::Tensor& row_sum);
+
+}  // namespace shardit::nn::cpu
