@@ -16,7 +16,6 @@
 #include <mutex>
 
 #include "shardit/core/cpu_features.h"
-#include "shardit/nn/cpu/fused.h"
 
 namespace shardit::nn {
 
@@ -206,19 +205,6 @@ GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t in = x.size(-1);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
-  if (x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-      bias.defined() && bias.scalar_type() == at::kBFloat16 && bias.dim() == 1 && rows > 0 && weight.dim() == 2) {
-    // at::linear's addmm first copies the bias, broadcast, into its result with an element-wise
-    // kernel that LibTorch 1.13 runs slowly for bf16 (12% of a FLUX step on CPU): the rows are
-    // filled by memcpy instead, and the product accumulates onto them in place (addmm_out into
-    // its own `self` copies nothing). The same arithmetic as at::addmm, bit for bit.
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
-    at::Tensor out = at::empty({rows, weight.size(0)}, x.options());
-    cpu::fill_rows(out, bias);
-    at::addmm_out(out, out, x.reshape({rows, in}), weight.t());
-    return out.view(sizes);
-  }
   if (gemm_backend_for(x.device(), x.scalar_type(), rows, weight.numel()) != GemmBackend::OneDnn ||
       weight.scalar_type() != at::kFloat || (bias.defined() && bias.scalar_type() != at::kFloat)) {
     return at::linear(x, weight, bias);

@@ -138,7 +138,7 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   const bool rowwise = mode_ == LinearParallel::Rowwise;
   const int64_t first = parts.front().size(-1);
   // [..., out] (or its partial sum when rowwise)
-  at::Tensor y = at::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);  // BLAS
+  at::Tensor y = nn::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);
   // [rows, out]: a view of y
   at::Tensor y_rows = y.view({-1, y.size(-1)});
   int64_t offset = first;

@@ -76,19 +76,6 @@ const char* fused_kernels_name() { return kernels().name; }
 
 bool fused_kernels_enabled() { return kernels().softmax_row_f32 != nullptr; }
 
-void fill_rows(const at::Tensor& out, const at::Tensor& row) {
-  TORCH_CHECK(on_cpu(out) && on_cpu(row) && out.dim() == 2 && out.is_contiguous() && row.is_contiguous() &&
-                  row.numel() == out.size(1) && row.scalar_type() == out.scalar_type(),
-              "fill_rows: expected a contiguous CPU [rows, n] and a [n] row of its dtype, got ", out.sizes(), " ",
-              out.scalar_type(), " and ", row.sizes(), " ", row.scalar_type());
-  const size_t row_bytes = static_cast<size_t>(out.size(1)) * out.element_size();
-  auto* base = static_cast<char*>(out.data_ptr());
-  const void* source = row.data_ptr();
-  at::parallel_for(0, out.size(0), grain_rows(out.size(1)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) std::memcpy(base + static_cast<size_t>(r) * row_bytes, source, row_bytes);
-  });
-}
-
 bool try_gelu_tanh_(const at::Tensor& x) {
   const FusedKernelTable& k = kernels();
   // fp32 stays on LibTorch's kernel, already vectorised there (and the fp32 parity baseline).

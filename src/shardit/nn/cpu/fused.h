@@ -22,10 +22,6 @@ const char* fused_kernels_name();
 /// False when SHARDIT_FUSED_KERNELS=off.
 bool fused_kernels_enabled();
 
-/// Every row of `out` (a contiguous [rows, n] CPU tensor) set to `row` ([n], contiguous, same
-/// dtype), by memcpy.
-void fill_rows(const at::Tensor& out, const at::Tensor& row);
-
 /// x = gelu(x, approximate="tanh") in place; x contiguous bf16 on the CPU.
 bool try_gelu_tanh_(const at::Tensor& x);
 
