@@ -23,7 +23,8 @@ measure() {  # name folder generate-arguments...
     local file="$out/$tag.safetensors"
     local start=$(date +%s.%N)
     "$cli" generate --model "$folder" --latents "$folder/inputs.safetensors" --dtype "$dtype" \
-      --weights-dtype "$weights" ${compute:+--$compute} --out-tensors "$file" "$@" >"$out/$tag.log" 2>&1
+      --weights-dtype "$weights" ${compute:+--$compute} --out-tensors "$file" --out "$out/$tag.png" "$@" \
+      >"$out/$tag.log" 2>&1
     echo "$name $dtype $weights $compute: $(echo "$(date +%s.%N) - $start" | bc) s (whole generate)"
     files+=("$file")
   done
