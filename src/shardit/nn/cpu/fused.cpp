@@ -3,8 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shardit/core/cpu_features.h"
@@ -15,26 +17,53 @@ namespace shardit::nn::cpu {
 
 namespace {
 
-const FusedKernelTable& kernels() {
-  static const FusedKernelTable table = [] {
-    const char* setting = std::getenv("SHARDIT_FUSED_KERNELS");
-    if (setting != nullptr && std::strcmp(setting, "off") == 0) {
-      FusedKernelTable off;
-      off.name = "off";
-      return off;
-    }
+/// The builds this CPU can run, best first, and "off" (LibTorch's operators).
+const std::vector<FusedKernelTable>& runnable_builds() {
+  static const std::vector<FusedKernelTable> builds = [] {
+    std::vector<FusedKernelTable> out;
     const CpuFeatures& cpu = cpu_features();
     if (cpu.avx512_bw_dq_vl && cpu.fma) {
       FusedKernelTable t = fused_kernels_avx512();
-      if (t.softmax_row_f32 != nullptr) return t;
+      if (t.softmax_row_f32 != nullptr) out.push_back(t);
     }
     if (cpu.avx2 && cpu.fma) {
       FusedKernelTable t = fused_kernels_avx2();
-      if (t.softmax_row_f32 != nullptr) return t;
+      if (t.softmax_row_f32 != nullptr) out.push_back(t);
     }
-    return fused_kernels_default();
+    out.push_back(fused_kernels_default());
+    FusedKernelTable off;
+    off.name = "off";
+    out.push_back(off);
+    return out;
+  }();
+  return builds;
+}
+
+const FusedKernelTable& build_named(const std::string& name, const char* source) {
+  std::string names;
+  for (const FusedKernelTable& build : runnable_builds()) {
+    if (name == build.name) return build;
+    names += (names.empty() ? "" : ", ") + std::string(build.name);
+  }
+  TORCH_CHECK(false, source, " is '", name, "', which this CPU cannot run (or this build lacks); choose one of ",
+              names);
+}
+
+/// The table the process runs: SHARDIT_FUSED_KERNELS, else the best this CPU has.
+const FusedKernelTable& process_kernels() {
+  static const FusedKernelTable& table = [&]() -> const FusedKernelTable& {
+    const char* setting = std::getenv("SHARDIT_FUSED_KERNELS");
+    if (setting != nullptr && *setting != '\0') return build_named(setting, "SHARDIT_FUSED_KERNELS");
+    return runnable_builds().front();
   }();
   return table;
+}
+
+std::atomic<const FusedKernelTable*> scoped_kernels{nullptr};
+
+const FusedKernelTable& kernels() {
+  const FusedKernelTable* scoped = scoped_kernels.load(std::memory_order_acquire);
+  return scoped != nullptr ? *scoped : process_kernels();
 }
 
 bool on_cpu(const at::Tensor& t) { return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided; }
@@ -75,6 +104,19 @@ int64_t grain_rows(int64_t row_length) { return std::max<int64_t>(1, (int64_t{1}
 const char* fused_kernels_name() { return kernels().name; }
 
 bool fused_kernels_enabled() { return kernels().softmax_row_f32 != nullptr; }
+
+std::vector<std::string> fused_kernel_builds() {
+  std::vector<std::string> names;
+  for (const FusedKernelTable& build : runnable_builds()) names.emplace_back(build.name);
+  return names;
+}
+
+FusedKernelsScope::FusedKernelsScope(const std::string& build)
+    : previous_(scoped_kernels.exchange(&build_named(build, "FusedKernelsScope"), std::memory_order_acq_rel)) {}
+
+FusedKernelsScope::~FusedKernelsScope() {
+  scoped_kernels.store(static_cast<const FusedKernelTable*>(previous_), std::memory_order_release);
+}
 
 bool try_gelu_tanh_(const at::Tensor& x) {
   const FusedKernelTable& k = kernels();

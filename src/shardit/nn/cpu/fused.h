@@ -7,12 +7,16 @@
 //
 // The kernel build (AVX-512, AVX2 or portable) is chosen from the CPU's features once per
 // process; every row is computed by one thread in a fixed order. So the same inputs give the
-// same bits on the same machine whatever its load or thread count. SHARDIT_FUSED_KERNELS=off
-// turns them off (LibTorch's operators then run, as before), to compare.
+// same bits on the same machine whatever its load or thread count. SHARDIT_FUSED_KERNELS picks
+// another build this CPU can run (avx2, default) or turns them off (LibTorch's operators then
+// run, as before), to compare.
 //
 // Each try_* returns false, having done nothing, for what it does not take (another device or
 // dtype, a layout it does not read, kernels off); the caller then runs LibTorch's operators.
 #include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
 
 namespace shardit::nn::cpu {
 
@@ -21,6 +25,23 @@ const char* fused_kernels_name();
 
 /// False when SHARDIT_FUSED_KERNELS=off.
 bool fused_kernels_enabled();
+
+/// The builds this CPU can run, best first ("avx512", "avx2", "default"), then "off": the values
+/// SHARDIT_FUSED_KERNELS takes (unset: the first).
+std::vector<std::string> fused_kernel_builds();
+
+/// Runs the process on another build while it lives (process-wide, for tests and benchmarks that
+/// compare builds on one machine; not for concurrent use). An error names the runnable builds.
+class FusedKernelsScope {
+ public:
+  explicit FusedKernelsScope(const std::string& build);
+  ~FusedKernelsScope();
+  FusedKernelsScope(const FusedKernelsScope&) = delete;
+  FusedKernelsScope& operator=(const FusedKernelsScope&) = delete;
+
+ private:
+  const void* previous_;
+};
 
 /// x = gelu(x, approximate="tanh") in place; x contiguous bf16 on the CPU.
 bool try_gelu_tanh_(const at::Tensor& x);

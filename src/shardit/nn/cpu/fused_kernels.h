@@ -56,9 +56,7 @@ struct Lanes<c10::BFloat16> {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
 #else
-    Vec out;
-    at::vec::load_fp32_from_bf16(p, out);
-    return out;
+    return load(p, kLanes);
 #endif
   }
   static Vec load(const c10::BFloat16* p, int64_t count) {
