@@ -16,7 +16,7 @@ packages=(
   libtorch-dev libgloo-dev
   # fast BLAS for LibTorch; without it Debian's reference BLAS is ~40x slower
   libopenblas0-openmp
-  # Sleef: the vector exp and tanh of the fused CPU kernels (nn/cpu), as LibTorch uses it
+  # Sleef's header: at::vec's AVX headers include it (the fused CPU kernels, nn/cpu)
   libsleef-dev
   # libraries
   nlohmann-json3-dev libcli11-dev libfmt-dev libpng-dev

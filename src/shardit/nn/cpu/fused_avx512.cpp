@@ -1,5 +1,6 @@
 // fused_kernels.h built for AVX512, compiled with its -m flags and chosen only on a CPU that has it. Left empty where the
-// compiler or Sleef (the vector math library at::vec calls) is missing: SHARDIT_FUSED_KERNELS_OFF.
+// compiler or Sleef's header (which at::vec's AVX headers include) is missing:
+// SHARDIT_FUSED_KERNELS_OFF.
 #include "shardit/nn/cpu/fused_table.h"
 
 #ifndef SHARDIT_FUSED_KERNELS_OFF
