@@ -26,6 +26,8 @@ at::Tensor activate(const at::Tensor& x, Activation activation) {
     case Activation::QuickGelu: return x * at::sigmoid(x * 1.702);
     case Activation::Gelu: return at::gelu(x);
     case Activation::GeluTanh: {
+      // The fused kernel works in place, on bf16 only: a copy to work on only where it runs.
+      if (x.scalar_type() != at::kBFloat16) return at::gelu(x, "tanh");
       at::Tensor y = x.clone(at::MemoryFormat::Contiguous);
       return gelu_tanh_(y);
     }
