@@ -86,8 +86,19 @@ void collect_until_failure(const std::string& dir) {
 
 [[noreturn]] void run_until_failure(const std::string& dir) {
   collect_until_failure(dir);
-  // Keep this process (and rank 0's store) up while the other survivors probe for the lost rank.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // Keep this process (and rank 0's store) up until every other survivor (all ranks but the one
+  // that dies) has probed for the lost rank and written its report: a fixed pause was too short
+  // for a survivor slowed by other work on the cores, which then found the store gone instead.
+  World& world = World::get();
+  const int64_t give_up = now_ms() + 4 * kTimeoutMs;
+  const auto reports = [&] {
+    int written = 0;
+    for (int rank = 0; rank < world.size(); ++rank) written += !read_file(dir + "/rank" + std::to_string(rank)).empty();
+    return written;
+  };
+  while (world.rank() == 0 && reports() < world.size() - 1 && now_ms() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   std::_Exit(1);
 }
 

@@ -8,6 +8,7 @@
 #   golden_always       ON when every case reads the golden data (parity/)
 #   file_of_<Suite>     the test file (without .cpp) that defines each suite
 #   starts_ranks_<file> ON when cases of that file start ranks
+#   light_ranks_<file>  ON when those rank groups keep a core busy or less (their own lock)
 # The executable lists its cases once, and again only after it is rebuilt (the list is kept beside
 # it). A case whose suite no file defines (a TEST the configure step could not read) gets an entry
 # that fails naming it, so no case drops out of the suite unseen.
@@ -98,9 +99,14 @@ foreach(file IN LISTS files)
       ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env};OMP_WAIT_POLICY=passive")
     if(starts_ranks_${file})
       # One rank group at a time (never two sharing the cores), beside at most one single-process
-      # entry (CTest's -j); first, since together they are the longest path.
+      # entry (CTest's -j); first, since together they are the longest path. Light groups
+      # (light_ranks_<file>) hold a lock of their own and run beside a computing one.
+      set(lock ranks)
+      if(light_ranks_${file})
+        set(lock light_ranks)
+      endif()
       math(EXPR cost "${case_count} + 1000")
-      set_tests_properties("${name}" PROPERTIES RESOURCE_LOCK ranks COST ${cost})
+      set_tests_properties("${name}" PROPERTIES RESOURCE_LOCK ${lock} COST ${cost})
     endif()
   endforeach()
 endforeach()
