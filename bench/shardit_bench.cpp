@@ -326,20 +326,29 @@ double flux_forward_flops(const FluxTransformer2DModelConfig& config, int64_t ba
 }
 
 /// GFLOP/s of a product in `dtype` shaped like the model's projections ([B·S, D] x [D, D]) on the
-/// kernel the model's Linears use for it (nn::linear: --gemm-backend), with this rank's threads.
-double measure_gemm_gflops(int64_t rows, int64_t dim, at::ScalarType dtype) {
-  const at::Tensor a = at::randn({rows, dim}).to(dtype);
-  const at::Tensor b = at::randn({dim, dim}).to(dtype);
-  at::Tensor c = shardit::nn::linear(a, b);  // warm-up
-  std::vector<double> rates;
-  for (int i = 0; i < 5; ++i) {
-    const auto start = Clock::now();
-    c = shardit::nn::linear(a, b);
-    rates.push_back(2.0 * rows * dim * dim / seconds_since(start) / 1e9);
+/// kernel the model's Linears use for it (nn::linear: --gemm-backend), with this rank's threads:
+/// the median of five after a warm-up. The operands are made once, so measuring again between
+/// the timed steps allocates nothing new.
+class GemmRateProbe {
+ public:
+  GemmRateProbe(int64_t rows, int64_t dim, at::ScalarType dtype)
+      : a_(at::randn({rows, dim}).to(dtype)), b_(at::randn({dim, dim}).to(dtype)) {}
+  double gflops() const {
+    const double flop = 2.0 * a_.size(0) * a_.size(1) * b_.size(0);
+    at::Tensor c = shardit::nn::linear(a_, b_);  // warm-up
+    std::vector<double> rates;
+    for (int i = 0; i < 5; ++i) {
+      const auto start = Clock::now();
+      c = shardit::nn::linear(a_, b_);
+      rates.push_back(flop / seconds_since(start) / 1e9);
+    }
+    std::sort(rates.begin(), rates.end());
+    return rates[rates.size() / 2];
   }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
-}
+
+ private:
+  at::Tensor a_, b_;
+};
 
 /// The GEMM kernel selection, what auto measured, and the BLAS library's own kernel choice.
 nlohmann::json gemm_report() {
@@ -386,16 +395,15 @@ int run_forward(const BenchOptions& options) {
   // this many ranks and threads each: in the dtype the forward computes in (the yardstick of
   // "of GEMM rate"), and in fp32 beside it.
   const int64_t image_tokens = static_cast<int64_t>(options.height / 16) * (options.width / 16);
+  const int64_t probe_rows = options.batch * (image_tokens + options.text_tokens);
   const auto machine_gemm_gflops = [&](at::ScalarType product_dtype) {
     world.group()->barrier();
-    at::Tensor sum = at::tensor(
-        {measure_gemm_gflops(options.batch * (image_tokens + options.text_tokens), config.inner_dim(), product_dtype)},
-        at::kDouble);
+    at::Tensor sum = at::tensor({GemmRateProbe(probe_rows, config.inner_dim(), product_dtype).gflops()}, at::kDouble);
     world.group()->all_reduce(sum);
     return sum.item<double>();
   };
-  const double gemm_machine = machine_gemm_gflops(dtype);
-  const double gemm_machine_fp32 = dtype == at::kFloat ? gemm_machine : machine_gemm_gflops(at::kFloat);
+  const double gemm_machine_before_load = machine_gemm_gflops(dtype);
+  const double gemm_machine_fp32 = dtype == at::kFloat ? gemm_machine_before_load : machine_gemm_gflops(at::kFloat);
 
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
@@ -506,8 +514,21 @@ int run_forward(const BenchOptions& options) {
   const int64_t faults_before = minor_page_faults();
   std::vector<double> step_seconds;
   std::vector<double> computed_seconds, skipped_seconds;
+  // The machine's rate is measured again right before each timed step (every rank at once), so
+  // each step has a yardstick from the same moment: on a shared machine the rate drifts within a
+  // run (1,400 to 2,000 GFLOP/s for the same bf16 product within minutes, measured), and a step
+  // timed in a slow moment against a probe from a fast one, or the reverse, says nothing about
+  // the engine. Not while profiling: the probe's products would be counted as the forward's.
+  const bool probe_between_steps = !options.profile && !options.op_profile;
+  std::optional<GemmRateProbe> step_probe;
+  if (probe_between_steps) step_probe.emplace(probe_rows, config.inner_dim(), dtype);
+  std::vector<double> probe_at_step;  // this rank's rate before each step; summed over ranks below
   for (int i = 0; i < options.repeats; ++i) {
     next_timestep();
+    if (step_probe) {
+      world.group()->barrier();
+      probe_at_step.push_back(step_probe->gflops());
+    }
     world.group()->barrier();
     const auto start = Clock::now();
     at::Tensor sample = model->forward(inputs);
@@ -540,6 +561,23 @@ int run_forward(const BenchOptions& options) {
   const double median = sorted[sorted.size() / 2];
   const double flops = flux_forward_flops(config, b, image_tokens, options.text_tokens);
   const double achieved = flops / median / 1e9;
+  // The yardstick: the median of the probes taken between the steps (the one before loading where
+  // there are none), and the fraction as the median over steps of each step's rate over the probe
+  // right before it.
+  double gemm_machine = gemm_machine_before_load;
+  double fraction_of_gemm = achieved / gemm_machine;
+  std::vector<double> probe_sums;
+  if (!probe_at_step.empty()) {
+    at::Tensor sums = at::tensor(probe_at_step, at::kDouble);
+    world.group()->all_reduce(sums);
+    probe_sums.assign(sums.data_ptr<double>(), sums.data_ptr<double>() + sums.numel());
+    std::vector<double> sorted_probes = probe_sums, fractions;
+    std::sort(sorted_probes.begin(), sorted_probes.end());
+    gemm_machine = sorted_probes[sorted_probes.size() / 2];
+    for (size_t i = 0; i < step_seconds.size(); ++i) fractions.push_back(flops / step_seconds[i] / 1e9 / probe_sums[i]);
+    std::sort(fractions.begin(), fractions.end());
+    fraction_of_gemm = fractions[fractions.size() / 2];
+  }
 
   // Per-rank memory, gathered on rank 0.
   at::Tensor memory = at::tensor({static_cast<double>(std::max(load_peak, peak_rss_bytes())),
@@ -575,8 +613,10 @@ int run_forward(const BenchOptions& options) {
       {"achieved_gflops", achieved},
       {"gemm_dtype", c10::toString(dtype)},
       {"gemm_gflops_machine", gemm_machine},
+      {"gemm_gflops_machine_per_step", probe_sums},
+      {"gemm_gflops_machine_before_load", gemm_machine_before_load},
       {"gemm_gflops_machine_fp32", gemm_machine_fp32},
-      {"fraction_of_gemm_rate", achieved / gemm_machine},
+      {"fraction_of_gemm_rate", fraction_of_gemm},
       {"collectives_per_step", collectives},
       {"all_reduces_per_step", all_reduces},
       {"all_reduces_expected_from_plan", expected_all_reduces},
@@ -621,7 +661,7 @@ int run_forward(const BenchOptions& options) {
                 (options.dtype + (options.weights_dtype == "checkpoint" ? "" : " weights " + options.weights_dtype) +
                  (options.int8_compute ? " int8-compute" : ""))
                     .c_str(),
-                tp, options.ulysses, options.ring, at::get_num_threads(), static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, achieved / gemm_machine,
+                tp, options.ulysses, options.ring, at::get_num_threads(), static_cast<long long>(image_tokens), options.text_tokens, median, sorted.front(), sorted.back(), achieved, fraction_of_gemm,
                 gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 shardit::gib(parameter_bytes).c_str(), shardit::gib(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);

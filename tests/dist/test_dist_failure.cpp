@@ -38,6 +38,10 @@ using ::testing::HasSubstr;
 constexpr int kTimeoutMs = 5000;
 // Reporting adds the heartbeat probe (1 s) on top of the detection itself.
 constexpr int64_t kReportBoundMs = kTimeoutMs + 2000;
+// How long the launcher lets the survivors run after the first rank fails: past the report bound,
+// so that a survivor slowed by other work on the cores is measured, not killed (the launcher's
+// default, 5 s, is under the bound: a survivor that reported after 5 s wrote nothing).
+constexpr int kSurvivorGraceSeconds = static_cast<int>(kReportBoundMs / 1000) + 3;
 
 // CLOCK_MONOTONIC is shared by every process on the host, so ranks can compare timestamps.
 int64_t now_ms() {
@@ -140,7 +144,8 @@ TEST(DistFailure, RankKilledMidSequence) {
   const std::string dir = shardit::testing::make_temp_dir("dist-kill");
   const auto start = std::chrono::steady_clock::now();
   const int code =
-      run_ranks(3, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+      run_ranks(3, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}},
+                kSurvivorGraceSeconds);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(code, 0);
   EXPECT_LT(seconds, 20.0);
@@ -158,7 +163,8 @@ TEST(DistFailure, RankExitsSilentlyMidSequence) {
   const std::string dir = shardit::testing::make_temp_dir("dist-exit");
   const auto start = std::chrono::steady_clock::now();
   const int code =
-      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}},
+                kSurvivorGraceSeconds);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(code, 0) << "rank 0 should have failed after rank 1 left";
   EXPECT_LT(seconds, 20.0);
@@ -178,7 +184,8 @@ TEST(DistFailure, StoppedRankIsReportedAsStopped) {
   }
   const std::string dir = shardit::testing::make_temp_dir("dist-stop");
   const int code =
-      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}});
+      run_ranks(2, {{"SHARDIT_TEST_DIR", dir}, {"SHARDIT_DIST_TIMEOUT_MS", std::to_string(kTimeoutMs)}},
+                kSurvivorGraceSeconds);
   EXPECT_NE(code, 0);
   const std::string report = read_file(dir + "/rank0");
   ASSERT_FALSE(report.empty()) << "rank 0 wrote no report";

@@ -331,7 +331,7 @@ void WorkerRecord::expect_ran(int nproc) const {
   if (!problems.str().empty()) ADD_FAILURE() << "multi-process test '" << test_ << "':" << problems.str();
 }
 
-int run_ranks(int nproc, std::map<std::string, std::string> extra_env) {
+int run_ranks(int nproc, std::map<std::string, std::string> extra_env, int grace_seconds) {
   const WorkerRecord record;
   for (const auto& [name, value] : record.env()) extra_env[name] = value;
   // The ranks inherit this process's environment: set the extra variables for the launch only.
@@ -343,6 +343,7 @@ int run_ranks(int nproc, std::map<std::string, std::string> extra_env) {
   }
   dist::LocalLaunchOptions options;
   options.nproc = nproc;
+  if (grace_seconds > 0) options.grace_seconds = grace_seconds;
   if (g_forker_socket >= 0) options.spawn = fork_rank;
   const int code =
       dist::launch_local({dist::current_executable(), "--gtest_filter=" + current_test_name()}, options);

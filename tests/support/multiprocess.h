@@ -60,8 +60,10 @@ class WorkerRecord {
 /// Runs this test executable, filtered to the running test, as `nproc` local ranks (through
 /// dist::launch_local, so each rank's output is prefixed "[r] "), with SHARDIT_TEST_WORKER=1 and
 /// `extra_env` set. Returns the launcher's exit code (0 when every rank passed); adds a test
-/// failure unless every rank started the test and none skipped it.
-int run_ranks(int nproc, std::map<std::string, std::string> extra_env = {});
+/// failure unless every rank started the test and none skipped it. `grace_seconds` (0: the
+/// launcher's default) is how long the other ranks may run on after one fails before the launcher
+/// kills them.
+int run_ranks(int nproc, std::map<std::string, std::string> extra_env = {}, int grace_seconds = 0);
 
 /// The value of an environment variable, or `fallback` when unset.
 std::string env_or(const std::string& name, const std::string& fallback = "");

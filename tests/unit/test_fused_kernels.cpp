@@ -29,7 +29,8 @@ auto with_threads(int threads, F f) {
   return result;
 }
 
-/// Runs `body` once on every fused-kernel build this CPU can run (AVX-512, AVX2, portable), so
+/// Runs `body` once on every fused-kernel build this CPU can run (AVX-512 with and without
+/// AVX512-BF16, AVX2, portable), so
 /// each build is checked here whatever the CI machine would pick.
 template <class F>
 void for_each_build(F body) {
@@ -51,7 +52,7 @@ double bf16_ulps(const at::Tensor& a, const at::Tensor& reference) {
 
 TEST(FusedKernels, ReportTheBuildTheCpuRunsAndRefuseOnesItCannot) {
   const std::string name = cpu::fused_kernels_name();
-  EXPECT_TRUE(name == "avx512" || name == "avx2" || name == "default" || name == "off") << name;
+  EXPECT_TRUE(name == "avx512_bf16" || name == "avx512" || name == "avx2" || name == "default" || name == "off") << name;
   const std::vector<std::string> builds = cpu::fused_kernel_builds();
   ASSERT_GE(builds.size(), 2u);
   EXPECT_EQ(builds[builds.size() - 2], "default") << "the portable build is always there";
@@ -278,6 +279,19 @@ TEST(FusedKernels, SoftmaxRowsRefuseWhatTheyDoNotRead) {
       << "an additive mask";
   EXPECT_FALSE(cpu::try_softmax_rows(scores, at::ones({4, 1}, at::kBool), 1.0, true, probs, row_max, row_sum))
       << "a mask broadcast over the keys";
+  // The kernel subtracts the row's maximum, which is the largest weight only for a positive scale.
+  for (const double scale : {0.0, -0.5, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    EXPECT_FALSE(cpu::try_softmax_rows(scores, {}, scale, true, probs, row_max, row_sum)) << "scale " << scale;
+  }
+}
+
+TEST(FusedKernels, AttentionWithANegativeScaleRunsTheOperators) {
+  at::manual_seed(3);
+  const at::Tensor q = at::randn({1, 2, 5, 8}), k = at::randn({1, 2, 7, 8}), v = at::randn({1, 2, 7, 8});
+  const double scale = -0.5;
+  const at::Tensor expected = at::matmul(at::softmax(at::matmul(q, k.transpose(-1, -2)) * scale, -1), v);
+  const at::Tensor out = shardit::nn::memory_efficient_attention(q, k, v, std::nullopt, scale).output;
+  EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-6)) << (out - expected).abs().max().item<float>();
 }
 
 }  // namespace

@@ -789,6 +789,8 @@ World& World::init(const InitOptions& options) {
     auto nccl = impl.make_nccl("shardit/world", env.rank, env.world_size, timeout, world->device_);
     world->world_group_ =
         std::make_shared<C10dGroup>("world", env.rank, all, gloo, nccl, impl.lost_ranks_fn());
+    // As in new_group: every rank connected before any may go on (and exit).
+    world->world_group_->barrier();
   } catch (const std::exception& e) {
     const std::string lost = impl.heartbeat ? impl.heartbeat->lost_ranks(all) : "";
     TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size,
@@ -871,7 +873,13 @@ std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
   try {
     auto gloo = impl_->make_gloo(prefix, group_rank, group_size, options_.timeout);
     auto nccl = impl_->make_nccl(prefix, group_rank, group_size, options_.timeout, device_);
-    return std::make_shared<C10dGroup>(name, group_rank, ranks, gloo, nccl, impl_->lost_ranks_fn());
+    auto group = std::make_shared<C10dGroup>(name, group_rank, ranks, gloo, nccl, impl_->lost_ranks_fn());
+    // Constructing a Gloo group is not a synchronisation point: a member that finished connecting
+    // may drop the group (a case that made a mesh it did not use) while another is still
+    // connecting to it, which then fails with "Connection closed by peer" (seen once in the suite;
+    // PyTorch's own Gloo tests flaked the same way). After this barrier every member is connected.
+    group->barrier();
+    return group;
   } catch (const std::exception& e) {
     const std::string lost = impl_->heartbeat ? impl_->heartbeat->lost_ranks(ranks) : "";
     TORCH_CHECK(false, "new_group ", name, " failed on rank ", rank(), " within ",

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <limits>
 #include <mutex>
@@ -76,7 +77,8 @@ void attend_fused(const at::Tensor& query_rows, const at::Tensor& keys, const at
     if (single_block) {
       // A fully masked row: max -inf and sum 0, so lse = -inf and its weights and output are 0.
       const at::Tensor safe_sum = block_sum.masked_fill(block_sum.eq(0), 1.0);
-      out.copy_(weighted.to(at::kFloat).div_(safe_sum.unsqueeze(1)));
+      // The division in fp32 (the sums' dtype), rounded once into out: one pass.
+      at::div_out(out, weighted, safe_sum.unsqueeze(1));
       lse.copy_(block_max + block_sum.log());
       return;
     }
@@ -188,9 +190,9 @@ AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tenso
   // q[b, h], k[b, h], v[b, h] are [S, D] views (of [B, S, H, D] in the transformers) whose rows
   // are strided: BLAS reads them in place, oneDNN needs the keys and values contiguous, so there
   // they are laid out once per head.
-  // The fused CPU softmax (nn/cpu/fused.h) takes fp32 or bf16 scores and no mask or a boolean
-  // one over the keys; anything else runs the LibTorch operators below.
-  const bool fused = cpu::fused_kernels_enabled() && q.device().is_cpu() &&
+  // The fused CPU softmax (nn/cpu/fused.h) takes fp32 or bf16 scores, a finite positive scale and
+  // no mask or a boolean one over the keys; anything else runs the LibTorch operators below.
+  const bool fused = cpu::fused_kernels_enabled() && q.device().is_cpu() && scale > 0.0 && std::isfinite(scale) &&
                      (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                      k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                      (!mask4 || (bool_mask && mask4->size(3) == s_kv));

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -22,6 +23,10 @@ const std::vector<FusedKernelTable>& runnable_builds() {
   static const std::vector<FusedKernelTable> builds = [] {
     std::vector<FusedKernelTable> out;
     const CpuFeatures& cpu = cpu_features();
+    if (cpu.avx512_bw_dq_vl && cpu.fma && cpu.avx512_bf16) {
+      FusedKernelTable t = fused_kernels_avx512_bf16();
+      if (t.softmax_row_f32 != nullptr) out.push_back(t);
+    }
     if (cpu.avx512_bw_dq_vl && cpu.fma) {
       FusedKernelTable t = fused_kernels_avx512();
       if (t.softmax_row_f32 != nullptr) out.push_back(t);
@@ -234,7 +239,8 @@ bool try_softmax_rows(const at::Tensor& scores, const at::Tensor& key_mask, doub
                       at::Tensor& probs, at::Tensor& row_max, at::Tensor& row_sum) {
   const FusedKernelTable& k = kernels();
   if (k.softmax_row_f32 == nullptr || !on_cpu(scores) || scores.dim() != 2 || !scores.is_contiguous() ||
-      (scores.scalar_type() != at::kFloat && scores.scalar_type() != at::kBFloat16)) {
+      (scores.scalar_type() != at::kFloat && scores.scalar_type() != at::kBFloat16) || !(scale > 0.0) ||
+      !std::isfinite(scale)) {
     return false;
   }
   const int64_t nq = scores.size(0), nk = scores.size(1);

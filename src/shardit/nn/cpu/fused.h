@@ -20,14 +20,14 @@
 
 namespace shardit::nn::cpu {
 
-/// "avx512", "avx2", "default" (the build this CPU runs), or "off".
+/// "avx512_bf16", "avx512", "avx2", "default" (the build this CPU runs), or "off".
 const char* fused_kernels_name();
 
 /// False when SHARDIT_FUSED_KERNELS=off.
 bool fused_kernels_enabled();
 
-/// The builds this CPU can run, best first ("avx512", "avx2", "default"), then "off": the values
-/// SHARDIT_FUSED_KERNELS takes (unset: the first).
+/// The builds this CPU can run, best first ("avx512_bf16", "avx512", "avx2", "default"), then
+/// "off": the values SHARDIT_FUSED_KERNELS takes (unset: the first).
 std::vector<std::string> fused_kernel_builds();
 
 /// Runs the process on another build while it lives (process-wide, for tests and benchmarks that
@@ -61,8 +61,8 @@ bool try_rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::
 
 /// The attention weights of a block of scores [nq, nk] (fp32 or bf16, contiguous):
 /// exp(scale * (s - rowmax)), masked keys 0, divided by the row's sum when `normalize`.
-/// `key_mask`: undefined, or bool [nq or 1, nk] (true = attend). Returns false for anything
-/// else. Outputs: probs [nq, nk] in the scores' dtype (in place when passed in as `scores`
+/// `key_mask`: undefined, or bool [nq or 1, nk] (true = attend); `scale` finite and > 0.
+/// Returns false for anything else. Outputs: probs [nq, nk] in the scores' dtype (in place when passed in as `scores`
 /// itself, else allocated), row_max [nq] fp32 (scaled; -inf for a fully masked row), row_sum
 /// [nq] fp32.
 bool try_softmax_rows(const at::Tensor& scores, const at::Tensor& key_mask, double scale, bool normalize,

@@ -3,10 +3,11 @@
 // passes (and, in bf16, through scalar loops), done in one pass per row with fp32 arithmetic and
 // one rounding to the output's dtype.
 //
-// This header is compiled once per instruction set, by fused_avx512.cpp, fused_avx2.cpp and
-// fused_default.cpp, each of which defines CPU_CAPABILITY (ATen's convention: at::vec's
-// Vectorized<float> is 16, 8 or a scalar-loop "vector" wide, in a namespace of that name) and
-// then includes this file. fused.cpp picks the table for the CPU it runs on (core/cpu_features),
+// This header is compiled once per instruction set, by fused_avx512_bf16.cpp, fused_avx512.cpp,
+// fused_avx2.cpp and fused_default.cpp, each of which defines CPU_CAPABILITY (ATen's convention:
+// at::vec's Vectorized<float> is 16, 8 or a scalar-loop "vector" wide, in a namespace of that
+// name) and then includes this file; the first also defines SHARDIT_NATIVE_BF16 (bf16 stores
+// through AVX512-BF16's conversion). fused.cpp picks the table for the CPU it runs on (core/cpu_features),
 // so the kernel, and the bits, depend on the machine, never on its load. Each row is computed by
 // one thread in a fixed order, so the result does not depend on the thread count either.
 #include <ATen/cpu/vec/vec.h>
@@ -65,8 +66,12 @@ struct Lanes<c10::BFloat16> {
     return Vec::loadu(buffer);
   }
   static void store(c10::BFloat16* p, const Vec& v) {
+#if defined(SHARDIT_NATIVE_BF16)
+    // AVX512-BF16's conversion: nearest even, as below, in one instruction; unlike c10 it flushes
+    // subnormal floats (below 1.2e-38) to zero and keeps a NaN's sign and payload.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#elif defined(CPU_CAPABILITY_AVX512)
     // Rounds to nearest even, NaN to the quiet NaN 0x7fc0: what c10::BFloat16(float) does.
-#if defined(CPU_CAPABILITY_AVX512)
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
@@ -89,9 +94,10 @@ struct Lanes<c10::BFloat16> {
 #endif
   }
   static void store(c10::BFloat16* p, const Vec& v, int64_t count) {
-    float buffer[kLanes];
-    v.store(buffer, count);
-    for (int64_t i = 0; i < count; ++i) p[i] = c10::BFloat16(buffer[i]);
+    // Through the whole-vector store, so a row's tail rounds as the rest of it does.
+    c10::BFloat16 buffer[kLanes];
+    store(buffer, v);
+    for (int64_t i = 0; i < count; ++i) p[i] = buffer[i];
   }
 };
 
@@ -152,6 +158,46 @@ inline Vec fast_exp(const Vec& x) {
   return Vec(_mm256_andnot_ps(_mm256_cmp_ps(x, lowest, _CMP_LT_OQ), scaled));
 #else
   return x.exp();
+#endif
+}
+
+/// 2^t for the attention weights, where t <= 0 (a scaled score minus the row's maximum, in
+/// log2 units); cheaper than fast_exp(t ln2) because the softmax folds log2(e) into its scale:
+/// t = n + f with n an integer and |f| <= 1/2, 2^f from a degree-6 polynomial fitted to it
+/// (relative error 2e-9, under the float's own rounding), scaled by 2^n. Below 2^-126 (the
+/// smallest normal float; t = -inf included) it returns 0, as fast_exp does below e^-87.3: a
+/// subnormal weight would only slow the product with the values. NaN stays NaN. For t > 0 (a
+/// masked key's score above the maximum, zeroed by the caller) the result is not meaningful.
+inline Vec exp2_nonpositive(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // q(f) = (2^f - 1) / f, highest power first; 2^f = 1 + f q(f) is exactly 1 at f = 0.
+  constexpr float kQ[6] = {1.5353361959569156e-4f, 1.3398875016719103e-3f, 9.61843691766262e-3f,
+                           5.5503323674201965e-2f, 2.4022647738456726e-1f, 6.931471824645996e-1f};
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+  // max(-127, t) returns its second operand for a NaN t: NaN goes through.
+  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-127.0f), t);
+  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(clamped, n);
+  __m512 q = _mm512_set1_ps(kQ[0]);
+  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kQ[i]));
+  const __m512 p = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  // Kept: t >= -126, or NaN (unordered).
+  const __mmask16 kept = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  return Vec(_mm512_maskz_scalef_ps(kept, p, n));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
+  const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(clamped, n);
+  __m256 q = _mm256_set1_ps(kQ[0]);
+  for (int i = 1; i < 6; ++i) q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(kQ[i]));
+  const __m256 p = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.0f));
+  // 2^n from the exponent bits (n in [-127, 0] for the t that matter; NaN gives NaN through p).
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 scaled = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+  return Vec(_mm256_andnot_ps(_mm256_cmp_ps(t, _mm256_set1_ps(-126.0f), _CMP_LT_OQ), scaled));
+#else
+  return fast_exp(t * Vec(static_cast<float>(M_LN2)));
 #endif
 }
 
@@ -297,7 +343,7 @@ void rope_interleaved_row(const T* x, T* out, const float* cos, const float* sin
 }
 
 /// One row of attention weights: e_j = exp(scale * (s_j - max)) over the keys that `mask` allows
-/// (all when null; 0 for the others), written to `probs` (which may be `scores` itself), divided
+/// (all when null; 0 for the others), computed as 2^((s_j - max) * scale * log2(e)) (scale > 0), written to `probs` (which may be `scores` itself), divided
 /// by their sum when `normalize`. Returns the scaled maximum (-inf when every key is masked) and
 /// the sum through `row_max` and `row_sum`. `scratch` holds kLanes floats.
 template <class S, class P>
@@ -340,12 +386,12 @@ void softmax_row(const S* scores, const bool* mask, int64_t n, float scale, bool
   if (nan) max_value = std::numeric_limits<float>::quiet_NaN();
   // A row whose keys are all masked: every weight 0 (exp(-inf)), shift by 0 rather than -inf.
   const float shift = max_value == kNegInf ? 0.0f : max_value;
-  const Vec scale_v(scale), shift_v(shift);
+  const Vec scale_log2e(scale * static_cast<float>(M_LOG2E)), shift_v(shift);
   // Pass 2: the weights, unnormalised, and their sum (lanes past n and masked keys add 0).
   Vec sums(0.0f);
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t count = std::min(kLanes, n - j);
-    Vec e = fast_exp(scale_v * (load(scores + j, count) - shift_v));
+    Vec e = exp2_nonpositive(scale_log2e * (load(scores + j, count) - shift_v));
     if (mask != nullptr || count < kLanes) {
       e.store(scratch);
       for (int64_t l = 0; l < kLanes; ++l) {

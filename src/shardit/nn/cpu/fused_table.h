@@ -25,8 +25,10 @@ struct FusedKernelTable {
                            c10::BFloat16* probs, float* row_max, float* row_sum, float* scratch) = nullptr;
 };
 
-/// The tables of this build: AVX-512 and AVX2 ones exist only where the compiler and Sleef (the
-/// vector math library LibTorch uses) allowed them; the default one always exists.
+/// The tables of this build: AVX-512 (with and without AVX512-BF16) and AVX2 ones exist only where
+/// the compiler and Sleef (the vector math library LibTorch uses) allowed them; the default one
+/// always exists.
+FusedKernelTable fused_kernels_avx512_bf16();
 FusedKernelTable fused_kernels_avx512();
 FusedKernelTable fused_kernels_avx2();
 FusedKernelTable fused_kernels_default();
