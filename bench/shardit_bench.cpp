@@ -515,10 +515,10 @@ int run_forward(const BenchOptions& options) {
   std::vector<double> step_seconds;
   std::vector<double> computed_seconds, skipped_seconds;
   // The machine's rate is measured again right before each timed step (every rank at once), so
-  // each step has a yardstick from the same moment: on a shared machine the rate drifts within a
-  // run (1,400 to 2,000 GFLOP/s for the same bf16 product within minutes, measured), and a step
-  // timed in a slow moment against a probe from a fast one, or the reverse, says nothing about
-  // the engine. Not while profiling: the probe's products would be counted as the forward's.
+  // the yardstick comes from the steps' own window: on a shared machine the rate drifts within a
+  // run (1,400 to 2,000 GFLOP/s for the same bf16 product within minutes, measured), and steps
+  // timed in a slow stretch against a probe from a fast one, or the reverse, say nothing about the
+  // engine. Not while profiling: the probe's products would be counted as the forward's.
   const bool probe_between_steps = !options.profile && !options.op_profile;
   std::optional<GemmRateProbe> step_probe;
   if (probe_between_steps) step_probe.emplace(probe_rows, config.inner_dim(), dtype);
@@ -562,22 +562,20 @@ int run_forward(const BenchOptions& options) {
   const double flops = flux_forward_flops(config, b, image_tokens, options.text_tokens);
   const double achieved = flops / median / 1e9;
   // The yardstick: the median of the probes taken between the steps (the one before loading where
-  // there are none), and the fraction as the median over steps of each step's rate over the probe
-  // right before it.
+  // there are none), against the median step. Medians of both, over one window: a probe is short
+  // (five products) and one taken in a dip would make a step paired with it look faster than the
+  // machine, so steps and probes are not paired one to one.
   double gemm_machine = gemm_machine_before_load;
-  double fraction_of_gemm = achieved / gemm_machine;
   std::vector<double> probe_sums;
   if (!probe_at_step.empty()) {
     at::Tensor sums = at::tensor(probe_at_step, at::kDouble);
     world.group()->all_reduce(sums);
     probe_sums.assign(sums.data_ptr<double>(), sums.data_ptr<double>() + sums.numel());
-    std::vector<double> sorted_probes = probe_sums, fractions;
+    std::vector<double> sorted_probes = probe_sums;
     std::sort(sorted_probes.begin(), sorted_probes.end());
     gemm_machine = sorted_probes[sorted_probes.size() / 2];
-    for (size_t i = 0; i < step_seconds.size(); ++i) fractions.push_back(flops / step_seconds[i] / 1e9 / probe_sums[i]);
-    std::sort(fractions.begin(), fractions.end());
-    fraction_of_gemm = fractions[fractions.size() / 2];
   }
+  const double fraction_of_gemm = achieved / gemm_machine;
 
   // Per-rank memory, gathered on rank 0.
   at::Tensor memory = at::tensor({static_cast<double>(std::max(load_peak, peak_rss_bytes())),
