@@ -7,9 +7,10 @@
 // fused_avx2.cpp and fused_default.cpp, each of which defines CPU_CAPABILITY (ATen's convention:
 // at::vec's Vectorized<float> is 16, 8 or a scalar-loop "vector" wide, in a namespace of that
 // name) and then includes this file; the first also defines SHARDIT_NATIVE_BF16 (bf16 stores
-// through AVX512-BF16's conversion). fused.cpp picks the table for the CPU it runs on (core/cpu_features),
-// so the kernel, and the bits, depend on the machine, never on its load. Each row is computed by
-// one thread in a fixed order, so the result does not depend on the thread count either.
+// through AVX512-BF16's conversion). fused.cpp picks the table for the CPU it runs on
+// (core/cpu_features), so the kernel, and the bits, depend on the machine, never on its load.
+// Each row is computed by one thread in a fixed order, so the result does not depend on the
+// thread count either.
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 
@@ -343,8 +344,8 @@ void rope_interleaved_row(const T* x, T* out, const float* cos, const float* sin
 }
 
 /// One row of attention weights: e_j = exp(scale * (s_j - max)) over the keys that `mask` allows
-/// (all when null; 0 for the others), computed as 2^((s_j - max) * scale * log2(e)) (scale > 0), written to `probs` (which may be `scores` itself), divided
-/// by their sum when `normalize`. Returns the scaled maximum (-inf when every key is masked) and
+/// (all when null; 0 for the others), computed as 2^((s_j - max) * scale * log2(e)) (scale > 0),
+/// written to `probs` (which may be `scores` itself), divided by their sum when `normalize`. Returns the scaled maximum (-inf when every key is masked) and
 /// the sum through `row_max` and `row_sum`. `scratch` holds kLanes floats.
 template <class S, class P>
 void softmax_row(const S* scores, const bool* mask, int64_t n, float scale, bool normalize, P* probs,
