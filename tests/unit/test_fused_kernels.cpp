@@ -30,8 +30,7 @@ auto with_threads(int threads, F f) {
 }
 
 /// Runs `body` once on every fused-kernel build this CPU can run (AVX-512 with and without
-/// AVX512-BF16, AVX2, portable), so
-/// each build is checked here whatever the CI machine would pick.
+/// AVX512-BF16, AVX2, portable), so each build is checked here whatever the CI machine would pick.
 template <class F>
 void for_each_build(F body) {
   for (const std::string& build : cpu::fused_kernel_builds()) {
@@ -52,7 +51,8 @@ double bf16_ulps(const at::Tensor& a, const at::Tensor& reference) {
 
 TEST(FusedKernels, ReportTheBuildTheCpuRunsAndRefuseOnesItCannot) {
   const std::string name = cpu::fused_kernels_name();
-  EXPECT_TRUE(name == "avx512_bf16" || name == "avx512" || name == "avx2" || name == "default" || name == "off") << name;
+  EXPECT_TRUE(name == "avx512_bf16" || name == "avx512" || name == "avx2" || name == "default" || name == "off")
+      << name;
   const std::vector<std::string> builds = cpu::fused_kernel_builds();
   ASSERT_GE(builds.size(), 2u);
   EXPECT_EQ(builds[builds.size() - 2], "default") << "the portable build is always there";

@@ -875,9 +875,9 @@ std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
     auto nccl = impl_->make_nccl(prefix, group_rank, group_size, options_.timeout, device_);
     auto group = std::make_shared<C10dGroup>(name, group_rank, ranks, gloo, nccl, impl_->lost_ranks_fn());
     // Constructing a Gloo group is not a synchronisation point: a member that finished connecting
-    // may drop the group (a case that made a mesh it did not use) while another is still
-    // connecting to it, which then fails with "Connection closed by peer" (seen once in the suite;
-    // PyTorch's own Gloo tests flaked the same way). After this barrier every member is connected.
+    // may go on and drop the group while another is still connecting to it, which then fails with
+    // "Connection closed by peer" (seen once in the suite; PyTorch's own Gloo tests flaked the same
+    // way). After this barrier every member is connected.
     group->barrier();
     return group;
   } catch (const std::exception& e) {

@@ -62,9 +62,9 @@ bool try_rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::
 /// The attention weights of a block of scores [nq, nk] (fp32 or bf16, contiguous):
 /// exp(scale * (s - rowmax)), masked keys 0, divided by the row's sum when `normalize`.
 /// `key_mask`: undefined, or bool [nq or 1, nk] (true = attend); `scale` finite and > 0.
-/// Returns false for anything else. Outputs: probs [nq, nk] in the scores' dtype (in place when passed in as `scores`
-/// itself, else allocated), row_max [nq] fp32 (scaled; -inf for a fully masked row), row_sum
-/// [nq] fp32.
+/// Returns false for anything else. Outputs: probs [nq, nk] in the scores' dtype (in place when
+/// passed in as `scores` itself, else allocated), row_max [nq] fp32 (scaled; -inf for a fully
+/// masked row), row_sum [nq] fp32.
 bool try_softmax_rows(const at::Tensor& scores, const at::Tensor& key_mask, double scale, bool normalize,
                       at::Tensor& probs, at::Tensor& row_max, at::Tensor& row_sum);
 

@@ -345,8 +345,9 @@ void rope_interleaved_row(const T* x, T* out, const float* cos, const float* sin
 
 /// One row of attention weights: e_j = exp(scale * (s_j - max)) over the keys that `mask` allows
 /// (all when null; 0 for the others), computed as 2^((s_j - max) * scale * log2(e)) (scale > 0),
-/// written to `probs` (which may be `scores` itself), divided by their sum when `normalize`. Returns the scaled maximum (-inf when every key is masked) and
-/// the sum through `row_max` and `row_sum`. `scratch` holds kLanes floats.
+/// written to `probs` (which may be `scores` itself), divided by their sum when `normalize`.
+/// Returns the scaled maximum (-inf when every key is masked) and the sum through `row_max` and
+/// `row_sum`. `scratch` holds kLanes floats.
 template <class S, class P>
 void softmax_row(const S* scores, const bool* mask, int64_t n, float scale, bool normalize, P* probs,
                  float* row_max, float* row_sum, float* scratch) {
