@@ -80,6 +80,10 @@ TEST(FusedKernels, GeluTanhInBf16IsWithinOneRoundingOfFloat64AndKeepsNan) {
     x.index_put_({0, 0}, 0.0);
     x.index_put_({0, 1}, 30.0);
     x.index_put_({0, 2}, -30.0);
+    // Far out, where e^(-2y) leaves the float range: the exponent is clamped, the result stays
+    // finite.
+    x.index_put_({0, 3}, 300.0);
+    x.index_put_({0, 4}, -300.0);
     const at::Tensor x64 = x.to(at::kDouble);
     const at::Tensor reference =
         0.5 * x64 * (1 + at::tanh(std::sqrt(2.0 / M_PI) * (x64 + 0.044715 * x64 * x64 * x64)));
@@ -89,6 +93,8 @@ TEST(FusedKernels, GeluTanhInBf16IsWithinOneRoundingOfFloat64AndKeepsNan) {
     EXPECT_EQ(y[0][0].item<float>(), 0.0f);
     EXPECT_EQ(y[0][1].item<float>(), 30.0f);
     EXPECT_NEAR(y[0][2].item<float>(), 0.0f, 1e-30f);
+    EXPECT_EQ(y[0][3].item<float>(), 300.0f);
+    EXPECT_NEAR(y[0][4].item<float>(), 0.0f, 1e-30f);
     // LibTorch's own bf16 GELU agrees to one rounding too.
     EXPECT_LE(bf16_ulps(y, at::gelu(x.to(at::kFloat), "tanh")), 1.0);
     at::Tensor nan = at::full({20}, std::numeric_limits<float>::quiet_NaN(), at::kBFloat16);
