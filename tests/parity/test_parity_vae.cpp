@@ -107,7 +107,9 @@ TEST_P(VaeParity, ParametersAreTheDecoderCheckpointKeys) {
   }
   // The golden files hold the encoders too: loaded by the VAEs that have one (FLUX.1, FLUX.2),
   // skipped by the decode-only one (Qwen-Image).
-  if (!vae->has_encoder()) EXPECT_GT(ignored, 0);
+  if (!vae->has_encoder()) {
+    EXPECT_GT(ignored, 0);
+  }
 }
 
 TEST_P(VaeParity, RunVaeCommandWritesTheGoldenNames) {

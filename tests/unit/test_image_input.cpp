@@ -35,6 +35,16 @@ struct PngSpec {
   std::vector<std::vector<png_byte>> rows;  ///< packed rows as libpng takes them
 };
 
+PngSpec png_spec(int width, int height, int color_type, int bit_depth, bool interlaced = false) {
+  PngSpec spec;
+  spec.width = width;
+  spec.height = height;
+  spec.color_type = color_type;
+  spec.bit_depth = bit_depth;
+  spec.interlaced = interlaced;
+  return spec;
+}
+
 void append(png_structp png, png_bytep data, png_size_t size) {
   static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), size);
 }
@@ -103,62 +113,62 @@ void expect_pixels(const at::Tensor& actual, const at::Tensor& expected, const s
 }
 
 TEST(ImageInput, GreyPngIsReplicated) {
-  PngSpec spec{2, 1, PNG_COLOR_TYPE_GRAY, 8};
+  PngSpec spec = png_spec(2, 1, PNG_COLOR_TYPE_GRAY, 8);
   spec.rows = {{0, 200}};
   expect_pixels(io::decode_image(write_png_bytes(spec)), rgb(1, 2, {0, 0, 0, 200, 200, 200}), "grey");
 }
 
 TEST(ImageInput, LowBitDepthGreyPngIsScaledTo8Bits) {
-  PngSpec one{8, 1, PNG_COLOR_TYPE_GRAY, 1};
+  PngSpec one = png_spec(8, 1, PNG_COLOR_TYPE_GRAY, 1);
   one.rows = {{0b10100000}};
   expect_pixels(io::decode_image(write_png_bytes(one)),
                 rgb(1, 8, {255, 255, 255, 0, 0, 0, 255, 255, 255, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}),
                 "1-bit grey");
-  PngSpec two{4, 1, PNG_COLOR_TYPE_GRAY, 2};
+  PngSpec two = png_spec(4, 1, PNG_COLOR_TYPE_GRAY, 2);
   two.rows = {{0b00011011}};  // 0, 1, 2, 3 -> 0, 85, 170, 255
   expect_pixels(io::decode_image(write_png_bytes(two)),
                 rgb(1, 4, {0, 0, 0, 85, 85, 85, 170, 170, 170, 255, 255, 255}), "2-bit grey");
 }
 
 TEST(ImageInput, GreyAlphaPngDropsAlphaWithoutCompositing) {
-  PngSpec spec{2, 1, PNG_COLOR_TYPE_GRAY_ALPHA, 8};
+  PngSpec spec = png_spec(2, 1, PNG_COLOR_TYPE_GRAY_ALPHA, 8);
   spec.rows = {{10, 0, 250, 128}};
   expect_pixels(io::decode_image(write_png_bytes(spec)), rgb(1, 2, {10, 10, 10, 250, 250, 250}), "grey+alpha");
 }
 
 TEST(ImageInput, PalettePngWithTransparencyGivesThePaletteColours) {
-  PngSpec spec{3, 1, PNG_COLOR_TYPE_PALETTE, 8};
+  PngSpec spec = png_spec(3, 1, PNG_COLOR_TYPE_PALETTE, 8);
   spec.palette = {{255, 0, 0}, {0, 128, 255}, {7, 8, 9}};
   spec.palette_alpha = {0, 255, 100};
   spec.rows = {{2, 0, 1}};
   expect_pixels(io::decode_image(write_png_bytes(spec)), rgb(1, 3, {7, 8, 9, 255, 0, 0, 0, 128, 255}), "palette");
-  PngSpec four_bit{2, 1, PNG_COLOR_TYPE_PALETTE, 4};
+  PngSpec four_bit = png_spec(2, 1, PNG_COLOR_TYPE_PALETTE, 4);
   four_bit.palette = {{1, 2, 3}, {4, 5, 6}};
   four_bit.rows = {{0x10}};
   expect_pixels(io::decode_image(write_png_bytes(four_bit)), rgb(1, 2, {4, 5, 6, 1, 2, 3}), "4-bit palette");
 }
 
 TEST(ImageInput, RgbaPngDropsAlpha) {
-  PngSpec spec{2, 1, PNG_COLOR_TYPE_RGBA, 8};
+  PngSpec spec = png_spec(2, 1, PNG_COLOR_TYPE_RGBA, 8);
   spec.rows = {{1, 2, 3, 0, 4, 5, 6, 255}};
   expect_pixels(io::decode_image(write_png_bytes(spec)), rgb(1, 2, {1, 2, 3, 4, 5, 6}), "RGBA");
 }
 
 TEST(ImageInput, SixteenBitPngsAsPillowConvertsThem) {
   // RGB and RGBA: the high byte of each big-endian sample (Pillow's "RGB;16B").
-  PngSpec colour{2, 1, PNG_COLOR_TYPE_RGB_ALPHA, 16};
+  PngSpec colour = png_spec(2, 1, PNG_COLOR_TYPE_RGB_ALPHA, 16);
   colour.rows = {{0x12, 0x34, 0xAB, 0xFF, 0x00, 0x80, 0, 0, 0xFF, 0xFF, 0x01, 0x00, 0x7F, 0xFF, 0x00, 0x00}};
   expect_pixels(io::decode_image(write_png_bytes(colour)), rgb(1, 2, {0x12, 0xAB, 0x00, 0xFF, 0x01, 0x7F}),
                 "16-bit RGBA");
   // Grey: Pillow opens it as "I;16" and its RGB conversion clips at 255.
-  PngSpec grey{3, 1, PNG_COLOR_TYPE_GRAY, 16};
+  PngSpec grey = png_spec(3, 1, PNG_COLOR_TYPE_GRAY, 16);
   grey.rows = {{0x00, 0x7B, 0x01, 0x00, 0xFF, 0xFF}};  // 123, 256, 65535
   expect_pixels(io::decode_image(write_png_bytes(grey)), rgb(1, 3, {123, 123, 123, 255, 255, 255, 255, 255, 255}),
                 "16-bit grey");
 }
 
 TEST(ImageInput, InterlacedPngEqualsItsProgressiveTwin) {
-  PngSpec spec{11, 9, PNG_COLOR_TYPE_RGB, 8};
+  PngSpec spec = png_spec(11, 9, PNG_COLOR_TYPE_RGB, 8);
   for (int y = 0; y < spec.height; ++y) {
     std::vector<png_byte> row;
     for (int x = 0; x < spec.width * 3; ++x) row.push_back(static_cast<png_byte>((x * 37 + y * 91) % 256));
@@ -171,7 +181,7 @@ TEST(ImageInput, InterlacedPngEqualsItsProgressiveTwin) {
 }
 
 TEST(ImageInput, OneByOnePng) {
-  PngSpec spec{1, 1, PNG_COLOR_TYPE_RGB, 8};
+  PngSpec spec = png_spec(1, 1, PNG_COLOR_TYPE_RGB, 8);
   spec.rows = {{9, 8, 7}};
   const std::string bytes = write_png_bytes(spec);
   expect_pixels(io::decode_image(bytes), rgb(1, 1, {9, 8, 7}), "1x1");
@@ -207,7 +217,7 @@ TEST(ImageInput, JpegRgbGreyAndCmyk) {
 }
 
 TEST(ImageInputErrors, TruncatedPngAndJpegAreNamed) {
-  PngSpec spec{16, 16, PNG_COLOR_TYPE_RGB, 8};
+  PngSpec spec = png_spec(16, 16, PNG_COLOR_TYPE_RGB, 8);
   for (int y = 0; y < 16; ++y) {
     std::vector<png_byte> row;
     for (int x = 0; x < 48; ++x) row.push_back(static_cast<png_byte>(x * y));
@@ -232,7 +242,7 @@ TEST(ImageInputErrors, TruncatedPngAndJpegAreNamed) {
 
 TEST(ImageInputErrors, HugeDeclaredSizesAreRefusedFromTheHeader) {
   // A PNG header declaring 30000x30000 and no pixel data at all.
-  PngSpec spec{1, 1, PNG_COLOR_TYPE_RGB, 8};
+  PngSpec spec = png_spec(1, 1, PNG_COLOR_TYPE_RGB, 8);
   spec.rows = {{0, 0, 0}};
   std::string png = write_png_bytes(spec);
   // IHDR's width and height at bytes 16..23, then its CRC at 29..32.
@@ -275,7 +285,7 @@ TEST(ImageInputErrors, TextNamedPngAndEmptyFilesAreNamed) {
 }
 
 TEST(ImageInput, ReadImageReadsAFile) {
-  PngSpec spec{2, 2, PNG_COLOR_TYPE_RGB, 8};
+  PngSpec spec = png_spec(2, 2, PNG_COLOR_TYPE_RGB, 8);
   spec.rows = {{1, 2, 3, 4, 5, 6}, {7, 8, 9, 10, 11, 12}};
   const std::string path = testing::make_temp_dir("image_input_file") + "/a.png";
   std::ofstream(path, std::ios::binary) << write_png_bytes(spec);

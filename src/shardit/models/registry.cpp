@@ -58,12 +58,14 @@ const std::vector<ComponentClass>& component_classes() {
        [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
          const std::string source = folder.dir + "/config.json";
          return std::make_shared<AutoencoderKL>(AutoencoderKLConfig::from_json(folder.config, source), source);
-       }},
+       },
+       std::nullopt},
       {"diffusers", "AutoencoderKLFlux2", ComponentKind::Vae,
        [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
          const std::string source = folder.dir + "/config.json";
          return std::make_shared<AutoencoderKLFlux2>(AutoencoderKLFlux2Config::from_json(folder.config, source), source);
-       }},
+       },
+       std::nullopt},
       module_class<AutoencoderKLQwenImage, AutoencoderKLQwenImageConfig>("diffusers", "AutoencoderKLQwenImage",
                                                                          ComponentKind::Vae),
       module_class<CLIPTextModel, CLIPTextConfig>("transformers", "CLIPTextModel", ComponentKind::TextEncoder),
@@ -73,7 +75,8 @@ const std::vector<ComponentClass>& component_classes() {
        [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
          return std::make_shared<Qwen2_5_VLForConditionalGeneration>(
              qwen2_5_vl_text_config_from_json(folder.config, folder.dir + "/config.json"));
-       }},
+       },
+       std::nullopt},
       module_class<Mistral3ForConditionalGeneration, Mistral3Config>("transformers", "Mistral3ForConditionalGeneration",
                                                                      ComponentKind::TextEncoder),
       tokenizer_class("CLIPTokenizer", tokenizers::TokenizerKind::Clip),
