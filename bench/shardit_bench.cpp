@@ -6,6 +6,7 @@
 //                         [--text-tokens 512] [--double 2 --single 4] [--model <folder>]
 //                         [--ulysses U --ring R]  (context parallel; TP = N / (U x R))
 //                         [--lora-rank R]  (two unfused adapters, both active; times switching them)
+//                         [--alternate SETTING=A,B]  (settings switched step by step, timed apart)
 //   shardit-bench load    [--nproc-per-node N] --path shard-on-load|load-then-shard [...]
 //   shardit-bench encoder [--nproc-per-node N] --encoder clip|t5|qwen3|qwen2_5_vl [--layers 2]
 //                         [--text-tokens 512] [--dtype f32|bf16]
@@ -31,8 +32,10 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -108,11 +111,79 @@ struct BenchOptions {
   int ulysses = 1;
   int ring = 1;
   int lora_rank = 0;  // forward: two adapters of this rank, unfused and both active (0: none)
+  std::string alternate;  // forward: SETTING=A,B,... switched step by step (AlternatedSetting)
 };
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
+
+/// `--alternate SETTING=A,B,...`: the timed steps take the values in turn (step i runs values[i %
+/// k]), so every value meets the same drift of a shared machine, which separate runs do not (on
+/// one machine the same step moved by 15% between runs of an hour apart, and effects of 1-2% were
+/// invisible across runs but plain with the steps alternated). Settings that switch at run time:
+/// fused-kernels (a build of nn/cpu, or off), gemm-backend, attention-backend.
+class AlternatedSetting {
+ public:
+  AlternatedSetting() = default;
+  explicit AlternatedSetting(const std::string& spec) {
+    const size_t equals = spec.find('=');
+    if (equals == std::string::npos) throw std::invalid_argument(invalid(spec, "no '='"));
+    name_ = spec.substr(0, equals);
+    std::string rest = spec.substr(equals + 1);
+    for (size_t start = 0; start <= rest.size();) {
+      const size_t comma = std::min(rest.find(',', start), rest.size());
+      values_.push_back(rest.substr(start, comma - start));
+      start = comma + 1;
+    }
+    if (values_.size() < 2) throw std::invalid_argument(invalid(spec, "give at least two values"));
+    for (const std::string& value : values_) {
+      if (value.empty()) throw std::invalid_argument(invalid(spec, "an empty value"));
+    }
+    if (name_ == "fused-kernels") {
+      const std::vector<std::string> builds = shardit::nn::cpu::fused_kernel_builds();
+      for (const std::string& value : values_) {
+        if (std::find(builds.begin(), builds.end(), value) == builds.end()) {
+          std::string names;
+          for (const std::string& build : builds) names += (names.empty() ? "" : ", ") + build;
+          throw std::invalid_argument(invalid(spec, "'" + value + "' is not a build this CPU runs (" + names + ")"));
+        }
+      }
+    } else if (name_ == "gemm-backend") {
+      for (const std::string& value : values_) shardit::nn::parse_gemm_backend(value);  // names the choices
+    } else if (name_ == "attention-backend") {
+      const std::string previous = shardit::nn::attention_backend_selection();
+      for (const std::string& value : values_) shardit::nn::set_attention_backend(value);  // names the choices
+      shardit::nn::set_attention_backend(previous);
+    } else {
+      throw std::invalid_argument(invalid(spec, "unknown setting '" + name_ +
+                                                "'; choose fused-kernels, gemm-backend or attention-backend"));
+    }
+  }
+  bool active() const { return !values_.empty(); }
+  const std::string& name() const { return name_; }
+  const std::vector<std::string>& values() const { return values_; }
+  /// Makes `values()[index]` the setting of the steps that follow.
+  void apply(size_t index) {
+    const std::string& value = values_.at(index);
+    if (name_ == "fused-kernels") {
+      fused_.reset();  // restores the process's build before the next scope takes over
+      fused_ = std::make_unique<shardit::nn::cpu::FusedKernelsScope>(value);
+    } else if (name_ == "gemm-backend") {
+      shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(value));
+    } else {
+      shardit::nn::set_attention_backend(value);
+    }
+  }
+
+ private:
+  static std::string invalid(const std::string& spec, const std::string& why) {
+    return "--alternate '" + spec + "': " + why + " (expected SETTING=A,B[,...], e.g. fused-kernels=avx512,avx2)";
+  }
+  std::string name_;
+  std::vector<std::string> values_;
+  std::unique_ptr<shardit::nn::cpu::FusedKernelsScope> fused_;  // the build of fused-kernels now
+};
 
 /// An adapter of rank `rank` on every attention projection of every block of `config`'s model, in
 /// diffusers' PEFT keys, written once by rank 0 under the cache folder (random, seeded by `seed`).
@@ -376,6 +447,22 @@ void emit(const BenchOptions& options, const nlohmann::json& result, const std::
 
 int run_forward(const BenchOptions& options) {
   auto& world = shardit::dist::World::init();
+  // Checked before anything is loaded.
+  AlternatedSetting alternated;
+  if (!options.alternate.empty()) {
+    if (!options.step_cache.empty() || options.profile || options.op_profile) {
+      throw std::invalid_argument("--alternate times settings against each other: run it without --cache, --profile "
+                                  "and --op-profile (profile one setting at a time)");
+    }
+    alternated = AlternatedSetting(options.alternate);
+    const int rounds = options.repeats / static_cast<int>(alternated.values().size());
+    if (rounds < 2) {
+      throw std::invalid_argument("--alternate with " + std::to_string(alternated.values().size()) +
+                                  " values needs --repeats of at least " +
+                                  std::to_string(2 * alternated.values().size()) + " (two rounds), got " +
+                                  std::to_string(options.repeats));
+    }
+  }
   const int cp = options.ulysses * options.ring;
   TORCH_CHECK(world.size() % cp == 0, "shardit-bench forward: ulysses x ring = ", cp, " does not divide the ",
               world.size(), " ranks");
@@ -499,9 +586,13 @@ int run_forward(const BenchOptions& options) {
     const auto* cache = model->step_cache();
     return cache == nullptr || cache->records().at(0).computed.back();
   };
-  for (int i = 0; i < options.warmup; ++i) {
-    next_timestep();
-    model->forward(inputs);
+  // Every value of an alternated setting gets its own warm-up steps.
+  for (size_t value = 0; value < std::max<size_t>(1, alternated.values().size()); ++value) {
+    if (alternated.active()) alternated.apply(value);
+    for (int i = 0; i < options.warmup; ++i) {
+      next_timestep();
+      model->forward(inputs);
+    }
   }
   world.group()->barrier();
   reset_stats();
@@ -529,6 +620,7 @@ int run_forward(const BenchOptions& options) {
       world.group()->barrier();
       probe_at_step.push_back(step_probe->gflops());
     }
+    if (alternated.active()) alternated.apply(static_cast<size_t>(i) % alternated.values().size());
     world.group()->barrier();
     const auto start = Clock::now();
     at::Tensor sample = model->forward(inputs);
@@ -536,6 +628,7 @@ int run_forward(const BenchOptions& options) {
     (last_forward_computed() ? computed_seconds : skipped_seconds).push_back(step_seconds.back());
   }
   const double faults_per_step = static_cast<double>(minor_page_faults() - faults_before) / options.repeats;
+  if (alternated.active()) alternated.apply(0);  // the report's settings are the row's
   shardit::profile::enable(false);
   if (op_profile) op_profile->stop();
   // The barriers between steps are collectives too; count only the forward's.
@@ -556,6 +649,46 @@ int run_forward(const BenchOptions& options) {
   const double bytes_sent = stats.bytes_sent / steps;
 
   const int64_t step_peak_growth = high_water_reset ? resident_high_water_bytes() - rss_before_steps : -1;
+  // Alternated: each value's steps apart (whole rounds only), the first value's as the run's row.
+  nlohmann::json alternated_result;
+  std::string alternated_summary;
+  if (alternated.active()) {
+    const size_t k = alternated.values().size();
+    const size_t rounds = step_seconds.size() / k;
+    std::vector<std::vector<double>> by_value(k);
+    for (size_t r = 0; r < rounds; ++r) {
+      for (size_t v = 0; v < k; ++v) by_value[v].push_back(step_seconds[r * k + v]);
+    }
+    const auto median_of = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double baseline = median_of(by_value[0]);
+    nlohmann::json values = nlohmann::json::array();
+    alternated_summary = "alternated " + alternated.name() + " over " + std::to_string(rounds) + " rounds:";
+    for (size_t v = 0; v < k; ++v) {
+      const double median_v = median_of(by_value[v]);
+      size_t faster = 0;
+      for (size_t r = 0; r < rounds; ++r) faster += by_value[v][r] < by_value[0][r] ? 1 : 0;
+      values.push_back({{"value", alternated.values()[v]},
+                        {"step_seconds", {{"median", median_v},
+                                          {"min", *std::min_element(by_value[v].begin(), by_value[v].end())},
+                                          {"max", *std::max_element(by_value[v].begin(), by_value[v].end())},
+                                          {"all", by_value[v]}}},
+                        {"median_over_first", median_v / baseline},
+                        {"rounds_faster_than_first", faster}});
+      char part[256];
+      if (v == 0) {
+        std::snprintf(part, sizeof(part), " %s %.3f s", alternated.values()[v].c_str(), median_v);
+      } else {
+        std::snprintf(part, sizeof(part), "; %s %.3f s (%.3fx, faster in %zu of %zu rounds)",
+                      alternated.values()[v].c_str(), median_v, median_v / baseline, faster, rounds);
+      }
+      alternated_summary += part;
+    }
+    alternated_result = {{"setting", alternated.name()}, {"rounds", rounds}, {"values", values}};
+    step_seconds = by_value[0];
+  }
   std::vector<double> sorted = step_seconds;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
@@ -631,6 +764,7 @@ int run_forward(const BenchOptions& options) {
       {"gemm", gemm_report()},
   };
   if (!lora_result.is_null()) result["lora"] = lora_result;
+  if (!alternated_result.is_null()) result["alternate"] = alternated_result;
   if (const auto* cache = model->step_cache()) {
     const auto median_of = [](std::vector<double> v) {
       if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
@@ -663,6 +797,8 @@ int run_forward(const BenchOptions& options) {
                 gemm_machine, gemm_kernel.c_str(), all_reduces, static_cast<long long>(expected_all_reduces), bytes_sent / (1 << 20),
                 shardit::gib(parameter_bytes).c_str(), shardit::gib(std::max(load_peak, peak_rss_bytes())).c_str());
   emit(options, result, row);
+  if (!alternated_summary.empty()) std::printf("%s (the row above: %s)\n", alternated_summary.c_str(),
+                                               alternated.values()[0].c_str());
   if (options.profile) std::printf("\nprofile of rank 0 over %d steps:\n%s", options.repeats, shardit::profile::report().c_str());
   if (op_profile) std::printf("\noperators of rank 0, per forward:\n%s", op_profile->report(options.repeats).c_str());
   return 0;
@@ -1013,6 +1149,9 @@ int main(int argc, char** argv) {
                       "two LoRA adapters of this rank on every attention projection, unfused and both active; also "
                       "times switching the active set (0: none)")
       ->check(CLI::NonNegativeNumber);
+  forward->add_option("--alternate", options.alternate,
+                      "SETTING=A,B,...: the timed steps take the values in turn, each reported apart (settings: "
+                      "fused-kernels, gemm-backend, attention-backend); the way to compare them on a drifting machine");
   forward->add_flag("--profile", options.profile, "print the time per profiling scope (layers, collectives)");
   forward->add_flag("--op-profile", options.op_profile,
                     "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");
