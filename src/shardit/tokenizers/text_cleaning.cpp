@@ -86,7 +86,7 @@ std::u32string unescape_html(const std::u32string& text) {
             if (value >= 0x80 && value <= 0x9F) {
               replacement = std::u32string(1, kWindows1252High[value - 0x80]);
             } else if (value == 0 || (value >= 0xD800 && value <= 0xDFFF) || value > 0x10FFFF) {
-              replacement = U"\uFFFD";
+              replacement = std::u32string(1, U'\uFFFD');
             } else {
               replacement = std::u32string(1, static_cast<char32_t>(value));
             }
