@@ -616,11 +616,12 @@ int run_forward(const BenchOptions& options) {
   std::vector<double> probe_at_step;  // this rank's rate before each step; summed over ranks below
   for (int i = 0; i < options.repeats; ++i) {
     next_timestep();
+    // Before the probe: it measures the product on the kernels of the step it precedes.
+    if (alternated.active()) alternated.apply(static_cast<size_t>(i) % alternated.values().size());
     if (step_probe) {
       world.group()->barrier();
       probe_at_step.push_back(step_probe->gflops());
     }
-    if (alternated.active()) alternated.apply(static_cast<size_t>(i) % alternated.values().size());
     world.group()->barrier();
     const auto start = Clock::now();
     at::Tensor sample = model->forward(inputs);
@@ -649,6 +650,11 @@ int run_forward(const BenchOptions& options) {
   const double bytes_sent = stats.bytes_sent / steps;
 
   const int64_t step_peak_growth = high_water_reset ? resident_high_water_bytes() - rss_before_steps : -1;
+  const auto median_of = [](std::vector<double> v) {
+    if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   // Alternated: each value's steps apart (whole rounds only), the first value's as the run's row.
   nlohmann::json alternated_result;
   std::string alternated_summary;
@@ -659,10 +665,6 @@ int run_forward(const BenchOptions& options) {
     for (size_t r = 0; r < rounds; ++r) {
       for (size_t v = 0; v < k; ++v) by_value[v].push_back(step_seconds[r * k + v]);
     }
-    const auto median_of = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
     const double baseline = median_of(by_value[0]);
     nlohmann::json values = nlohmann::json::array();
     alternated_summary = "alternated " + alternated.name() + " over " + std::to_string(rounds) + " rounds:";
@@ -688,6 +690,10 @@ int run_forward(const BenchOptions& options) {
     }
     alternated_result = {{"setting", alternated.name()}, {"rounds", rounds}, {"values", values}};
     step_seconds = by_value[0];
+    // The row's yardstick: the probes taken on the first value's kernels (same indices on every rank).
+    std::vector<double> first_value_probes;
+    for (size_t r = 0; r < rounds && r * k < probe_at_step.size(); ++r) first_value_probes.push_back(probe_at_step[r * k]);
+    probe_at_step = first_value_probes;
   }
   std::vector<double> sorted = step_seconds;
   std::sort(sorted.begin(), sorted.end());
@@ -766,11 +772,6 @@ int run_forward(const BenchOptions& options) {
   if (!lora_result.is_null()) result["lora"] = lora_result;
   if (!alternated_result.is_null()) result["alternate"] = alternated_result;
   if (const auto* cache = model->step_cache()) {
-    const auto median_of = [](std::vector<double> v) {
-      if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
     result["step_cache"] = {{"config", cache->config().to_string()},
                             {"computed_steps", computed_seconds.size()},
                             {"skipped_steps", skipped_seconds.size()},
