@@ -115,9 +115,10 @@ int run_cli(int argc, char** argv) {
                  "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
   std::string gemm_backend;
   app.add_option("--gemm-backend", gemm_backend,
-                 "kernel of the fp32 matrix products on CPU: auto (from what the CPU is: oneDNN for large products "
-                 "where the BLAS library's core is older than the CPU's vector set, else BLAS), blas or onednn; "
-                 "default auto, or SHARDIT_GEMM_BACKEND");
+                 "kernel of the matrix products on CPU: auto (from what the CPU is: fp32 on oneDNN for large products "
+                 "where the BLAS library's core is older than the CPU's vector set, else BLAS; large bf16 Linears on "
+                 "shardit's AMX kernel where the CPU has AMX-BF16), blas, onednn, or amx (every bf16 Linear it "
+                 "takes); default auto, or SHARDIT_GEMM_BACKEND");
 
   shardit::apps::CommandBody body;
   shardit::apps::register_generate(app, body);

@@ -427,6 +427,8 @@ nlohmann::json gemm_report() {
   return {{"selection", shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_selection())},
           {"large_fp32_products_on",
            shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 1 << 24))},
+          {"large_bf16_linears_on",
+           shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072) ? "amx" : "at::linear"},
           {"probe_blas_gflops", probe.blas_gflops},
           {"probe_onednn_gflops", probe.onednn_gflops},
           {"probe_threads", probe.threads},
@@ -782,11 +784,17 @@ int run_forward(const BenchOptions& options) {
                 cache->config().to_string().c_str(), computed_seconds.size(), median_of(computed_seconds),
                 skipped_seconds.size(), median_of(skipped_seconds), shardit::human_bytes(cache->state_bytes()).c_str());
   }
+  // The kernel of the model's [rows, inner] x [inner, inner] products (fp32: BLAS or oneDNN; bf16:
+  // the AMX kernel or at::linear, which is oneDNN's for bf16).
+  const int64_t model_rows = options.batch * (image_tokens + options.text_tokens);
   const std::string gemm_kernel =
       std::string(c10::toString(dtype)) + " on " +
-      shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(at::kCPU, dtype,
-                                                                   options.batch * (image_tokens + options.text_tokens),
-                                                                   config.inner_dim() * config.inner_dim()));
+      (dtype == at::kBFloat16
+           ? std::string(shardit::nn::linear_on_amx(at::kCPU, dtype, model_rows, config.inner_dim(), config.inner_dim())
+                             ? "amx"
+                             : "at::linear")
+           : std::string(shardit::nn::gemm_backend_name(
+                 shardit::nn::gemm_backend_for(at::kCPU, dtype, model_rows, config.inner_dim() * config.inner_dim()))));
   char row[512];
   std::snprintf(row, sizeof(row),
                 "| forward | %s | TP=%d U=%d R=%d x %d thr | %lld img + %d txt | %.2f s (%.2f–%.2f) | %.0f GFLOP/s | %.2f of %.0f (%s) "
@@ -1126,7 +1134,8 @@ int main(int argc, char** argv) {
   app.add_option("--label", options.label, "free text stored with the result");
   app.add_option("--attention-backend", options.attention_backend,
                  "auto, math, memory_efficient (sdpa where LibTorch has it)");
-  app.add_option("--gemm-backend", options.gemm_backend, "auto, blas or onednn (fp32 products on CPU)");
+  app.add_option("--gemm-backend", options.gemm_backend,
+                 "auto, blas, onednn or amx (CPU products: fp32 on BLAS or oneDNN, bf16 Linears on AMX)");
   auto* forward = app.add_subcommand("forward", "forward-step latency, memory, communication, roofline ratio");
   forward->add_option("--height", options.height, "image height in pixels (16 px per latent token)");
   forward->add_option("--width", options.width, "image width in pixels");

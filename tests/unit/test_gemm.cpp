@@ -10,6 +10,8 @@
 
 #include <ATen/Context.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/core/cpu_features.h"
+#include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
 #include "support/test_support.h"
@@ -189,7 +192,8 @@ TEST_F(Gemm, AutoKeepsSmallProductsAndOtherDtypesOnBlasAndProbesOnce) {
 
 TEST(GemmSelection, UnknownKernelIsRejectedListingTheChoices) {
   const std::string message = error_of([] { shardit::nn::parse_gemm_backend("mkl"); });
-  EXPECT_NE(message.find("unknown gemm backend 'mkl'; choose auto, blas or onednn"), std::string::npos) << message;
+  EXPECT_NE(message.find("unknown gemm backend 'mkl'; choose auto, blas, onednn or amx"), std::string::npos)
+      << message;
   std::string output;
   const int status = shardit::testing::run_command(
       shardit::testing::cli_path() + " --gemm-backend mkl run-transformer --out /nonexistent/x.safetensors", &output);
@@ -201,6 +205,157 @@ TEST(GemmSelection, UnknownKernelIsRejectedListingTheChoices) {
       &output);
   EXPECT_EQ(env_status, 1) << output;
   EXPECT_NE(output.find("unknown gemm backend 'mkl'"), std::string::npos) << output;
+}
+
+// The AMX kernel (nn/cpu/amx_gemm.h). On a CPU without AMX-BF16 these check the other side of the
+// contract: amx is refused with the reason, and auto leaves every bf16 Linear on at::linear.
+//
+// Bound: each output is an fp32 sum of bf16 products rounded once to bf16, so against the exact
+// (float64) product of the same bf16 operands it is off by at most half a bf16 unit in the last
+// place (2^-8 relative: 8 significant bits) plus the fp32 sum's own error (K 2^-24 of the sum of
+// |x w|). Measured worst: 0.99 of that bound. A wrong pair order,
+// block offset, tail row or bias moves outputs by O(1).
+at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return at::linear(x.to(at::kDouble), w.to(at::kDouble), b.defined() ? b.to(at::kDouble) : at::Tensor());
+}
+
+::testing::AssertionResult within_one_rounding(const std::string& what, const at::Tensor& y, const at::Tensor& x,
+                                               const at::Tensor& w, const at::Tensor& b) {
+  const at::Tensor exact = exact_linear(x, w, b);
+  const at::Tensor magnitude = at::linear(x.to(at::kDouble).abs(), w.to(at::kDouble).abs());
+  const at::Tensor bound = exact.abs() * std::ldexp(1.0, -8) + magnitude * (w.size(1) * std::ldexp(1.0, -24)) + 1e-30;
+  const at::Tensor excess = (y.to(at::kDouble) - exact).abs() / bound;
+  const double worst = excess.max().item<double>();
+  if (y.scalar_type() == at::kBFloat16 && y.sizes() == exact.sizes() && worst <= 1.0) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << what << ": " << y.sizes() << " " << y.scalar_type() << ", worst error "
+                                       << worst << " of the bound";
+}
+
+TEST(AmxGemm, MatchesTheExactProductWithinOneRoundingOnOddShapes) {
+  if (!shardit::nn::cpu::amx_gemm_available()) {
+    const std::string reason = shardit::nn::cpu::amx_gemm_unavailable_reason();
+    EXPECT_FALSE(reason.empty());
+    EXPECT_NE(error_of([] { shardit::nn::parse_gemm_backend("amx"); }).find("gemm backend 'amx': " + reason),
+              std::string::npos);
+    EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072));
+    const at::Tensor x = at::randn({800, 256}).to(at::kBFloat16), w = at::randn({256, 256}).to(at::kBFloat16);
+    EXPECT_TRUE(at::equal(shardit::nn::linear(x, w), at::linear(x, w)));
+    return;
+  }
+  at::manual_seed(11);
+  struct Case {
+    int64_t rows, in, out;
+    bool bias;
+  };
+  // Rows below, at and across a 32-row tile block and the 512-row block; depths across the
+  // 512-deep block; widths across the 256-column block and the split between threads.
+  const std::vector<Case> cases = {{1, 32, 32, true},      {31, 64, 96, false},    {33, 96, 32, true},
+                                   {100, 544, 288, true},  {513, 1056, 544, true}, {1100, 64, 608, false},
+                                   {64, 2048, 64, true}};
+  for (const Case& c : cases) {
+    const at::Tensor x = at::randn({c.rows, c.in}).to(at::kBFloat16);
+    const at::Tensor w = (at::randn({c.out, c.in}) / std::sqrt(double(c.in))).to(at::kBFloat16);
+    const at::Tensor b = c.bias ? at::randn({c.out}).to(at::kBFloat16) : at::Tensor();
+    const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.in) + "x" + std::to_string(c.out);
+    const at::Tensor y = shardit::nn::cpu::amx_linear(x, w, b);
+    EXPECT_TRUE(within_one_rounding(what, y, x, w, b));
+    // The same bits through nn::linear under amx, and again (no state carried between calls).
+    EXPECT_TRUE(at::equal(on(GemmBackend::Amx, [&] { return shardit::nn::linear(x, w, b); }), y)) << what;
+  }
+  // 3-D input, a strided input (a column slice) and a weight read in place from a wider one.
+  const at::Tensor x3 = at::randn({2, 45, 128}).to(at::kBFloat16);
+  const at::Tensor wide = at::randn({96, 192}).to(at::kBFloat16);
+  const at::Tensor w_view = wide.narrow(1, 32, 128);
+  const at::Tensor y3 = shardit::nn::cpu::amx_linear(x3, w_view, {});
+  EXPECT_EQ(y3.sizes(), (std::vector<int64_t>{2, 45, 96}));
+  EXPECT_TRUE(within_one_rounding("3-D, weight view", y3.reshape({90, 96}), x3.reshape({90, 128}), w_view, {}));
+  const at::Tensor xs = at::randn({70, 300}).to(at::kBFloat16).narrow(1, 7, 256);
+  const at::Tensor ws = at::randn({64, 256}).to(at::kBFloat16);
+  EXPECT_TRUE(within_one_rounding("strided input", shardit::nn::cpu::amx_linear(xs, ws, {}), xs, ws, {}));
+  // Column blocks read in place: the concatenation's bits, with a tail of rows and blocks deeper
+  // and shallower than the kernel's 512-deep steps; a block width off the 32 grid is refused.
+  const at::Tensor p0 = at::randn({77, 96}).to(at::kBFloat16), p1 = at::randn({77, 640}).to(at::kBFloat16);
+  const at::Tensor wp = (at::randn({160, 736}) / 27).to(at::kBFloat16), bp = at::randn({160}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(shardit::nn::cpu::amx_linear({p0, p1}, wp, bp),
+                        shardit::nn::cpu::amx_linear(at::cat({p0, p1}, -1), wp, bp)));
+  EXPECT_NE(error_of([&] {
+              shardit::nn::cpu::amx_linear({p0.narrow(1, 0, 80), at::randn({77, 656}).to(at::kBFloat16)}, wp, bp);
+            }).find("widths that are multiples of 32"),
+            std::string::npos);
+  // No rows: an empty result of the right shape.
+  EXPECT_EQ(shardit::nn::cpu::amx_linear(at::randn({0, 64}).to(at::kBFloat16), at::randn({32, 64}).to(at::kBFloat16), {})
+                .sizes(),
+            (std::vector<int64_t>{0, 32}));
+}
+
+TEST(AmxGemm, SameBitsWithOneAndTwoThreadsAndNaNStaysInItsRow) {
+  if (!shardit::nn::cpu::amx_gemm_available()) {
+    EXPECT_THROW(shardit::nn::cpu::amx_linear(at::randn({32, 32}).to(at::kBFloat16),
+                                              at::randn({32, 32}).to(at::kBFloat16), {}),
+                 c10::Error);
+    return;
+  }
+  at::manual_seed(12);
+  const at::Tensor x = at::randn({600, 1024}).to(at::kBFloat16);
+  const at::Tensor w = (at::randn({800, 1024}) / 32).to(at::kBFloat16);
+  const at::Tensor b = at::randn({800}).to(at::kBFloat16);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor one = shardit::nn::cpu::amx_linear(x, w, b);
+  at::set_num_threads(std::max(2, threads));
+  const at::Tensor two = shardit::nn::cpu::amx_linear(x, w, b);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(one, two));
+  EXPECT_TRUE(at::equal(shardit::nn::cpu::amx_linear(x, w, b), two));
+  // A NaN in row 5 of x makes row 5 of y NaN and leaves every other row finite.
+  at::Tensor x_nan = x.clone();
+  x_nan[5][17] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor y = shardit::nn::cpu::amx_linear(x_nan, w, b);
+  EXPECT_TRUE(y[5].isnan().all().item<bool>());
+  EXPECT_TRUE(at::equal(y.narrow(0, 6, 594), two.narrow(0, 6, 594)));
+  EXPECT_TRUE(at::equal(y.narrow(0, 0, 5), two.narrow(0, 0, 5)));
+}
+
+TEST(AmxGemm, AutoTakesLargeBf16LinearsOnlyAndRefusesWhatItCannotTake) {
+  const bool amx = shardit::nn::cpu::amx_gemm_available();
+  GemmBackendGuard guard(GemmBackend::Auto);
+  EXPECT_EQ(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 768, 256, 256), amx);
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 767, 3072, 3072));
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 224, 3072));
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 64));
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072 + 16, 3072));
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kFloat, 4096, 3072, 3072));
+  EXPECT_NE(shardit::nn::gemm_kernel_summary().find(amx ? "bf16 Linears on amx" : "bf16 Linears on at::linear"),
+            std::string::npos)
+      << shardit::nn::gemm_kernel_summary();
+  for (GemmBackend other : {GemmBackend::Blas, GemmBackend::OneDnn}) {
+    if (other == GemmBackend::OneDnn && !at::hasMKLDNN()) continue;
+    GemmBackendGuard g(other);
+    EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072)) << shardit::nn::gemm_backend_name(other);
+  }
+  if (!amx) return;
+  GemmBackendGuard forced(GemmBackend::Amx);
+  EXPECT_TRUE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 1, 32, 32));
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 1, 48, 32));
+  // A width the kernel does not take is at::linear's under amx; a direct call says why.
+  const at::Tensor x = at::randn({40, 48}).to(at::kBFloat16), w = at::randn({32, 48}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(shardit::nn::linear(x, w), at::linear(x, w)));
+  EXPECT_NE(error_of([&] { shardit::nn::cpu::amx_linear(x, w, {}); }).find("in and out must be multiples of 32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              shardit::nn::cpu::amx_linear(at::randn({40, 64}), at::randn({32, 64}).to(at::kBFloat16), {});
+            }).find("expected bf16"),
+            std::string::npos);
+  // The Linear layer's block path gives the concatenated input's bits on the kernel.
+  shardit::nn::Linear layer(shardit::nn::LinearOptions(96, 64).with_in_blocks({32, 64}));
+  layer.weight = (at::randn({64, 96}) / 10).to(at::kBFloat16);
+  layer.bias = at::randn({64}).to(at::kBFloat16);
+  const at::Tensor a = at::randn({2, 50, 32}).to(at::kBFloat16), c = at::randn({2, 50, 64}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(layer.forward_blocks({a, c}), layer.forward(at::cat({a, c}, -1))));
+  EXPECT_TRUE(at::equal(layer.forward(at::cat({a, c}, -1)),
+                        shardit::nn::cpu::amx_linear(at::cat({a, c}, -1), layer.weight, layer.bias)));
 }
 
 // The golden transformer cases with every product on oneDNN: the sample must match diffusers'.

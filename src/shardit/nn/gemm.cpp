@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "shardit/core/cpu_features.h"
+#include "shardit/nn/cpu/amx_gemm.h"
 
 namespace shardit::nn {
 
@@ -28,6 +29,11 @@ namespace {
 // x the keys x 128) qualifies.
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kMinMultiplyAdds = int64_t{1} << 22;
+// auto's bounds for bf16 Linears on the AMX kernel (nn/cpu/amx_gemm.h), measured against oneDNN
+// with 2 threads: level at 512 rows, ahead from 768; behind at 64 rows, and at 64 outputs (too few
+// column blocks to share between threads).
+constexpr int64_t kAmxMinRows = 768;
+constexpr int64_t kAmxMinWidth = 256;
 
 bool onednn_available() { return at::hasMKLDNN(); }
 
@@ -97,7 +103,12 @@ GemmBackend parse_gemm_backend(const std::string& name) {
                                     "(MKLDNN); use blas or auto");
     return GemmBackend::OneDnn;
   }
-  TORCH_CHECK(false, "unknown gemm backend '", name, "'; choose auto, blas or onednn");
+  if (name == "amx") {
+    TORCH_CHECK(cpu::amx_gemm_available(), "gemm backend 'amx': ", cpu::amx_gemm_unavailable_reason(),
+                "; use auto, blas or onednn");
+    return GemmBackend::Amx;
+  }
+  TORCH_CHECK(false, "unknown gemm backend '", name, "'; choose auto, blas, onednn or amx");
 }
 
 const char* gemm_backend_name(GemmBackend backend) {
@@ -105,12 +116,14 @@ const char* gemm_backend_name(GemmBackend backend) {
     case GemmBackend::Auto: return "auto";
     case GemmBackend::Blas: return "blas";
     case GemmBackend::OneDnn: return "onednn";
+    case GemmBackend::Amx: return "amx";
   }
   return "?";
 }
 
 void set_gemm_backend(GemmBackend backend) {
-  if (backend == GemmBackend::OneDnn) parse_gemm_backend("onednn");  // refuses where it is not built
+  // Refuses what cannot run here.
+  if (backend == GemmBackend::OneDnn || backend == GemmBackend::Amx) parse_gemm_backend(gemm_backend_name(backend));
   selection().store(backend);
 }
 
@@ -183,11 +196,13 @@ GemmBackend auto_gemm_backend() {
 
 std::string gemm_kernel_summary() {
   const GemmBackend selected = gemm_backend_selection();
-  const GemmBackend large = selected == GemmBackend::Auto ? auto_gemm_backend() : selected;
+  const GemmBackend large =
+      selected == GemmBackend::Auto || selected == GemmBackend::Amx ? auto_gemm_backend() : selected;
   const std::string core = blas_core_name();
+  const bool bf16_on_amx = linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072);
   return std::string(gemm_backend_name(large)) + (selected == GemmBackend::Auto ? " (auto" : " (set") +
          "; BLAS core " + (core.empty() ? std::string("unknown") : core) + "; cpu " + cpu_features().to_string() +
-         ")";
+         "; bf16 Linears on " + (bf16_on_amx ? "amx" : "at::linear") + ")";
 }
 
 GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel) {
@@ -196,15 +211,33 @@ GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int
     case GemmBackend::Blas: return GemmBackend::Blas;
     case GemmBackend::OneDnn: return rows > 0 ? GemmBackend::OneDnn : GemmBackend::Blas;
     case GemmBackend::Auto:
+    case GemmBackend::Amx:  // amx routes bf16 Linears only (linear_on_amx); fp32 as auto
       if (rows < kMinRows || rows * weight_numel < kMinMultiplyAdds) return GemmBackend::Blas;
       return auto_gemm_backend();
   }
   return GemmBackend::Blas;
 }
 
+bool linear_on_amx(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t in, int64_t out) {
+  if (!device.is_cpu() || dtype != at::kBFloat16 || rows <= 0 || !cpu::amx_gemm_takes(in, out)) return false;
+  switch (gemm_backend_selection()) {
+    case GemmBackend::Amx: return cpu::amx_gemm_available();
+    case GemmBackend::Auto:
+      return rows >= kAmxMinRows && in >= kAmxMinWidth && out >= kAmxMinWidth && cpu::amx_gemm_available();
+    case GemmBackend::Blas:
+    case GemmBackend::OneDnn: return false;
+  }
+  return false;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t in = x.size(-1);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  if (weight.dim() == 2 && weight.size(1) == in && weight.scalar_type() == at::kBFloat16 &&
+      (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
+      linear_on_amx(x.device(), x.scalar_type(), rows, in, weight.size(0))) {
+    return cpu::amx_linear(x, weight, bias);
+  }
   if (gemm_backend_for(x.device(), x.scalar_type(), rows, weight.numel()) != GemmBackend::OneDnn ||
       weight.scalar_type() != at::kFloat || (bias.defined() && bias.scalar_type() != at::kFloat)) {
     return at::linear(x, weight, bias);

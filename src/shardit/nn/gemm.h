@@ -1,7 +1,8 @@
 #pragma once
 // The matrix products of nn's layers (Linear, its LoRA deltas, the attention products) and the
 // kernel that computes them on CPU: LibTorch's BLAS path (at::linear / addmm / bmm, i.e. the BLAS
-// LibTorch was linked with) or oneDNN through ATen's mkldnn ops (where LibTorch was built with it).
+// LibTorch was linked with), oneDNN through ATen's mkldnn ops (where LibTorch was built with it),
+// or, for bf16 Linears on CPUs with AMX, shardit's own tile kernel (nn/cpu/amx_gemm.h).
 //
 // Why a choice: the BLAS library picks its kernels from the CPU it recognises at start-up. Debian
 // 12's OpenBLAS does not recognise some current Xeons (it names them "Prescott" and runs SSE3
@@ -10,7 +11,9 @@
 // decides from what the machine is, never from a timing (a race run under load would make the
 // kernel, and so the last bits of every result, depend on the load): oneDNN when the BLAS
 // library's kernels use a narrower vector set than the CPU has (its core name against cpuid),
-// BLAS otherwise. Only fp32 is routed: for bf16 LibTorch already sends at::linear to oneDNN.
+// BLAS otherwise. For bf16, LibTorch sends at::linear to oneDNN itself; "auto" sends the large
+// bf16 Linears to the AMX kernel where the CPU has AMX-BF16 (faster than LibTorch 1.13's oneDNN on
+// them), the rest stays on at::linear.
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -18,10 +21,12 @@
 
 namespace shardit::nn {
 
-enum class GemmBackend { Auto, Blas, OneDnn };
+enum class GemmBackend { Auto, Blas, OneDnn, Amx };
 
-/// "auto", "blas" or "onednn"; an error listing them otherwise, or when oneDNN is asked for and the
-/// linked LibTorch was built without it.
+/// "auto", "blas", "onednn" or "amx"; an error listing them otherwise, when oneDNN is asked for and
+/// the linked LibTorch was built without it, or when amx is asked for where the AMX kernel cannot
+/// run (the error says why). amx: every bf16 Linear whose widths the kernel takes goes to it, at
+/// any size; fp32 products as under auto. blas and onednn keep bf16 Linears on at::linear.
 GemmBackend parse_gemm_backend(const std::string& name);
 const char* gemm_backend_name(GemmBackend backend);
 
@@ -63,7 +68,8 @@ int blas_vector_level(const std::string& core_name);
 /// same on every run of a build on a machine.
 GemmBackend auto_gemm_backend();
 
-/// One line for start-up messages and the bench: "blas (OpenBLAS core Haswell; cpu avx2 fma ...)".
+/// One line for start-up messages and the bench: "blas (auto; BLAS core Haswell; cpu avx2 fma ...;
+/// bf16 Linears on at::linear)".
 std::string gemm_kernel_summary();
 
 /// The name of the kernel set the BLAS library chose for this CPU ("Prescott", "SkylakeX", ...)
@@ -88,6 +94,12 @@ void exec_with_cpu_blas_kernels(char** argv);
 /// selection: Blas or OneDnn. Off CPU, for dtypes other than fp32, and for products too small to
 /// gain (auto: fewer than 64 rows, or under 2^22 multiply-adds) this is Blas.
 GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t weight_numel);
+
+/// Whether a bf16 Linear x [rows, in] w [out, in]^T on `device` goes to the AMX kernel under the
+/// current selection. auto: the CPU runs the kernel, in and out are multiples of 32 and at least
+/// 256, and rows at least 768 (measured against oneDNN: level at 512 rows, 1.1-1.25x from 768; at
+/// 64 rows or 64 outputs behind). amx: whenever the kernel runs here and takes the widths.
+bool linear_on_amx(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t in, int64_t out);
 
 /// at::linear's contract: x [..., in], weight [out, in], bias [out] (undefined: none) ->
 /// [..., out], on the selected kernel.

@@ -1,5 +1,7 @@
 #include "shardit/nn/linear.h"
+
 #include "shardit/core/profile.h"
+#include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
 
 #include <c10/util/Exception.h>
@@ -122,12 +124,20 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   // Gathered outputs take the concatenated path. Adapters add their delta from the concatenated
   // input below, so the base product sums in the same order whether or not one is active.
   // oneDNN reads a weight in place only whole (a column block would be copied, which costs more
-  // than the input's concatenation), so a product it computes takes the concatenated path too.
+  // than the input's concatenation), so a product it computes takes the concatenated path too; so
+  // does one on the AMX kernel when a block's width is not a multiple of 32 (the kernel reads
+  // blocks whole tile columns at a time).
   const int64_t leading_rows = parts.front().size(-1) == 0 ? 0 : parts.front().numel() / parts.front().size(-1);
+  const bool on_amx = weight_format_ == WeightFormat::Dense &&
+                      linear_on_amx(parts.front().device(), parts.front().scalar_type(), leading_rows,
+                                    weight.size(1), weight.size(0)) &&
+                      std::all_of(parts.begin(), parts.end(), [](const at::Tensor& p) { return p.size(-1) % 32 == 0; });
   // A quantized weight is dequantized whole once, which the concatenated path does.
   if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather || weight_format_ != WeightFormat::Dense ||
       gemm_backend_for(parts.front().device(), parts.front().scalar_type(), leading_rows, weight.numel()) ==
-          GemmBackend::OneDnn) {
+          GemmBackend::OneDnn ||
+      (!on_amx && linear_on_amx(parts.front().device(), parts.front().scalar_type(), leading_rows, weight.size(1),
+                                weight.size(0)))) {
     return forward(parts.size() == 1 ? parts.front() : at::cat(parts, -1));
   }
   SHARDIT_PROFILE_SCOPE("Linear");
@@ -136,6 +146,13 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   TORCH_CHECK(width == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): inputs have ", width,
               " features together, the weight ", weight.sizes(), " expects ", weight.size(1));
   const bool rowwise = mode_ == LinearParallel::Rowwise;
+  if (on_amx) {
+    // [..., out] (or its partial sum when rowwise): the blocks read in place, one product.
+    at::Tensor y = cpu::amx_linear(parts, weight, rowwise ? at::Tensor() : bias);
+    if (!loras_.empty()) add_lora_deltas(y, at::cat(parts, -1));
+    if (rowwise) finish_rowwise(y);
+    return y;
+  }
   const int64_t first = parts.front().size(-1);
   // [..., out] (or its partial sum when rowwise)
   at::Tensor y = nn::linear(parts.front(), weight.narrow(1, 0, first), rowwise ? at::Tensor() : bias);
