@@ -493,6 +493,13 @@ int run_forward(const BenchOptions& options) {
   };
   const double gemm_machine_before_load = machine_gemm_gflops(dtype);
   const double gemm_machine_fp32 = dtype == at::kFloat ? gemm_machine_before_load : machine_gemm_gflops(at::kFloat);
+  // bf16 on the AMX kernel: LibTorch's own bf16 product of the same shape (oneDNN's) beside it.
+  const bool bf16_on_amx =
+      dtype == at::kBFloat16 && shardit::nn::linear_on_amx(at::kCPU, dtype, probe_rows, config.inner_dim(), config.inner_dim());
+  const double gemm_machine_at_linear = bf16_on_amx ? [&] {
+    shardit::nn::GemmBackendGuard at_linear(shardit::nn::GemmBackend::Blas);  // bf16 Linears on at::linear
+    return machine_gemm_gflops(dtype);
+  }() : 0.0;
 
   const int64_t rss_before_load = current_rss_bytes();
   shardit::parallel::LoadOptions load;
@@ -755,6 +762,7 @@ int run_forward(const BenchOptions& options) {
       {"gemm_gflops_machine_per_step", probe_sums},
       {"gemm_gflops_machine_before_load", gemm_machine_before_load},
       {"gemm_gflops_machine_fp32", gemm_machine_fp32},
+      {"gemm_gflops_machine_at_linear", gemm_machine_at_linear},
       {"fraction_of_gemm_rate", fraction_of_gemm},
       {"collectives_per_step", collectives},
       {"all_reduces_per_step", all_reduces},
