@@ -321,8 +321,8 @@ TEST(AmxGemm, SameBitsWithOneAndTwoThreadsAndNaNStaysInItsRow) {
 TEST(AmxGemm, AutoTakesLargeBf16LinearsOnlyAndRefusesWhatItCannotTake) {
   const bool amx = shardit::nn::cpu::amx_gemm_available();
   GemmBackendGuard guard(GemmBackend::Auto);
-  EXPECT_EQ(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 768, 256, 256), amx);
-  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 767, 3072, 3072));
+  EXPECT_EQ(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 513, 256, 256), amx);
+  EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 512, 3072, 3072));
   EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 224, 3072));
   EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 64));
   EXPECT_FALSE(shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072 + 16, 3072));

@@ -30,9 +30,10 @@ namespace {
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kMinMultiplyAdds = int64_t{1} << 22;
 // auto's bounds for bf16 Linears on the AMX kernel (nn/cpu/amx_gemm.h), measured against oneDNN
-// with 2 threads: level at 512 rows, ahead from 768; behind at 64 rows, and at 64 outputs (too few
-// column blocks to share between threads).
-constexpr int64_t kAmxMinRows = 768;
+// with 2 threads on 3072-wide products: oneDNN ahead at 256 and 512 rows (its blocks fit those
+// exactly), the kernel ahead from 520 rows on (1.05-1.25x up to 800, 1.03-1.26x beyond); behind
+// at 64 rows, and at 64 outputs (too few column blocks to share between threads).
+constexpr int64_t kAmxMinRows = 513;
 constexpr int64_t kAmxMinWidth = 256;
 
 bool onednn_available() { return at::hasMKLDNN(); }

@@ -97,8 +97,8 @@ GemmBackend gemm_backend_for(const at::Device& device, at::ScalarType dtype, int
 
 /// Whether a bf16 Linear x [rows, in] w [out, in]^T on `device` goes to the AMX kernel under the
 /// current selection. auto: the CPU runs the kernel, in and out are multiples of 32 and at least
-/// 256, and rows at least 768 (measured against oneDNN: level at 512 rows, 1.1-1.25x from 768; at
-/// 64 rows or 64 outputs behind). amx: whenever the kernel runs here and takes the widths.
+/// 256, and more than 512 rows (measured against oneDNN: behind at 256 and 512 rows, 1.05-1.25x
+/// from 520; behind at 64 rows or 64 outputs). amx: whenever the kernel runs here and takes the widths.
 bool linear_on_amx(const at::Device& device, at::ScalarType dtype, int64_t rows, int64_t in, int64_t out);
 
 /// at::linear's contract: x [..., in], weight [out, in], bias [out] (undefined: none) ->

@@ -7,7 +7,7 @@
 // measured with products alone), and 80% of a bf16 FLUX step is those products. This kernel packs
 // each thread's columns of the weight once per call into the tiles' pair layout, reads x in place,
 // and keeps a 512 x 256 block of fp32 sums in L2 across the K loop: 1.1-1.25x oneDNN's rate on
-// products of 768 rows and more (docs/benchmarks.md has the table).
+// products of more than 512 rows (docs/benchmarks.md has the table).
 //
 // Numerics: each output is sum_k x[m][k] w[n][k] in fp32 on the tiles (products of bf16 pairs,
 // denormals as zero, as oneDNN's AMX kernels), k in one fixed order, plus the bias, rounded once
