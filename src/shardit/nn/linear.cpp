@@ -128,7 +128,8 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   // does one on the AMX kernel when a block's width is not a multiple of 32 (the kernel reads
   // blocks whole tile columns at a time).
   const int64_t leading_rows = parts.front().size(-1) == 0 ? 0 : parts.front().numel() / parts.front().size(-1);
-  const bool on_amx = weight_format_ == WeightFormat::Dense &&
+  const bool on_amx = weight_format_ == WeightFormat::Dense && weight.scalar_type() == at::kBFloat16 &&
+                      (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
                       linear_on_amx(parts.front().device(), parts.front().scalar_type(), leading_rows,
                                     weight.size(1), weight.size(0)) &&
                       std::all_of(parts.begin(), parts.end(), [](const at::Tensor& p) { return p.size(-1) % 32 == 0; });
