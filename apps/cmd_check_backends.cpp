@@ -1,6 +1,8 @@
 // `shardit check-backends`: one forward of a transformer per attention backend, each compared
 // with the `math` backend's sample (max and mean |diff|, pass or fail), with the backend that
-// actually ran each attention call counted. Exits 1 when any backend fails.
+// actually ran each attention call counted; a backend that cannot take the model's calls (amx in
+// f32) is listed as n/a with its reason. Exits 1 when any backend fails.
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <cmath>
@@ -81,7 +83,23 @@ int check_backends(const CheckBackendsOptions& given) {
   for (const std::string& name : nn::attention_backend_names()) {
     nn::AttentionBackendGuard guard(name);
     nn::reset_attention_dispatch_counts();
-    const at::Tensor sample = verify::forward_from_file(*model, *inputs).to(at::kDouble);
+    at::Tensor sample;
+    try {
+      sample = verify::forward_from_file(*model, *inputs).to(at::kDouble);
+    } catch (const c10::Error& error) {
+      // A backend that cannot take this model's calls (amx in f32, or on a CPU without AMX)
+      // says why; that is a row of the table, not a failure. Any other error is one.
+      const std::string message = error.what_without_backtrace();
+      const std::string refusal = "attention backend '" + name + "' cannot run this call";
+      if (message.find(refusal) == std::string::npos) throw;
+      const size_t reason = message.find("): ");
+      const size_t end = message.find("; choose another");
+      if (world.rank() == 0) {
+        fmt::print("{:<18} {:>12} {:>12} {:>6}  {}\n", name, "-", "-", "n/a",
+                   reason == std::string::npos ? message : message.substr(reason + 3, end - reason - 3));
+      }
+      continue;
+    }
     const auto counts = nn::attention_dispatch_counts();
     const at::Tensor diff = (sample - reference).abs();
     const double max_diff = diff.max().item<double>();

@@ -9,6 +9,8 @@
 // values by O(scale).
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <optional>
 #include <string>
 
 #include "shardit/dist/world.h"
@@ -16,6 +18,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
+#include "shardit/nn/attention/amx.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
@@ -53,6 +56,14 @@ at::Tensor golden_forward(const std::string& dir, bool sharded) {
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
     AttentionBackendGuard guard(backend);
     shardit::nn::reset_attention_dispatch_counts();
+    if (backend == "amx") {
+      // f32 transformers: the AMX kernel (bf16 only) refuses them with the reason; its sharded
+      // heads are checked in bf16 below.
+      const std::string message =
+          shardit::testing::error_of([&] { shardit::verify::forward_from_file(*model, *inputs); });
+      EXPECT_NE(message.find("it takes BFloat16, not Float"), std::string::npos) << message;
+      continue;
+    }
     const at::Tensor sample = shardit::verify::forward_from_file(*model, *inputs);
     EXPECT_EQ(shardit::nn::attention_dispatch_counts().count(backend), 1u) << backend << " did not run";
     const auto result = tensors_close(dir + " at TP=" + std::to_string(world.size()) + " on " + backend + " vs TP=1 math",
@@ -110,6 +121,7 @@ void random_heads_worker() {
       {"bool keys", keys}, {"additive per head", per_head.narrow(0, h0, local)}, {"bool per query", mine(per_query)}};
   const std::vector<at::Tensor> full_masks = {keys, per_head, per_query};
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
+    if (backend == "amx") continue;  // bf16 only: amx_heads_worker
     for (size_t i = 0; i < masks.size(); ++i) {
       at::Tensor expected;
       {
@@ -126,6 +138,42 @@ void random_heads_worker() {
 
 TEST(TpAttentionBackends, RandomShapesWithMasksTp2EveryBackendMatchesMath) {
   if (is_worker()) return random_heads_worker();
+  EXPECT_EQ(run_ranks(2), 0);
+}
+
+// The AMX kernel on each rank's share of the heads, in bf16, against the exact attention (float64)
+// of all heads' bf16 inputs: within its rounding bound (2^-8 of the largest |v| of the head plus
+// 2^-8 of the output; nn/cpu/amx_attention.h). Where the CPU has no AMX, each rank checks that auto
+// ran its bf16 heads elsewhere.
+void amx_heads_worker() {
+  auto& world = shardit::dist::World::init();
+  const int64_t heads = 6, local = heads / world.size();
+  at::manual_seed(22);
+  // [B, S, H, D] storage seen as [B, H, S, D], as the transformers lay them out
+  const auto heads_view = [&](int64_t seq) { return at::randn({2, seq, heads, 64}).to(at::kBFloat16).transpose(1, 2); };
+  const at::Tensor q = heads_view(150), k = heads_view(700), v = heads_view(700);
+  at::Tensor keys = at::rand({2, 1, 1, 700}) > 0.3;
+  keys.select(-1, 0).fill_(true);
+  const int64_t h0 = world.rank() * local;
+  const auto mine = [&](const at::Tensor& t) { return t.narrow(1, h0, local); };
+  shardit::nn::reset_attention_dispatch_counts();
+  for (const std::optional<at::Tensor>& mask : {std::optional<at::Tensor>{}, std::optional<at::Tensor>{keys}}) {
+    at::Tensor scores = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)) / 8.0;
+    if (mask) scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
+    const at::Tensor exact = mine(at::matmul(at::softmax(scores, -1), v.to(at::kDouble)));
+    AttentionBackendGuard guard("auto");
+    const at::Tensor got = shardit::nn::scaled_dot_product_attention(mine(q), mine(k), mine(v), mask).to(at::kDouble);
+    const at::Tensor bound = mine(v).to(at::kDouble).abs().amax({2, 3}, true) / 256 + exact.abs() / 256;
+    EXPECT_LE(((got - exact).abs() - bound).max().item<double>(), 0.0)
+        << "rank " << world.rank() << (mask ? ", bool keys" : ", no mask");
+  }
+  const auto counts = shardit::nn::attention_dispatch_counts();
+  const bool amx = shardit::nn::amx_attention_refusal(mine(q), mine(k), mine(v), std::nullopt, 0.125).empty();
+  EXPECT_EQ(counts.count("amx") == 1 ? counts.at("amx") : 0, amx ? 2 : 0) << "rank " << world.rank();
+}
+
+TEST(TpAttentionBackends, AmxHeadsTp2WithinTheKernelsBoundOfTheExactAttention) {
+  if (is_worker()) return amx_heads_worker();
   EXPECT_EQ(run_ranks(2), 0);
 }
 

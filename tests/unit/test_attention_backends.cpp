@@ -8,6 +8,7 @@
 // both round scores and probabilities to bf16 at different points: 2e-2 (bf16 rounding 4e-3, a
 // few roundings deep). The golden cases use the golden tolerance of the fp32 transformers
 // (1e-4 absolute + relative, the golden README's).
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,7 +23,10 @@
 #include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/nn/attention/amx.h"
 #include "shardit/nn/attention/memory_efficient.h"
+#include "shardit/nn/cpu/amx_gemm.h"
+#include "shardit/nn/gemm.h"
 #include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
 
@@ -71,6 +75,7 @@ class AttentionBackendsRandom : public ::testing::TestWithParam<std::string> {};
 TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
   const std::string backend = GetParam();
   at::manual_seed(11);
+  int refusals = 0, bf16_runs = 0;
   for (const Shape& s : {Shape{1, 3, 37, 37, 16}, Shape{2, 4, 130, 70, 8}, Shape{2, 2, 600, 1100, 32},
                          Shape{1, 5, 1, 513, 64}}) {
     const at::Tensor q = at::randn({s.batch, s.heads, s.s_q, s.head_dim});
@@ -79,9 +84,25 @@ TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
     for (const auto& [name, mask] : masks_for(s)) {
       const std::string what = backend + " vs math, q " + std::to_string(s.s_q) + " x kv " +
                                std::to_string(s.s_kv) + ", mask " + name;
-      const at::Tensor expected = run_with("math", q, k, v, mask);
-      EXPECT_TRUE(tensors_close(what, run_with(backend, q, k, v, mask), expected, kFp32Tolerance, kFp32Tolerance));
+      const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+      // A call the backend refuses (amx: f32, head sizes it does not take, additive masks, no
+      // AMX) must fail with the reason, not run elsewhere.
+      const auto refused = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv) {
+        const std::string why = shardit::nn::attention_backend_refusal(
+            shardit::nn::attention_backend(backend), shardit::nn::AttentionCall{qq, kk, vv, mask, scale});
+        if (why.empty()) return false;
+        const std::string message = error_of([&] { run_with(backend, qq, kk, vv, mask); });
+        EXPECT_NE(message.find(why), std::string::npos) << what << ": " << message;
+        ++refusals;
+        return true;
+      };
+      if (!refused(q, k, v)) {
+        const at::Tensor expected = run_with("math", q, k, v, mask);
+        EXPECT_TRUE(tensors_close(what, run_with(backend, q, k, v, mask), expected, kFp32Tolerance, kFp32Tolerance));
+      }
       const at::Tensor qb = q.to(at::kBFloat16), kb = k.to(at::kBFloat16), vb = v.to(at::kBFloat16);
+      if (refused(qb, kb, vb)) continue;
+      ++bf16_runs;
       const at::Tensor out_bf16 = run_with(backend, qb, kb, vb, mask);
       EXPECT_EQ(out_bf16.scalar_type(), at::kBFloat16);
       // Against the exact attention of the bf16 inputs (float64), not another bf16 result: two
@@ -96,6 +117,13 @@ TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
           (run_with("math", qb, kb, vb, mask).to(at::kDouble) - exact).abs().mean().item<double>();
       EXPECT_LE(mean_error, 1.25 * math_mean_error + 1e-6) << what << " (bf16): mean error against float64";
     }
+  }
+  // Only amx refuses calls here; where it runs (an AMX CPU) it must take the bf16 calls with head
+  // sizes of 32 and 64 and the bool masks.
+  if (backend != "amx") {
+    EXPECT_EQ(refusals, 0) << backend;
+  } else if (shardit::nn::cpu::amx_gemm_available()) {
+    EXPECT_EQ(bf16_runs, 6);
   }
 }
 
@@ -152,7 +180,7 @@ TEST(AttentionBackends, AutoTakesTheDevicesFirstBackendAndCountsDispatches) {
   at::manual_seed(15);
   const at::Tensor q = at::randn({1, 2, 5, 8});
   ASSERT_EQ(shardit::nn::default_attention_backends(c10::DeviceType::CPU),
-            (std::vector<std::string>{"memory_efficient", "math"}));
+            (std::vector<std::string>{"amx", "memory_efficient", "math"}));
   shardit::nn::reset_attention_dispatch_counts();
   {
     AttentionBackendGuard guard("auto");
@@ -226,6 +254,14 @@ TEST_P(AttentionBackendsGolden, EveryBackendMatchesMathAndTheGoldenSample) {
     if (backend.rfind("test_", 0) == 0) continue;
     AttentionBackendGuard guard(backend);
     shardit::nn::reset_attention_dispatch_counts();
+    if (backend == "amx") {
+      // These transformers run in f32, which the AMX kernel does not take (bf16 golden cases run
+      // on it in test_transformers_bf16): a refusal that says so.
+      const std::string message = error_of([&] { shardit::verify::forward_from_file(*model, *inputs); });
+      EXPECT_NE(message.find("attention backend 'amx' cannot run this call"), std::string::npos) << message;
+      EXPECT_NE(message.find("it takes BFloat16, not Float"), std::string::npos) << message;
+      continue;
+    }
     const at::Tensor sample = shardit::verify::forward_from_file(*model, *inputs);
     const auto counts = shardit::nn::attention_dispatch_counts();
     ASSERT_EQ(counts.size(), 1u) << backend;
@@ -246,6 +282,11 @@ TEST(AttentionBackendsCli, GoldenCheckBackendsComparesEveryBackendWithMathAndCou
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
     if (backend.rfind("test_", 0) == 0) continue;
     EXPECT_NE(output.find(backend), std::string::npos) << output;
+    if (backend == "amx") {
+      // An f32 model: the AMX kernel's row says why it does not apply.
+      EXPECT_NE(output.find("it takes BFloat16, not Float"), std::string::npos) << output;
+      continue;
+    }
     // Each backend's row names the backend that ran, with its number of calls.
     EXPECT_NE(output.find(backend + " x"), std::string::npos) << output;
   }
@@ -258,6 +299,153 @@ TEST(AttentionBackendsCli, UnknownBackendFailsBeforeAnyWork) {
       shardit::testing::cli_path() + " --attention-backend flash9 run-transformer --out /nonexistent/x.safetensors", &output);
   EXPECT_EQ(status, 1) << output;
   EXPECT_NE(output.find("attention backend 'flash9' is not available"), std::string::npos) << output;
+}
+
+// The AMX attention kernel (nn/cpu/amx_attention.h) on its own: against the exact attention of
+// its bf16 inputs. Its scores are fp32 on the tiles, each row's softmax fp32, the weights rounded
+// to bf16 (relative error 2^-9 each) before their product with the values, the output rounded once:
+// |out - exact| <= 2^-8 * max|v| + 2^-8 * |exact| covers both roundings with a margin of ~2.
+::testing::AssertionResult within_amx_bound(const std::string& what, const at::Tensor& out, const at::Tensor& exact,
+                                            const at::Tensor& v) {
+  const at::Tensor o = out.to(at::kDouble), e = exact.to(at::kDouble);
+  // [B, H, 1, 1]: the largest |v| of each head
+  const at::Tensor v_max = v.to(at::kDouble).abs().amax({2, 3}, /*keepdim=*/true);
+  const at::Tensor bound = v_max / 256 + e.abs() / 256;
+  const at::Tensor excess = (o - e).abs() - bound;
+  const double worst = excess.max().item<double>();
+  if (worst <= 0 && at::isfinite(o).all().item<bool>()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": outside the bound by " << worst;
+}
+
+/// q, k, v of [B, S, H, D] storage seen as [B, H, S, D] (the transformers' layout), bf16.
+at::Tensor heads_view(int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double scale_by = 1.0) {
+  return (at::randn({batch, seq, heads, head_dim}) * scale_by).to(at::kBFloat16).transpose(1, 2);
+}
+
+TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
+  const at::Tensor probe = heads_view(1, 4, 1, 32);
+  const std::string why = shardit::nn::amx_attention_refusal(probe, probe, probe, std::nullopt, 0.5);
+  if (!shardit::nn::cpu::amx_gemm_available()) {
+    // No AMX here: the refusal names the CPU's reason, and auto runs bf16 elsewhere.
+    EXPECT_NE(why.find(shardit::nn::cpu::amx_gemm_unavailable_reason()), std::string::npos) << why;
+    shardit::nn::reset_attention_dispatch_counts();
+    run_with("auto", probe, probe, probe, std::nullopt);
+    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count("amx"), 0u);
+    return;
+  }
+  ASSERT_EQ(why, "");
+  at::manual_seed(21);
+  // Rows and keys below, at and across the 32-row blocks and 32-key steps; head sizes 32-256;
+  // a single head (its rows split between threads) and batches of several.
+  for (const Shape& s : {Shape{1, 1, 1, 1, 32}, Shape{2, 3, 100, 77, 64}, Shape{1, 2, 33, 130, 128},
+                         Shape{1, 1, 65, 31, 256}, Shape{3, 2, 64, 64, 96}, Shape{1, 5, 300, 517, 128}}) {
+    const at::Tensor q = heads_view(s.batch, s.s_q, s.heads, s.head_dim);
+    const at::Tensor k = heads_view(s.batch, s.s_kv, s.heads, s.head_dim, 2.0);
+    const at::Tensor v = heads_view(s.batch, s.s_kv, s.heads, s.head_dim);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+    at::Tensor keys = at::rand({s.batch, 1, 1, s.s_kv}) > 0.3;
+    keys.select(-1, 0).fill_(true);
+    at::Tensor rows = at::rand({s.batch, s.heads, s.s_q, s.s_kv}) > 0.5;
+    rows.select(2, 0).fill_(false);  // the first query of every head sees no key
+    for (const auto& [name, mask] : std::vector<std::pair<std::string, std::optional<at::Tensor>>>{
+             {"none", std::nullopt}, {"keys", keys}, {"rows", rows}}) {
+      const std::string what = "amx q " + std::to_string(s.s_q) + " x kv " + std::to_string(s.s_kv) + " x d " +
+                               std::to_string(s.head_dim) + ", mask " + name;
+      const auto result = shardit::nn::amx_attention(q, k, v, mask, scale);
+      at::Tensor scores = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)) * scale;
+      if (mask) scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
+      // A query with no key: output 0 and lse -inf (as memory_efficient's), where softmax gives NaN.
+      const at::Tensor exact = at::matmul(at::softmax(scores, -1), v.to(at::kDouble)).nan_to_num(0.0);
+      EXPECT_TRUE(within_amx_bound(what, result.output, exact, v));
+      const at::Tensor lse = at::logsumexp(scores, -1);
+      const at::Tensor empty = lse.isneginf();
+      EXPECT_TRUE(at::equal(result.lse.isneginf(), empty)) << what;
+      EXPECT_TRUE(tensors_close(what + " lse", result.lse.masked_fill(empty, 0.0),
+                                lse.masked_fill(empty, 0.0).to(at::kFloat), 1e-4, 1e-5));
+      if (name == "rows") {
+        EXPECT_EQ(result.output.select(2, 0).abs().max().item<float>(), 0.0f) << what;
+      }
+    }
+  }
+}
+
+TEST(AmxAttention, SameBitsWithOneAndTwoThreadsAndANaNStaysInItsRow) {
+  if (!shardit::nn::cpu::amx_gemm_available()) {
+    const at::Tensor q = heads_view(1, 8, 1, 32);
+    EXPECT_NE(error_of([&] { shardit::nn::amx_attention(q, q, q, std::nullopt, 0.5); })
+                  .find("amx attention: cannot run this call: " + shardit::nn::cpu::amx_gemm_unavailable_reason()),
+              std::string::npos);
+    return;
+  }
+  at::manual_seed(22);
+  // One head: its 150 rows are split between the threads in runs of 32-row blocks.
+  at::Tensor q = heads_view(1, 150, 1, 64);
+  const at::Tensor k = heads_view(1, 90, 1, 64), v = heads_view(1, 90, 1, 64);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  at::set_num_threads(std::max(2, threads));
+  const auto two = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(one.output, two.output));
+  EXPECT_TRUE(at::equal(one.lse, two.lse));
+  q = q.clone();
+  q.select(2, 40).select(-1, 3).fill_(std::numeric_limits<float>::quiet_NaN());
+  const auto poisoned = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  EXPECT_TRUE(at::isnan(poisoned.output.select(2, 40)).all().item<bool>());
+  EXPECT_TRUE(std::isnan(poisoned.lse[0][0][40].item<float>()));
+  const at::Tensor others = at::cat({poisoned.output.narrow(2, 0, 40), poisoned.output.narrow(2, 41, 109)}, 2);
+  EXPECT_TRUE(at::isfinite(others).all().item<bool>());
+  EXPECT_TRUE(at::equal(others, at::cat({one.output.narrow(2, 0, 40), one.output.narrow(2, 41, 109)}, 2)));
+}
+
+TEST(AmxAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
+  const bool amx = shardit::nn::cpu::amx_gemm_available();
+  at::manual_seed(23);
+  const at::Tensor q = heads_view(1, 20, 2, 64), k = heads_view(1, 24, 2, 64);
+  shardit::nn::reset_attention_dispatch_counts();
+  run_with("auto", q, k, k, std::nullopt);
+  run_with("auto", q.to(at::kFloat), k.to(at::kFloat), k.to(at::kFloat), std::nullopt);
+  auto counts = shardit::nn::attention_dispatch_counts();
+  EXPECT_EQ(counts["amx"], amx ? 1 : 0);
+  EXPECT_EQ(counts["memory_efficient"], amx ? 1 : 2);
+  if (!amx) return;
+  const auto refusal = [](const at::Tensor& qq, const at::Tensor& kk, const std::optional<at::Tensor>& mask) {
+    return shardit::nn::amx_attention_refusal(qq, kk, kk, mask, 0.125);
+  };
+  EXPECT_EQ(refusal(q.to(at::kFloat), k.to(at::kFloat), std::nullopt), "it takes bf16 on the CPU");
+  const at::Tensor q48 = heads_view(1, 20, 2, 48), k48 = heads_view(1, 24, 2, 48);
+  EXPECT_NE(refusal(q48, k48, std::nullopt).find("D a multiple of 32"), std::string::npos);
+  EXPECT_NE(refusal(q, k, at::zeros({24})).find("not an additive one"), std::string::npos);
+  EXPECT_NE(refusal(q, k, at::ones({3, 24}, at::kBool)).find("does not broadcast"), std::string::npos);
+  {
+    shardit::nn::GemmBackendGuard onednn(shardit::nn::GemmBackend::OneDnn);
+    EXPECT_EQ(refusal(q, k, std::nullopt), "--gemm-backend onednn keeps bf16 products on at::linear");
+    shardit::nn::reset_attention_dispatch_counts();
+    run_with("auto", q, k, k, std::nullopt);
+    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count("amx"), 0u);
+  }
+  // Chosen by name, a call it cannot take fails with the reason instead of running elsewhere.
+  const std::string message = error_of([&] { run_with("amx", q48, k48, k48, std::nullopt); });
+  EXPECT_NE(message.find("attention backend 'amx' cannot run this call"), std::string::npos) << message;
+}
+
+TEST(AmxAttention, PartialResultsOverKeyShardsMergeByTheirLogSumExp) {
+  // What ring attention does with attention_with_lse: two halves of the keys, merged by lse.
+  at::manual_seed(24);
+  const at::Tensor q = heads_view(1, 70, 3, 64), k = heads_view(1, 100, 3, 64), v = heads_view(1, 100, 3, 64);
+  const double scale = 0.125;
+  const auto a = shardit::nn::attention_with_lse(q, k.narrow(2, 0, 61), v.narrow(2, 0, 61), std::nullopt, scale);
+  const auto b = shardit::nn::attention_with_lse(q, k.narrow(2, 61, 39), v.narrow(2, 61, 39), std::nullopt, scale);
+  const at::Tensor lse = at::logaddexp(a.lse, b.lse);
+  const at::Tensor merged = a.output.to(at::kDouble) * (a.lse - lse).exp().unsqueeze(-1).to(at::kDouble) +
+                            b.output.to(at::kDouble) * (b.lse - lse).exp().unsqueeze(-1).to(at::kDouble);
+  const at::Tensor scores = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)) * scale;
+  const at::Tensor exact = at::matmul(at::softmax(scores, -1), v.to(at::kDouble));
+  // Each part within the kernel's bound of its own exact result; merged, within twice that.
+  const at::Tensor v_max = v.to(at::kDouble).abs().amax({2, 3}, /*keepdim=*/true);
+  EXPECT_LE(((merged - exact).abs() - (v_max / 128 + exact.abs() / 128)).max().item<double>(), 0.0);
+  EXPECT_TRUE(tensors_close("merged lse", lse, at::logsumexp(scores, -1).to(at::kFloat), 1e-4, 1e-5));
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, AttentionBackendsGolden,

@@ -16,9 +16,11 @@ void keep_freed_memory_for_reuse() {
                         std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
                         std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr;
   if (user_set) return;
-  // 32 MiB is the largest threshold glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // Blocks up to 1 GiB from the heap; a glibc that refuses a threshold that high (older ones cap
+  // it at 32 MiB on 64-bit, DEFAULT_MMAP_THRESHOLD_MAX) gets its largest.
+  constexpr int kLargestKept = 1 << 30;
+  if (mallopt(M_MMAP_THRESHOLD, kLargestKept) == 0) mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, kLargestKept);
 #endif
 }
 

@@ -8,7 +8,7 @@
 
 #include "shardit/core/profile.h"
 #include "shardit/dist/mesh.h"
-#include "shardit/nn/attention/memory_efficient.h"
+#include "shardit/nn/attention/amx.h"
 
 namespace shardit::parallel {
 
@@ -87,7 +87,7 @@ at::Tensor ring_attention(dist::Group& group, const at::Tensor& q, const at::Ten
     const at::Tensor block_v = current.slice(0, kv_numel, 2 * kv_numel).view(k.sizes());
     // [B, S_kv] -> [B, 1, 1, S_kv]
     const at::Tensor block_mask = current.slice(0, 2 * kv_numel).view({batch, keys}).ne(0).unsqueeze(1).unsqueeze(1);
-    const nn::AttentionWithLse part = nn::memory_efficient_attention(q, block_k, block_v, block_mask, scale);
+    const nn::AttentionWithLse part = nn::attention_with_lse(q, block_k, block_v, block_mask, scale);
     const at::Tensor part_output = part.output.to(at::kFloat);
     if (step == 0) {
       output = part_output;

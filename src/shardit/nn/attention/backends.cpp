@@ -12,6 +12,7 @@
 
 #include "shardit/core/compat.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/attention/amx.h"
 #include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/nn/gemm.h"
 
@@ -88,6 +89,16 @@ void register_builtins(Registry& registry) {
     return memory_efficient_attention(c.q, c.k, c.v, c.mask, c.scale).output;
   };
   registry.backends.emplace(efficient.name, std::move(efficient));
+
+  AttentionBackend amx;
+  amx.name = "amx";
+  amx.description = "bf16 in one kernel on AMX tiles: 32 queries at a time, each row's softmax whole";
+  amx.devices = {c10::DeviceType::CPU};
+  amx.dtypes = {at::kBFloat16};
+  amx.returns_lse = true;
+  amx.refuses = [](const AttentionCall& c) { return amx_attention_refusal(c.q, c.k, c.v, c.mask, c.scale); };
+  amx.run = [](const AttentionCall& c) { return amx_attention(c.q, c.k, c.v, c.mask, c.scale).output; };
+  registry.backends.emplace(amx.name, std::move(amx));
 
 #if SHARDIT_HAS_SDPA
   AttentionBackend sdpa;
@@ -197,7 +208,7 @@ std::string attention_backend_refusal(const AttentionBackend& backend, const Att
 }
 
 std::vector<std::string> default_attention_backends(c10::DeviceType device) {
-  if (device == c10::DeviceType::CPU) return {"memory_efficient", "math"};
+  if (device == c10::DeviceType::CPU) return {"amx", "memory_efficient", "math"};
   return {"sdpa", "memory_efficient", "math"};
 }
 

@@ -13,6 +13,7 @@
 
 #include "shardit/core/cpu_features.h"
 #include "shardit/nn/cpu/amx_gemm_kernel.h"
+#include "shardit/nn/cpu/growing_buffer.h"
 
 namespace shardit::nn::cpu {
 
@@ -43,27 +44,6 @@ const std::string& cached_reason() {
   static const std::string reason = unavailable_reason();
   return reason;
 }
-
-/// A 64-byte aligned buffer that keeps its largest size: one per thread, so a step's products
-/// reuse the same pages instead of mapping a fresh weight-sized block each call.
-class GrowingBuffer {
- public:
-  void* get(size_t bytes) {
-    if (bytes > capacity_) {
-      storage_.reset(static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-      TORCH_CHECK(storage_ != nullptr, "amx_linear: could not allocate ", bytes, " bytes of scratch");
-      capacity_ = bytes;
-    }
-    return storage_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
-  std::unique_ptr<char, Free> storage_;
-  size_t capacity_ = 0;
-};
 
 struct ThreadScratch {
   GrowingBuffer packed_w, sums, tail_rows;
@@ -144,9 +124,9 @@ at::Tensor amx_linear(const std::vector<at::Tensor>& x_parts, const at::Tensor& 
   at::parallel_for(0, out / 32, 1, [&](int64_t begin, int64_t end) {
     static thread_local ThreadScratch scratch;
     AmxScratch buffers;
-    buffers.packed_w = static_cast<uint32_t*>(scratch.packed_w.get(sizeof(uint16_t) * 32 * (end - begin) * in));
-    buffers.sums = static_cast<float*>(scratch.sums.get(sizeof(float) * kAmxRowBlock * kAmxColumnBlock));
-    buffers.tail_rows = static_cast<uint16_t*>(scratch.tail_rows.get(sizeof(uint16_t) * 32 * in));
+    buffers.packed_w = static_cast<uint32_t*>(scratch.packed_w.get(sizeof(uint16_t) * 32 * (end - begin) * in, "amx_linear"));
+    buffers.sums = static_cast<float*>(scratch.sums.get(sizeof(float) * kAmxRowBlock * kAmxColumnBlock, "amx_linear"));
+    buffers.tail_rows = static_cast<uint16_t*>(scratch.tail_rows.get(sizeof(uint16_t) * 32 * in, "amx_linear"));
     amx_bf16_linear_columns(args, 32 * begin, 32 * end, buffers);
   });
   return y.view(sizes);

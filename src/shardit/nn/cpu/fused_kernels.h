@@ -21,6 +21,9 @@
 #include <limits>
 
 #include "shardit/nn/cpu/fused_table.h"
+#if defined(CPU_CAPABILITY_AVX512)
+#include "shardit/nn/cpu/avx512_math.h"
+#endif
 
 namespace shardit::nn::cpu {
 inline namespace CPU_CAPABILITY {
@@ -163,30 +166,17 @@ inline Vec fast_exp(const Vec& x) {
 }
 
 /// 2^t for the attention weights, where t <= 0 (a scaled score minus the row's maximum, in
-/// log2 units); cheaper than fast_exp(t ln2) because the softmax folds log2(e) into its scale:
-/// t = n + f with n an integer and |f| <= 1/2, 2^f from a degree-6 polynomial fitted to it
-/// (relative error 2e-9, under the float's own rounding), scaled by 2^n. Below 2^-126 (the
-/// smallest normal float; t = -inf included) it returns 0, as fast_exp does below e^-87.3: a
-/// subnormal weight would only slow the product with the values. NaN stays NaN. For t > 0 (a
-/// masked key's score above the maximum, zeroed by the caller) the result is not meaningful.
+/// log2 units); cheaper than fast_exp(t ln2) because the softmax folds log2(e) into its scale.
+/// The AVX-512 builds share avx512::exp2_nonpositive (avx512_math.h) with the AMX attention; the
+/// AVX2 one is the same steps in 8 lanes: degree-6 polynomial for 2^f, |f| <= 1/2, scaled by 2^n;
+/// 0 below 2^-126 (t = -inf included), NaN stays NaN, t > 0 not meaningful.
 inline Vec exp2_nonpositive(const Vec& t) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(avx512::exp2_nonpositive(t));
+#elif defined(CPU_CAPABILITY_AVX2)
   // q(f) = (2^f - 1) / f, highest power first; 2^f = 1 + f q(f) is exactly 1 at f = 0.
   constexpr float kQ[6] = {1.5353361959569156e-4f, 1.3398875016719103e-3f, 9.61843691766262e-3f,
                            5.5503323674201965e-2f, 2.4022647738456726e-1f, 6.931471824645996e-1f};
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-  // max(-127, t) returns its second operand for a NaN t: NaN goes through.
-  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-127.0f), t);
-  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(clamped, n);
-  __m512 q = _mm512_set1_ps(kQ[0]);
-  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kQ[i]));
-  const __m512 p = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  // Kept: t >= -126, or NaN (unordered).
-  const __mmask16 kept = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-  return Vec(_mm512_maskz_scalef_ps(kept, p, n));
-#elif defined(CPU_CAPABILITY_AVX2)
   const __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
   const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(clamped, n);

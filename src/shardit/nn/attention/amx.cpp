@@ -1,0 +1,79 @@
+#include "shardit/nn/attention/amx.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "shardit/nn/attention/backends.h"
+#include "shardit/nn/cpu/amx_attention.h"
+#include "shardit/nn/cpu/amx_gemm.h"
+#include "shardit/nn/gemm.h"
+
+namespace shardit::nn {
+
+namespace {
+
+/// `mask` as a 4-D view broadcastable to [B, H, S_q, S_kv], or nullopt when it has more
+/// dimensions or does not broadcast.
+std::optional<at::Tensor> mask_4d(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  if (mask.dim() > 4) return std::nullopt;
+  at::Tensor m = mask;
+  while (m.dim() < 4) m = m.unsqueeze(0);
+  const int64_t target[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (int64_t d = 0; d < 4; ++d) {
+    if (m.size(d) != 1 && m.size(d) != target[d]) return std::nullopt;
+  }
+  return m;
+}
+
+}  // namespace
+
+std::string amx_attention_refusal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask, double scale) {
+  if (!q.device().is_cpu() || q.scalar_type() != at::kBFloat16) return "it takes bf16 on the CPU";
+  if (!cpu::amx_gemm_available()) return cpu::amx_gemm_unavailable_reason();
+  if (!attention_on_amx(q.device(), q.scalar_type())) {
+    return std::string("--gemm-backend ") + gemm_backend_name(gemm_backend_selection()) +
+           " keeps bf16 products on at::linear";
+  }
+  std::optional<at::Tensor> mask4;
+  if (mask.has_value() && mask->defined()) {
+    if (mask->scalar_type() != at::kBool) return "it takes a bool mask or none, not an additive one";
+    mask4 = mask_4d(*mask, q, k);
+    if (!mask4) return "its mask " + c10::str(mask->sizes()) + " does not broadcast to [B, H, S_q, S_kv]";
+  }
+  if (!cpu::amx_attention_takes(q, k, v, mask4, scale)) {
+    return "it takes q, k, v [B, H, S, D] with D a multiple of 32 and the last dimension contiguous, the keys of "
+           "a mask contiguous, and a finite positive scale (got q " +
+           c10::str(q.sizes()) + ", k " + c10::str(k.sizes()) + ", v " + c10::str(v.sizes()) + ", scale " +
+           c10::str(scale) + ")";
+  }
+  return "";
+}
+
+AttentionWithLse amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double scale) {
+  const std::string refusal = amx_attention_refusal(q, k, v, mask, scale);
+  TORCH_CHECK(refusal.empty(), "amx attention: cannot run this call: ", refusal);
+  std::optional<at::Tensor> mask4;
+  if (mask.has_value() && mask->defined()) mask4 = mask_4d(*mask, q, k);
+  const int64_t batch = q.size(0), heads = q.size(1), s_q = q.size(2), head_dim = v.size(3);
+  // [B, S_q, H, D] storage seen as [B, H, S_q, D], as memory_efficient_attention's: the callers'
+  // transpose back to [B, S_q, H * D] is then a view.
+  AttentionWithLse result;
+  result.output = at::empty({batch, s_q, heads, head_dim}, q.options()).transpose(1, 2);
+  result.lse = at::empty({batch, heads, s_q}, q.options().dtype(at::kFloat));
+  cpu::amx_attention(q, k, v, mask4, scale, result.output, result.lse);
+  return result;
+}
+
+AttentionWithLse attention_with_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, double scale) {
+  const std::string selection = attention_backend_selection();
+  if ((selection == "auto" || selection == "amx") && amx_attention_refusal(q, k, v, mask, scale).empty()) {
+    return amx_attention(q, k, v, mask, scale);
+  }
+  return memory_efficient_attention(q, k, v, mask, scale);
+}
+
+}  // namespace shardit::nn

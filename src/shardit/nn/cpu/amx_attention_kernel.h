@@ -1,0 +1,60 @@
+#pragma once
+// The raw-pointer interface between nn/cpu/amx_attention.cpp (tensors, checks, threads) and
+// nn/cpu/amx_attention_kernel.cpp (the tile loops, built with the AMX -m flags). Only <cstdint>
+// here: the kernel's translation unit must not instantiate library templates.
+#include <cstdint>
+
+namespace shardit::nn::cpu {
+
+/// One head: out[s_q, D] = softmax(scale q k^T) v, lse[s_q] = log sum_j exp(scale q k_j), every
+/// matrix bf16 as raw bits with rows `*_stride` elements apart (the last dimension contiguous).
+/// head_dim is a multiple of 32; strides are even. mask: bool [s_q or 1, s_kv], rows mask_stride
+/// apart (0: one row for every query), or nullptr.
+struct AmxAttentionArgs {
+  const uint16_t* q = nullptr;
+  int64_t q_stride = 0;
+  const uint16_t* k = nullptr;
+  int64_t k_stride = 0;
+  const uint16_t* v = nullptr;
+  int64_t v_stride = 0;
+  const bool* mask = nullptr;
+  int64_t mask_stride = 0;
+  uint16_t* out = nullptr;
+  int64_t out_stride = 0;
+  float* lse = nullptr;
+  int64_t s_q = 0, s_kv = 0, head_dim = 0;
+  float scale = 1.0f;
+};
+
+/// The keys padded to a multiple of 32 (the tiles' step): the width of the scratch rows.
+inline int64_t amx_padded_keys(int64_t s_kv) { return (s_kv + 31) / 32 * 32; }
+
+/// One thread's buffers, 64-byte aligned, for P = amx_padded_keys(s_kv) and D = head_dim:
+/// packed_k and packed_v P * D / 2 words each, scores 32 * P floats, probs 2 * 32 * P values
+/// (two blocks in flight), sums 32 * D floats, rows 32 * D values.
+struct AmxAttentionScratch {
+  uint32_t* packed_k = nullptr;
+  uint32_t* packed_v = nullptr;
+  float* scores = nullptr;
+  uint16_t* probs = nullptr;
+  float* sums = nullptr;
+  uint16_t* rows = nullptr;
+};
+
+/// False when the compiler could not build the kernel (then nothing else here may be called).
+bool amx_attention_kernel_built();
+
+/// Lays out k and v of the head in `args` in the pair layout of the tile products (q k^T reads the
+/// keys as its second operand, p v the values), zero-padded to amx_padded_keys(s_kv) keys.
+void amx_attention_pack(const AmxAttentionArgs& args, const AmxAttentionScratch& scratch);
+
+/// Query rows [q_begin, q_end) of the head (q_begin a multiple of 32), after amx_attention_pack:
+/// for each block of 32 rows, their scores against every key (fp32 on the tiles), the softmax of
+/// each row whole (fp32 on the vector units; weights exp(scale (s - max)) rounded to bf16), the
+/// product of the weights with the values (fp32 sums; on the tiles while the next block's softmax
+/// runs), divided by the row's fp32 sum and rounded once to bf16. Each row's result depends on nothing
+/// but its own inputs, so every split of the rows between threads gives the same bits.
+void amx_attention_rows(const AmxAttentionArgs& args, int64_t q_begin, int64_t q_end,
+                        const AmxAttentionScratch& scratch);
+
+}  // namespace shardit::nn::cpu
