@@ -337,8 +337,11 @@ TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
   at::manual_seed(21);
   // Rows and keys below, at and across the 32-row blocks and 32-key steps; head sizes 32-256;
   // a single head (its rows split between threads) and batches of several.
+  // Beyond kAmxKeyChunk (1536) keys the chunks' results merge: 3500 keys are three chunks, and
+  // 300 queries more than one group of eight 32-row blocks.
   for (const Shape& s : {Shape{1, 1, 1, 1, 32}, Shape{2, 3, 100, 77, 64}, Shape{1, 2, 33, 130, 128},
-                         Shape{1, 1, 65, 31, 256}, Shape{3, 2, 64, 64, 96}, Shape{1, 5, 300, 517, 128}}) {
+                         Shape{1, 1, 65, 31, 256}, Shape{3, 2, 64, 64, 96}, Shape{1, 5, 300, 517, 128},
+                         Shape{1, 2, 300, 3500, 64}}) {
     const at::Tensor q = heads_view(s.batch, s.s_q, s.heads, s.head_dim);
     const at::Tensor k = heads_view(s.batch, s.s_kv, s.heads, s.head_dim, 2.0);
     const at::Tensor v = heads_view(s.batch, s.s_kv, s.heads, s.head_dim);
@@ -347,8 +350,16 @@ TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
     keys.select(-1, 0).fill_(true);
     at::Tensor rows = at::rand({s.batch, s.heads, s.s_q, s.s_kv}) > 0.5;
     rows.select(2, 0).fill_(false);  // the first query of every head sees no key
+    // Rows whose keys lie in one chunk only (the others all masked), and a row with one key.
+    at::Tensor chunks = at::rand({s.batch, s.heads, s.s_q, s.s_kv}) > 0.5;
+    if (s.s_q > 3) {
+      chunks.select(2, 1).narrow(-1, 0, std::min<int64_t>(s.s_kv, 2 * 1536)).fill_(false);
+      chunks.select(2, 2).narrow(-1, std::min<int64_t>(s.s_kv, 100), s.s_kv - std::min<int64_t>(s.s_kv, 100)).fill_(false);
+      chunks.select(2, 3).fill_(false);
+      chunks.select(2, 3).select(-1, s.s_kv - 1).fill_(true);
+    }
     for (const auto& [name, mask] : std::vector<std::pair<std::string, std::optional<at::Tensor>>>{
-             {"none", std::nullopt}, {"keys", keys}, {"rows", rows}}) {
+             {"none", std::nullopt}, {"keys", keys}, {"rows", rows}, {"chunks", chunks}}) {
       const std::string what = "amx q " + std::to_string(s.s_q) + " x kv " + std::to_string(s.s_kv) + " x d " +
                                std::to_string(s.head_dim) + ", mask " + name;
       const auto result = shardit::nn::amx_attention(q, k, v, mask, scale);
@@ -378,9 +389,10 @@ TEST(AmxAttention, SameBitsWithOneAndTwoThreadsAndANaNStaysInItsRow) {
     return;
   }
   at::manual_seed(22);
-  // One head: its 150 rows are split between the threads in runs of 32-row blocks.
+  // One head: its 150 rows are split between the threads in runs of 32-row blocks; 2000 keys are
+  // two chunks.
   at::Tensor q = heads_view(1, 150, 1, 64);
-  const at::Tensor k = heads_view(1, 90, 1, 64), v = heads_view(1, 90, 1, 64);
+  const at::Tensor k = heads_view(1, 2000, 1, 64), v = heads_view(1, 2000, 1, 64);
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   const auto one = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);

@@ -20,7 +20,7 @@ bool bf16_rows(const at::Tensor& t) {
 }
 
 struct AttentionThreadScratch {
-  GrowingBuffer packed_k, packed_v, scores, probs, sums, rows;
+  GrowingBuffer packed_k, packed_v, scores, probs, sums, rows, merged, merged_max, merged_sum;
 };
 
 const uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -89,12 +89,16 @@ void amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     static thread_local AttentionThreadScratch buffers;
     AmxAttentionScratch scratch;
     const size_t layout_bytes = sizeof(uint16_t) * static_cast<size_t>(padded * head_dim);
+    const size_t chunk = static_cast<size_t>(amx_chunk_keys(s_kv)), group_rows = 32 * kAmxRowGroup;
     scratch.packed_k = static_cast<uint32_t*>(buffers.packed_k.get(layout_bytes, "amx_attention"));
     scratch.packed_v = static_cast<uint32_t*>(buffers.packed_v.get(layout_bytes, "amx_attention"));
-    scratch.scores = static_cast<float*>(buffers.scores.get(sizeof(float) * 32 * padded, "amx_attention"));
-    scratch.probs = static_cast<uint16_t*>(buffers.probs.get(sizeof(uint16_t) * 2 * 32 * padded, "amx_attention"));
+    scratch.scores = static_cast<float*>(buffers.scores.get(sizeof(float) * 32 * chunk, "amx_attention"));
+    scratch.probs = static_cast<uint16_t*>(buffers.probs.get(sizeof(uint16_t) * 2 * 32 * chunk, "amx_attention"));
     scratch.sums = static_cast<float*>(buffers.sums.get(sizeof(float) * 32 * head_dim, "amx_attention"));
     scratch.rows = static_cast<uint16_t*>(buffers.rows.get(sizeof(uint16_t) * 32 * head_dim, "amx_attention"));
+    scratch.merged = static_cast<float*>(buffers.merged.get(sizeof(float) * group_rows * head_dim, "amx_attention"));
+    scratch.merged_max = static_cast<float*>(buffers.merged_max.get(sizeof(float) * group_rows, "amx_attention"));
+    scratch.merged_sum = static_cast<float*>(buffers.merged_sum.get(sizeof(float) * group_rows, "amx_attention"));
     int64_t laid_out = -1;  // the (batch, head) whose keys and values the buffers hold
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head_index = task / runs, run = task % runs;

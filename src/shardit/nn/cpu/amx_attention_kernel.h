@@ -26,12 +26,28 @@ struct AmxAttentionArgs {
   float scale = 1.0f;
 };
 
-/// The keys padded to a multiple of 32 (the tiles' step): the width of the scratch rows.
+/// The keys padded to a multiple of 32 (the tiles' step).
 inline int64_t amx_padded_keys(int64_t s_kv) { return (s_kv + 31) / 32 * 32; }
 
-/// One thread's buffers, 64-byte aligned, for P = amx_padded_keys(s_kv) and D = head_dim:
-/// packed_k and packed_v P * D / 2 words each, scores 32 * P floats, probs 2 * 32 * P values
-/// (two blocks in flight), sums 32 * D floats, rows 32 * D values.
+// Blocking (fixed, so the order of every sum is too). Keys are taken kAmxKeyChunk at a time: a
+// chunk's laid-out keys and values (768 KiB at head size 128) stay in L2 while every query block
+// of a group of kAmxRowGroup blocks of 32 rows runs over them, and the chunks' partial results
+// merge by the online softmax. Measured on FLUX's 24 heads of 4608 queries: 1,650-1,725 GFLOP/s
+// over 1024-2048 keys, 1,017 over all 4608 at once (the keys and values then stream from L3).
+constexpr int64_t kAmxKeyChunk = 1536;
+constexpr int64_t kAmxRowGroup = 8;
+
+/// The width of one chunk's rows of scores and weights: min(kAmxKeyChunk, padded keys).
+inline int64_t amx_chunk_keys(int64_t s_kv) {
+  const int64_t padded = amx_padded_keys(s_kv);
+  return padded < kAmxKeyChunk ? padded : kAmxKeyChunk;
+}
+
+/// One thread's buffers, 64-byte aligned, for P = amx_padded_keys(s_kv), C = amx_chunk_keys(s_kv)
+/// and D = head_dim: packed_k and packed_v P * D / 2 words each, scores 32 * C floats, probs
+/// 2 * 32 * C values (two blocks in flight), sums 32 * D floats, rows 32 * D values, and for a
+/// group of kAmxRowGroup blocks the merged results: merged kAmxRowGroup * 32 * D floats,
+/// merged_max and merged_sum kAmxRowGroup * 32 floats each.
 struct AmxAttentionScratch {
   uint32_t* packed_k = nullptr;
   uint32_t* packed_v = nullptr;
@@ -39,6 +55,9 @@ struct AmxAttentionScratch {
   uint16_t* probs = nullptr;
   float* sums = nullptr;
   uint16_t* rows = nullptr;
+  float* merged = nullptr;
+  float* merged_max = nullptr;
+  float* merged_sum = nullptr;
 };
 
 /// False when the compiler could not build the kernel (then nothing else here may be called).
@@ -49,11 +68,12 @@ bool amx_attention_kernel_built();
 void amx_attention_pack(const AmxAttentionArgs& args, const AmxAttentionScratch& scratch);
 
 /// Query rows [q_begin, q_end) of the head (q_begin a multiple of 32), after amx_attention_pack:
-/// for each block of 32 rows, their scores against every key (fp32 on the tiles), the softmax of
-/// each row whole (fp32 on the vector units; weights exp(scale (s - max)) rounded to bf16), the
+/// for each block of 32 rows and chunk of keys, the scores (fp32 on the tiles), each row's softmax
+/// over the chunk (fp32 on the vector units; weights exp(scale (s - max)) rounded to bf16), the
 /// product of the weights with the values (fp32 sums; on the tiles while the next block's softmax
-/// runs), divided by the row's fp32 sum and rounded once to bf16. Each row's result depends on nothing
-/// but its own inputs, so every split of the rows between threads gives the same bits.
+/// runs); the chunks' results merged by their maxima, divided by the row's fp32 sum and rounded
+/// once to bf16. Each row's result depends on nothing but its own inputs, in one fixed order, so
+/// every split of the rows between threads gives the same bits.
 void amx_attention_rows(const AmxAttentionArgs& args, int64_t q_begin, int64_t q_end,
                         const AmxAttentionScratch& scratch);
 
