@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "shardit/io/safetensors.h"
+#include "shardit/nn/activations.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/memory_efficient.h"
@@ -316,6 +317,60 @@ TEST(AmxGemm, SameBitsWithOneAndTwoThreadsAndNaNStaysInItsRow) {
   EXPECT_TRUE(y[5].isnan().all().item<bool>());
   EXPECT_TRUE(at::equal(y.narrow(0, 6, 594), two.narrow(0, 6, 594)));
   EXPECT_TRUE(at::equal(y.narrow(0, 0, 5), two.narrow(0, 0, 5)));
+}
+
+// The GELU epilogue: gelu(x w^T + b, tanh) on each fp32 sum, rounded once. Against the float64
+// GELU of the exact product: half a bf16 unit of the result, plus the fp32 sum's error bound
+// (as above) times GELU's largest slope (1.13), plus the GELU's own approximation (relative
+// 3e-6 of the input). Linear::forward_gelu_tanh takes it exactly where the product runs on the
+// kernel; elsewhere it is forward, its pre-activation handed out, then the fused GELU.
+TEST(AmxGemm, GeluEpilogueWithinOneRoundingAndLinearTakesItWhereTheKernelRuns) {
+  at::manual_seed(14);
+  const bool amx = shardit::nn::cpu::amx_gemm_available();
+  shardit::nn::Linear layer(shardit::nn::LinearOptions(1056, 544));
+  layer.weight = (at::randn({544, 1056}) / 16).to(at::kBFloat16);
+  layer.bias = at::randn({544}).to(at::kBFloat16);
+  const at::Tensor x = at::randn({2, 300, 1056}).to(at::kBFloat16);  // 600 rows: auto takes the kernel
+  int handed_out = 0;
+  const auto count = [&](const at::Tensor&) { ++handed_out; };
+  const at::Tensor separate = [&] {
+    at::Tensor y = layer.forward(x);
+    return shardit::nn::gelu_tanh_(y);
+  }();
+  const at::Tensor fused = layer.forward_gelu_tanh(x, count);
+  if (!amx) {
+    EXPECT_TRUE(at::equal(fused, separate));
+    EXPECT_EQ(handed_out, 1);
+    EXPECT_THROW(shardit::nn::cpu::amx_linear_gelu_tanh(x, layer.weight, layer.bias), c10::Error);
+    return;
+  }
+  EXPECT_EQ(handed_out, 0) << "the pre-activation does not exist on the kernel";
+  EXPECT_TRUE(at::equal(fused, shardit::nn::cpu::amx_linear_gelu_tanh(x, layer.weight, layer.bias)));
+  const at::Tensor x2 = x.reshape({600, 1056});
+  const at::Tensor pre = exact_linear(x2, layer.weight, layer.bias);
+  const at::Tensor exact = at::gelu(pre, "tanh");
+  const at::Tensor magnitude = at::linear(x2.to(at::kDouble).abs(), layer.weight.to(at::kDouble).abs());
+  const at::Tensor bound = exact.abs() * std::ldexp(1.0, -8) + magnitude * (1.13 * 1056 * std::ldexp(1.0, -24)) +
+                           pre.abs() * 3e-6 + 1e-30;
+  const double worst = ((fused.reshape({600, 544}).to(at::kDouble) - exact).abs() / bound).max().item<double>();
+  EXPECT_LE(worst, 1.0) << "worst error of the bound";
+  // One rounding instead of two: on average closer to the exact GELU than the separate pass.
+  EXPECT_LT((fused.reshape({600, 544}).to(at::kDouble) - exact).abs().mean().item<double>(),
+            (separate.reshape({600, 544}).to(at::kDouble) - exact).abs().mean().item<double>());
+  // Rows that stay on at::linear (512 and fewer under auto), and every row under onednn: forward,
+  // the pre-activation handed out, the fused GELU.
+  const at::Tensor few = x.narrow(1, 0, 200);
+  at::Tensor few_separate = layer.forward(few);
+  shardit::nn::gelu_tanh_(few_separate);
+  EXPECT_TRUE(at::equal(layer.forward_gelu_tanh(few, count), few_separate));
+  EXPECT_EQ(handed_out, 1);
+  {
+    GemmBackendGuard onednn(GemmBackend::OneDnn);
+    at::Tensor on_linear = layer.forward(x);
+    shardit::nn::gelu_tanh_(on_linear);
+    EXPECT_TRUE(at::equal(layer.forward_gelu_tanh(x, count), on_linear));
+    EXPECT_EQ(handed_out, 2);
+  }
 }
 
 TEST(AmxGemm, AutoTakesLargeBf16LinearsOnlyAndRefusesWhatItCannotTake) {

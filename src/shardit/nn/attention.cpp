@@ -179,8 +179,9 @@ GELU::GELU(int64_t dim_in, int64_t dim_out, bool approximate_tanh, bool bias)
 }
 
 at::Tensor GELU::forward(const at::Tensor& x) {
+  if (approximate_tanh_) return proj->forward_gelu_tanh(x);
   at::Tensor h = proj->forward(x);
-  return approximate_tanh_ ? gelu_tanh_(h) : at::gelu_(h);
+  return at::gelu_(h);
 }
 
 FeedForward::FeedForward(const FeedForwardOptions& options) {

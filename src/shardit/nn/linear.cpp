@@ -1,6 +1,7 @@
 #include "shardit/nn/linear.h"
 
 #include "shardit/core/profile.h"
+#include "shardit/nn/activations.h"
 #include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
 
@@ -108,6 +109,29 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     }
   }
   TORCH_INTERNAL_ASSERT(false, "Linear: unknown parallel mode");
+}
+
+at::Tensor Linear::forward_gelu_tanh(const at::Tensor& x, const std::function<void(const at::Tensor&)>& pre_activation) {
+  if (split_by_sample(x)) {
+    // Each sample alone, as forward does, so a batched request's bits equal its solo ones.
+    std::vector<at::Tensor> samples;
+    samples.reserve(static_cast<size_t>(x.size(0)));
+    for (int64_t i = 0; i < x.size(0); ++i) samples.push_back(forward_gelu_tanh(x.narrow(0, i, 1)));
+    return at::cat(samples, 0);
+  }
+  const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  const bool in_epilogue = (mode_ == LinearParallel::None || mode_ == LinearParallel::Colwise) && loras_.empty() &&
+                           weight_format_ == WeightFormat::Dense && weight.scalar_type() == at::kBFloat16 &&
+                           (!bias.defined() || bias.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
+                           x.size(-1) == weight.size(1) &&
+                           linear_on_amx(x.device(), x.scalar_type(), rows, weight.size(1), weight.size(0));
+  if (in_epilogue) {
+    SHARDIT_PROFILE_SCOPE("Linear");
+    return cpu::amx_linear_gelu_tanh(x, weight, bias);
+  }
+  at::Tensor y = forward(x);
+  if (pre_activation) pre_activation(y);
+  return gelu_tanh_(y);
 }
 
 at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {

@@ -11,6 +11,8 @@
 // each block separately, so a local shard is the concatenation of every block's local piece.
 #include <ATen/ATen.h>
 
+#include <functional>
+
 #include <memory>
 #include <string>
 #include <utility>
@@ -94,6 +96,13 @@ class Linear : public Module {
   /// block of the weight, y = Σ_i x_i A_i^T + b, accumulated in one output (for a fused input
   /// such as cat[attn, mlp], whose copy costs as much memory traffic as the GEMM's output).
   at::Tensor forward_blocks(const std::vector<at::Tensor>& parts);
+  /// gelu(forward(x), approximate="tanh") (the MLP's up-projection). Where the product runs on
+  /// the AMX kernel (nn/cpu/amx_gemm.h) the GELU runs in its epilogue, on each output's fp32 sum
+  /// before the one rounding to bf16, and forward(x) itself never exists; elsewhere (and with LoRA
+  /// adapters, an 8-bit weight or a rowwise or gathering layer) forward(x) is computed, passed to
+  /// `pre_activation` when given (what a block emits for parity), then the fused GELU runs in place.
+  at::Tensor forward_gelu_tanh(const at::Tensor& x,
+                               const std::function<void(const at::Tensor&)>& pre_activation = {});
 
   /// Switches the layer to a parallel mode after its weight (and bias) were replaced by this
   /// rank's shard. `gather_blocks` (ColwiseGather of a packed output): the full sizes of the

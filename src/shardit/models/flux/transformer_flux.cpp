@@ -233,10 +233,10 @@ at::Tensor FluxSingleTransformerBlock::forward(const at::Tensor& hidden_states, 
   // hidden_states [B, S, D], temb [B, D]
   const AdaLayerNormZeroSingle::Output normed = norm->forward(hidden_states, temb);
   emit("norm.linear", normed.emb);
-  // [B, S, 4D_local]
-  at::Tensor mlp = proj_mlp->forward(normed.hidden_states);
-  emit("proj_mlp", mlp);
-  nn::gelu_tanh_(mlp);
+  // [B, S, 4D_local]: act_mlp(proj_mlp(x)), GELU(tanh); proj_mlp's own output is emitted where it
+  // exists (the AMX kernel runs the GELU in the product's epilogue).
+  const at::Tensor mlp = proj_mlp->forward_gelu_tanh(normed.hidden_states,
+                                                     [this](const at::Tensor& pre) { emit("proj_mlp", pre); });
   // [B, S, D_local]
   const at::Tensor attention = attn->forward(normed.hidden_states, at::Tensor(), rope).hidden_states;
   emit("attn", attention);

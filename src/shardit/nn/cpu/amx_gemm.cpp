@@ -51,6 +51,10 @@ struct ThreadScratch {
 
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+/// The product of amx_linear and amx_linear_gelu_tanh (below).
+at::Tensor amx_product(const std::vector<at::Tensor>& x_parts, const at::Tensor& weight, const at::Tensor& bias,
+                       bool gelu_tanh);
+
 }  // namespace
 
 bool amx_gemm_available() { return cached_reason().empty(); }
@@ -63,7 +67,18 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return amx_linear(std::vector<at::Tensor>{x}, weight, bias);
 }
 
+at::Tensor amx_linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return amx_product(std::vector<at::Tensor>{x}, weight, bias, /*gelu_tanh=*/true);
+}
+
 at::Tensor amx_linear(const std::vector<at::Tensor>& x_parts, const at::Tensor& weight, const at::Tensor& bias) {
+  return amx_product(x_parts, weight, bias, /*gelu_tanh=*/false);
+}
+
+namespace {
+
+at::Tensor amx_product(const std::vector<at::Tensor>& x_parts, const at::Tensor& weight, const at::Tensor& bias,
+                       bool gelu_tanh) {
   TORCH_CHECK(amx_gemm_available(), "amx_linear: ", cached_reason());
   TORCH_CHECK(!x_parts.empty(), "amx_linear: no input");
   const at::Tensor& first = x_parts.front();
@@ -114,6 +129,7 @@ at::Tensor amx_linear(const std::vector<at::Tensor>& x_parts, const at::Tensor& 
   args.w = bits_of(w);
   args.w_stride = w.stride(0);
   args.bias = b.defined() ? bits_of(b) : nullptr;
+  args.gelu_tanh = gelu_tanh;
   args.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   args.y_stride = out;
   args.rows = rows;
@@ -131,5 +147,7 @@ at::Tensor amx_linear(const std::vector<at::Tensor>& x_parts, const at::Tensor& 
   });
   return y.view(sizes);
 }
+
+}  // namespace
 
 }  // namespace shardit::nn::cpu

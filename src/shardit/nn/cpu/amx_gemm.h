@@ -39,4 +39,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
 /// it, and the same bits as amx_linear of the concatenation.
 at::Tensor amx_linear(const std::vector<at::Tensor>& x_parts, const at::Tensor& weight, const at::Tensor& bias);
 
+/// gelu(amx_linear(x, weight, bias), approximate="tanh") with the GELU on each output's fp32 sum
+/// before its one rounding to bf16 (where a separate pass would round twice and read and write
+/// the output once more).
+at::Tensor amx_linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
 }  // namespace shardit::nn::cpu

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "shardit/nn/cpu/amx_tiles.h"
+#include "shardit/nn/cpu/avx512_math.h"
 
 namespace shardit::nn::cpu {
 
@@ -79,13 +80,15 @@ void amx_bf16_linear_columns(const AmxLinearArgs& args, int64_t n_begin, int64_t
           }
         }
       }
-      // y = sums + bias, rounded once to bf16 (to nearest even, as at::linear's).
+      // y = sums + bias (through GELU when asked), rounded once to bf16 (to nearest even, as
+      // at::linear's).
       for (int64_t m = 0; m < m_count; ++m) {
         const float* row = sums + m * kColumnBlock;
         uint16_t* out = args.y + (m0 + m) * args.y_stride + n0;
         for (int64_t n = 0; n < n_count; n += 16) {
           __m512 v = _mm512_loadu_ps(row + n);
           if (args.bias != nullptr) v = _mm512_add_ps(v, amx::bf16x16_to_float(args.bias + n0 + n));
+          if (args.gelu_tanh) v = avx512::gelu_tanh(v);
           amx::store_bf16x16(out + n, v);
         }
       }

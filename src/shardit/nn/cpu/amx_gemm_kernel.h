@@ -22,6 +22,7 @@ struct AmxLinearArgs {
   const uint16_t* w = nullptr;
   int64_t w_stride = 0;
   const uint16_t* bias = nullptr;  ///< nullptr: none
+  bool gelu_tanh = false;          ///< y = gelu(x w^T + b, approximate="tanh"), on the fp32 sums
   uint16_t* y = nullptr;
   int64_t y_stride = 0;
   int64_t rows = 0, in = 0, out = 0;

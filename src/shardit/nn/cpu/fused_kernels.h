@@ -192,29 +192,18 @@ inline Vec exp2_nonpositive(const Vec& t) {
 #endif
 }
 
-/// 1 / (1 + 2^t), for the GELU below: 2^t as in exp2_nonpositive but with a degree-4 polynomial
-/// (relative error 3e-6, far under the bf16 result's rounding, 4e-3) and t clamped to [-126, 126]
-/// (1 / (1 + 2^126) is a normal float, so no case needs a mask); the reciprocal of d = 1 + 2^t >= 1
-/// from the hardware's estimate and one Newton step (relative error ~1e-7) instead of a division,
-/// the slowest instruction of the old kernel. Together 1.5x faster on FLUX.1's `[1536, 12288]`.
-/// NaN stays NaN.
+/// 1 / (1 + 2^t), for the GELU below: a degree-4 polynomial for 2^f and the reciprocal from the
+/// hardware's estimate and one Newton step instead of a division, the slowest instruction of the
+/// old kernel; together 1.5x faster on FLUX.1's `[1536, 12288]`. The AVX-512 builds share
+/// avx512::reciprocal_one_plus_exp2 (avx512_math.h, where its error bounds are) with the AMX
+/// Linear's GELU epilogue; the AVX2 one is the same steps in 8 lanes. NaN stays NaN.
 inline Vec reciprocal_one_plus_exp2(const Vec& t) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(avx512::reciprocal_one_plus_exp2(t));
+#elif defined(CPU_CAPABILITY_AVX2)
   // q(f) = (2^f - 1) / f on |f| <= 1/2, highest power first (fitted as exp2_nonpositive's).
   constexpr float kQ[4] = {9.582852944731712e-3f, 5.5906426161527634e-2f, 2.4024099111557007e-1f,
                            6.931241750717163e-1f};
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-  // min(126, max(-126, t)): each returns its second operand for a NaN, so NaN goes through.
-  const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(126.0f), _mm512_max_ps(_mm512_set1_ps(-126.0f), t));
-  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(clamped, n);
-  __m512 q = _mm512_set1_ps(kQ[0]);
-  for (int i = 1; i < 4; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kQ[i]));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(_mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f)), n));
-  const __m512 r = _mm512_rcp14_ps(d);
-  return Vec(_mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
-#elif defined(CPU_CAPABILITY_AVX2)
   const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(126.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
   const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(clamped, n);
