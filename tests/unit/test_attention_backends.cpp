@@ -25,6 +25,7 @@
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/amx.h"
 #include "shardit/nn/attention/memory_efficient.h"
+#include "shardit/nn/cpu/amx_attention.h"
 #include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/verify/transformer_case.h"
@@ -430,6 +431,9 @@ TEST(AmxAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
   EXPECT_NE(refusal(q48, k48, std::nullopt).find("D a multiple of 32"), std::string::npos);
   EXPECT_NE(refusal(q, k, at::zeros({24})).find("not an additive one"), std::string::npos);
   EXPECT_NE(refusal(q, k, at::ones({3, 24}, at::kBool)).find("does not broadcast"), std::string::npos);
+  // The kernel's own check too: a 4-D mask whose query rows neither broadcast nor match.
+  EXPECT_FALSE(shardit::nn::cpu::amx_attention_takes(q, k, k, at::ones({1, 1, 3, 24}, at::kBool), 0.125));
+  EXPECT_TRUE(shardit::nn::cpu::amx_attention_takes(q, k, k, at::ones({1, 2, 20, 24}, at::kBool), 0.125));
   {
     shardit::nn::GemmBackendGuard onednn(shardit::nn::GemmBackend::OneDnn);
     EXPECT_EQ(refusal(q, k, std::nullopt), "--gemm-backend onednn keeps bf16 products on at::linear");

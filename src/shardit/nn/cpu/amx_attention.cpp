@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "shardit/nn/cpu/amx_attention_kernel.h"
 #include "shardit/nn/cpu/amx_gemm.h"
@@ -39,6 +40,10 @@ bool amx_attention_takes(const at::Tensor& q, const at::Tensor& k, const at::Ten
   if (mask4) {
     const at::Tensor& m = *mask4;
     if (m.scalar_type() != at::kBool || m.dim() != 4 || m.size(3) != k.size(2) || m.stride(3) != 1) return false;
+    // Broadcast over batch, heads and queries, or one per each.
+    for (int64_t d = 0; d < 3; ++d) {
+      if (m.size(d) != 1 && m.size(d) != q.size(d)) return false;
+    }
   }
   return scale > 0.0 && std::isfinite(scale) && amx_gemm_available();
 }
