@@ -111,6 +111,12 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   TORCH_INTERNAL_ASSERT(false, "Linear: unknown parallel mode");
 }
 
+bool Linear::product_on_amx(const at::Tensor& x, int64_t rows) const {
+  return weight_format_ == WeightFormat::Dense && weight.scalar_type() == at::kBFloat16 &&
+         (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
+         linear_on_amx(x.device(), x.scalar_type(), rows, weight.size(1), weight.size(0));
+}
+
 at::Tensor Linear::forward_gelu_tanh(const at::Tensor& x, const std::function<void(const at::Tensor&)>& pre_activation) {
   if (split_by_sample(x)) {
     // Each sample alone, as forward does, so a batched request's bits equal its solo ones.
@@ -121,10 +127,7 @@ at::Tensor Linear::forward_gelu_tanh(const at::Tensor& x, const std::function<vo
   }
   const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
   const bool in_epilogue = (mode_ == LinearParallel::None || mode_ == LinearParallel::Colwise) && loras_.empty() &&
-                           weight_format_ == WeightFormat::Dense && weight.scalar_type() == at::kBFloat16 &&
-                           (!bias.defined() || bias.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
-                           x.size(-1) == weight.size(1) &&
-                           linear_on_amx(x.device(), x.scalar_type(), rows, weight.size(1), weight.size(0));
+                           x.dim() >= 1 && x.size(-1) == weight.size(1) && product_on_amx(x, rows);
   if (in_epilogue) {
     SHARDIT_PROFILE_SCOPE("Linear");
     return cpu::amx_linear_gelu_tanh(x, weight, bias);
@@ -152,10 +155,7 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
   // does one on the AMX kernel when a block's width is not a multiple of 32 (the kernel reads
   // blocks whole tile columns at a time).
   const int64_t leading_rows = parts.front().size(-1) == 0 ? 0 : parts.front().numel() / parts.front().size(-1);
-  const bool on_amx = weight_format_ == WeightFormat::Dense && weight.scalar_type() == at::kBFloat16 &&
-                      (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
-                      linear_on_amx(parts.front().device(), parts.front().scalar_type(), leading_rows,
-                                    weight.size(1), weight.size(0)) &&
+  const bool on_amx = product_on_amx(parts.front(), leading_rows) &&
                       std::all_of(parts.begin(), parts.end(), [](const at::Tensor& p) { return p.size(-1) % 32 == 0; });
   // A quantized weight is dequantized whole once, which the concatenated path does.
   if (parts.size() == 1 || mode_ == LinearParallel::ColwiseGather || weight_format_ != WeightFormat::Dense ||

@@ -100,7 +100,8 @@ class Linear : public Module {
   /// the AMX kernel (nn/cpu/amx_gemm.h) the GELU runs in its epilogue, on each output's fp32 sum
   /// before the one rounding to bf16, and forward(x) itself never exists; elsewhere (and with LoRA
   /// adapters, an 8-bit weight or a rowwise or gathering layer) forward(x) is computed, passed to
-  /// `pre_activation` when given (what a block emits for parity), then the fused GELU runs in place.
+  /// `pre_activation` when given (what a block emits for parity; not under SamplewiseProducts with
+  /// a batch, whose samples run apart), then the fused GELU runs in place.
   at::Tensor forward_gelu_tanh(const at::Tensor& x,
                                const std::function<void(const at::Tensor&)>& pre_activation = {});
 
@@ -145,6 +146,10 @@ class Linear : public Module {
   at::Tensor bias;    ///< [out] or undefined
 
  private:
+  /// Whether this layer's product of `rows` rows of x (x's device and dtype) runs on the AMX
+  /// kernel: a dense bf16 weight (and bias) and nn::linear_on_amx's choice.
+  bool product_on_amx(const at::Tensor& x, int64_t rows) const;
+
   LinearOptions options_;
   WeightFormat weight_format_ = WeightFormat::Dense;
   at::Tensor weight_scale_;

@@ -11,23 +11,6 @@
 
 namespace shardit::nn {
 
-namespace {
-
-/// `mask` as a 4-D view broadcastable to [B, H, S_q, S_kv], or nullopt when it has more
-/// dimensions or does not broadcast.
-std::optional<at::Tensor> mask_4d(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
-  if (mask.dim() > 4) return std::nullopt;
-  at::Tensor m = mask;
-  while (m.dim() < 4) m = m.unsqueeze(0);
-  const int64_t target[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
-  for (int64_t d = 0; d < 4; ++d) {
-    if (m.size(d) != 1 && m.size(d) != target[d]) return std::nullopt;
-  }
-  return m;
-}
-
-}  // namespace
-
 std::string amx_attention_refusal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& mask, double scale) {
   if (!q.device().is_cpu() || q.scalar_type() != at::kBFloat16) return "it takes bf16 on the CPU";
@@ -39,7 +22,7 @@ std::string amx_attention_refusal(const at::Tensor& q, const at::Tensor& k, cons
   std::optional<at::Tensor> mask4;
   if (mask.has_value() && mask->defined()) {
     if (mask->scalar_type() != at::kBool) return "it takes a bool mask or none, not an additive one";
-    mask4 = mask_4d(*mask, q, k);
+    mask4 = attention_mask_4d(*mask, q, k);
     if (!mask4) return "its mask " + c10::str(mask->sizes()) + " does not broadcast to [B, H, S_q, S_kv]";
   }
   if (!cpu::amx_attention_takes(q, k, v, mask4, scale)) {
@@ -56,7 +39,7 @@ AttentionWithLse amx_attention(const at::Tensor& q, const at::Tensor& k, const a
   const std::string refusal = amx_attention_refusal(q, k, v, mask, scale);
   TORCH_CHECK(refusal.empty(), "amx attention: cannot run this call: ", refusal);
   std::optional<at::Tensor> mask4;
-  if (mask.has_value() && mask->defined()) mask4 = mask_4d(*mask, q, k);
+  if (mask.has_value() && mask->defined()) mask4 = attention_mask_4d(*mask, q, k);
   const int64_t batch = q.size(0), heads = q.size(1), s_q = q.size(2), head_dim = v.size(3);
   // [B, S_q, H, D] storage seen as [B, H, S_q, D], as memory_efficient_attention's: the callers'
   // transpose back to [B, S_q, H * D] is then a view.

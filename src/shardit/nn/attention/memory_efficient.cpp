@@ -27,20 +27,13 @@ constexpr int64_t kFusedScoresBytes = int64_t{8} << 20;
 // Queries per block are rounded down to this multiple (GEMM-friendly), but never below it.
 constexpr int64_t kQueryGranule = 16;
 
-/// `mask` as a 4-D tensor broadcastable to [B, H, S_q, S_kv].
+/// `mask` as a 4-D tensor broadcastable to [B, H, S_q, S_kv]; an error naming both shapes otherwise.
 at::Tensor as_4d_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
-  TORCH_CHECK(mask.dim() <= 4, "attention: mask has ", mask.dim(), " dimensions (shape ", mask.sizes(),
-              "); expected at most 4, broadcastable to [B, H, S_q, S_kv] = [", q.size(0), ", ", q.size(1), ", ",
-              q.size(2), ", ", k.size(2), "]");
-  at::Tensor m = mask;
-  while (m.dim() < 4) m = m.unsqueeze(0);
-  const int64_t target[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
-  for (int64_t d = 0; d < 4; ++d) {
-    TORCH_CHECK(m.size(d) == 1 || m.size(d) == target[d], "attention: mask of shape ", mask.sizes(),
-                " does not broadcast to [B, H, S_q, S_kv] = [", target[0], ", ", target[1], ", ", target[2], ", ",
-                target[3], "]");
-  }
-  return m;
+  const std::optional<at::Tensor> m = attention_mask_4d(mask, q, k);
+  TORCH_CHECK(m.has_value(), "attention: mask of shape ", mask.sizes(), " does not broadcast to [B, H, S_q, S_kv] = [",
+              q.size(0), ", ", q.size(1), ", ", q.size(2), ", ", k.size(2),
+              "] (at most 4 dimensions, each 1 or the size there)");
+  return *m;
 }
 
 /// The rows [start, start + length) of dimension `dim` of a mask that may broadcast over it.
@@ -147,6 +140,17 @@ void fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 }  // namespace
+
+std::optional<at::Tensor> attention_mask_4d(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  if (mask.dim() > 4) return std::nullopt;
+  at::Tensor m = mask;
+  while (m.dim() < 4) m = m.unsqueeze(0);
+  const int64_t target[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (int64_t d = 0; d < 4; ++d) {
+    if (m.size(d) != 1 && m.size(d) != target[d]) return std::nullopt;
+  }
+  return m;
+}
 
 AttentionWithLse memory_efficient_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const std::optional<at::Tensor>& mask, double scale,

@@ -27,6 +27,10 @@ struct AttentionWithLse {
   at::Tensor lse;     ///< [B, H, S_q] fp32; -inf for a query whose keys are all masked
 };
 
+/// `mask` as a 4-D view broadcastable to [B, H, S_q, S_kv] (q [B, H, S_q, D], k [B, H, S_kv, D]),
+/// or nullopt when it has more than 4 dimensions or does not broadcast.
+std::optional<at::Tensor> attention_mask_4d(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k);
+
 /// softmax(q k^T * scale + mask) v with the same arguments as scaled_dot_product_attention
 /// (q [B, H, S_q, D], k and v [B, H, S_kv, D], mask broadcastable to [B, H, S_q, S_kv], boolean
 /// with true = attend, or additive). Scores, maxima and sums are fp32 for every input dtype. A

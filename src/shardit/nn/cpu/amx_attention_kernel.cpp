@@ -12,8 +12,6 @@
 
 namespace shardit::nn::cpu {
 
-bool amx_attention_kernel_built() { return true; }
-
 void amx_attention_pack(const AmxAttentionArgs& args, const AmxAttentionScratch& scratch) {
   const int64_t D = args.head_dim, s_kv = args.s_kv, padded = amx_padded_keys(s_kv);
   const int64_t d_steps = D / 32, d_blocks = D / 16;
@@ -331,7 +329,6 @@ void amx_attention_rows(const AmxAttentionArgs& args, int64_t q_begin, int64_t q
 #else
 
 namespace shardit::nn::cpu {
-bool amx_attention_kernel_built() { return false; }
 void amx_attention_pack(const AmxAttentionArgs&, const AmxAttentionScratch&) {}
 void amx_attention_rows(const AmxAttentionArgs&, int64_t, int64_t, const AmxAttentionScratch&) {}
 }  // namespace shardit::nn::cpu

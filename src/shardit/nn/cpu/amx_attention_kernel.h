@@ -60,8 +60,8 @@ struct AmxAttentionScratch {
   float* merged_sum = nullptr;
 };
 
-/// False when the compiler could not build the kernel (then nothing else here may be called).
-bool amx_attention_kernel_built();
+// Built under the same condition as the GEMM kernel (src/shardit/CMakeLists.txt): callers check
+// amx_gemm_available() before calling anything here.
 
 /// Lays out k and v of the head in `args` in the pair layout of the tile products (q k^T reads the
 /// keys as its second operand, p v the values), zero-padded to amx_padded_keys(s_kv) keys.
