@@ -18,7 +18,8 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
-#include "shardit/nn/attention/amx.h"
+#include "shardit/nn/attention/bf16_kernels.h"
+#include "shardit/nn/cpu/bf16_attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
@@ -56,9 +57,9 @@ at::Tensor golden_forward(const std::string& dir, bool sharded) {
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
     AttentionBackendGuard guard(backend);
     shardit::nn::reset_attention_dispatch_counts();
-    if (backend == "amx") {
-      // f32 transformers: the AMX kernel (bf16 only) refuses them with the reason; its sharded
-      // heads are checked in bf16 below.
+    if (backend == "amx" || backend == "avx512_bf16") {
+      // f32 transformers: the bf16 kernels refuse them with the reason; their sharded heads are
+      // checked in bf16 below.
       const std::string message =
           shardit::testing::error_of([&] { shardit::verify::forward_from_file(*model, *inputs); });
       EXPECT_NE(message.find("it takes BFloat16, not Float"), std::string::npos) << message;
@@ -121,7 +122,7 @@ void random_heads_worker() {
       {"bool keys", keys}, {"additive per head", per_head.narrow(0, h0, local)}, {"bool per query", mine(per_query)}};
   const std::vector<at::Tensor> full_masks = {keys, per_head, per_query};
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
-    if (backend == "amx") continue;  // bf16 only: amx_heads_worker
+    if (backend == "amx" || backend == "avx512_bf16") continue;  // bf16 only: bf16_kernel_heads_worker
     for (size_t i = 0; i < masks.size(); ++i) {
       at::Tensor expected;
       {
@@ -141,11 +142,11 @@ TEST(TpAttentionBackends, RandomShapesWithMasksTp2EveryBackendMatchesMath) {
   EXPECT_EQ(run_ranks(2), 0);
 }
 
-// The AMX kernel on each rank's share of the heads, in bf16, against the exact attention (float64)
-// of all heads' bf16 inputs: within its rounding bound (2^-8 of the largest |v| of the head plus
-// 2^-8 of the output; nn/cpu/amx_attention.h). Where the CPU has no AMX, each rank checks that auto
-// ran its bf16 heads elsewhere.
-void amx_heads_worker() {
+// The bf16 kernel auto takes (amx, else avx512_bf16) on each rank's share of the heads, against the
+// exact attention (float64) of all heads' bf16 inputs: within its rounding bound (2^-8 of the
+// largest |v| of the head plus 2^-8 of the output; nn/cpu/bf16_attention.h). Where the CPU has
+// neither, each rank checks that auto ran its bf16 heads elsewhere.
+void bf16_kernel_heads_worker() {
   auto& world = shardit::dist::World::init();
   const int64_t heads = 6, local = heads / world.size();
   at::manual_seed(22);
@@ -168,12 +169,21 @@ void amx_heads_worker() {
         << "rank " << world.rank() << (mask ? ", bool keys" : ", no mask");
   }
   const auto counts = shardit::nn::attention_dispatch_counts();
-  const bool amx = shardit::nn::amx_attention_refusal(mine(q), mine(k), mine(v), std::nullopt, 0.125).empty();
-  EXPECT_EQ(counts.count("amx") == 1 ? counts.at("amx") : 0, amx ? 2 : 0) << "rank " << world.rank();
+  int kernel_calls = 0, expected_calls = 0;
+  for (const auto kernel : {shardit::nn::cpu::Bf16AttentionKernel::amx, shardit::nn::cpu::Bf16AttentionKernel::avx512_bf16}) {
+    const std::string name = shardit::nn::cpu::bf16_attention_kernel_name(kernel);
+    kernel_calls += counts.count(name) == 1 ? counts.at(name) : 0;
+    if (expected_calls == 0 &&
+        shardit::nn::bf16_kernel_attention_refusal(kernel, mine(q), mine(k), mine(v), std::nullopt, 0.125).empty()) {
+      expected_calls = 2;
+      EXPECT_EQ(counts.count(name) == 1 ? counts.at(name) : 0, 2) << name << ", rank " << world.rank();
+    }
+  }
+  EXPECT_EQ(kernel_calls, expected_calls) << "rank " << world.rank();
 }
 
-TEST(TpAttentionBackends, AmxHeadsTp2WithinTheKernelsBoundOfTheExactAttention) {
-  if (is_worker()) return amx_heads_worker();
+TEST(TpAttentionBackends, Bf16KernelHeadsTp2WithinTheKernelsBoundOfTheExactAttention) {
+  if (is_worker()) return bf16_kernel_heads_worker();
   EXPECT_EQ(run_ranks(2), 0);
 }
 

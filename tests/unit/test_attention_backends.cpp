@@ -23,9 +23,9 @@
 #include "shardit/models/registry.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
-#include "shardit/nn/attention/amx.h"
+#include "shardit/nn/attention/bf16_kernels.h"
 #include "shardit/nn/attention/memory_efficient.h"
-#include "shardit/nn/cpu/amx_attention.h"
+#include "shardit/nn/cpu/bf16_attention.h"
 #include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/verify/transformer_case.h"
@@ -71,6 +71,29 @@ std::vector<std::pair<std::string, std::optional<at::Tensor>>> masks_for(const S
   return masks;
 }
 
+using shardit::nn::cpu::Bf16AttentionKernel;
+constexpr Bf16AttentionKernel kBf16Kernels[] = {Bf16AttentionKernel::amx, Bf16AttentionKernel::avx512_bf16};
+
+/// The bf16 kernel behind a backend name ("amx", "avx512_bf16"), none for the other backends.
+std::optional<Bf16AttentionKernel> own_kernel(const std::string& backend) {
+  for (const Bf16AttentionKernel kernel : kBf16Kernels) {
+    if (backend == shardit::nn::cpu::bf16_attention_kernel_name(kernel)) return kernel;
+  }
+  return std::nullopt;
+}
+
+bool kernel_available(Bf16AttentionKernel kernel) {
+  return shardit::nn::cpu::bf16_attention_kernel_unavailable_reason(kernel).empty();
+}
+
+/// The bf16 kernel "auto" takes on this CPU: amx, else avx512_bf16, where available.
+std::optional<Bf16AttentionKernel> auto_kernel() {
+  for (const Bf16AttentionKernel kernel : kBf16Kernels) {
+    if (kernel_available(kernel)) return kernel;
+  }
+  return std::nullopt;
+}
+
 class AttentionBackendsRandom : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
@@ -86,8 +109,8 @@ TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
       const std::string what = backend + " vs math, q " + std::to_string(s.s_q) + " x kv " +
                                std::to_string(s.s_kv) + ", mask " + name;
       const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-      // A call the backend refuses (amx: f32, head sizes it does not take, additive masks, no
-      // AMX) must fail with the reason, not run elsewhere.
+      // A call the backend refuses (amx, avx512_bf16: f32, head sizes they do not take, additive
+      // masks, a CPU without their instructions) must fail with the reason, not run elsewhere.
       const auto refused = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv) {
         const std::string why = shardit::nn::attention_backend_refusal(
             shardit::nn::attention_backend(backend), shardit::nn::AttentionCall{qq, kk, vv, mask, scale});
@@ -119,12 +142,13 @@ TEST_P(AttentionBackendsRandom, MatchMathOnRandomShapesWithMasks) {
       EXPECT_LE(mean_error, 1.25 * math_mean_error + 1e-6) << what << " (bf16): mean error against float64";
     }
   }
-  // Only amx refuses calls here; where it runs (an AMX CPU) it must take the bf16 calls with head
-  // sizes of 32 and 64 and the bool masks.
-  if (backend != "amx") {
+  // Only the bf16 kernels refuse calls here; where one runs (a CPU with its instructions) it must
+  // take the bf16 calls with head sizes of 32 and 64 and the bool masks.
+  const auto kernel = own_kernel(backend);
+  if (!kernel) {
     EXPECT_EQ(refusals, 0) << backend;
-  } else if (shardit::nn::cpu::amx_gemm_available()) {
-    EXPECT_EQ(bf16_runs, 6);
+  } else if (shardit::nn::cpu::bf16_attention_kernel_unavailable_reason(*kernel).empty()) {
+    EXPECT_EQ(bf16_runs, 6) << backend;
   }
 }
 
@@ -181,7 +205,7 @@ TEST(AttentionBackends, AutoTakesTheDevicesFirstBackendAndCountsDispatches) {
   at::manual_seed(15);
   const at::Tensor q = at::randn({1, 2, 5, 8});
   ASSERT_EQ(shardit::nn::default_attention_backends(c10::DeviceType::CPU),
-            (std::vector<std::string>{"amx", "memory_efficient", "math"}));
+            (std::vector<std::string>{"amx", "avx512_bf16", "memory_efficient", "math"}));
   shardit::nn::reset_attention_dispatch_counts();
   {
     AttentionBackendGuard guard("auto");
@@ -255,11 +279,11 @@ TEST_P(AttentionBackendsGolden, EveryBackendMatchesMathAndTheGoldenSample) {
     if (backend.rfind("test_", 0) == 0) continue;
     AttentionBackendGuard guard(backend);
     shardit::nn::reset_attention_dispatch_counts();
-    if (backend == "amx") {
-      // These transformers run in f32, which the AMX kernel does not take (bf16 golden cases run
-      // on it in test_transformers_bf16): a refusal that says so.
+    if (own_kernel(backend)) {
+      // These transformers run in f32, which the bf16 kernels do not take (bf16 golden cases run
+      // on them in test_transformers_bf16): a refusal that says so.
       const std::string message = error_of([&] { shardit::verify::forward_from_file(*model, *inputs); });
-      EXPECT_NE(message.find("attention backend 'amx' cannot run this call"), std::string::npos) << message;
+      EXPECT_NE(message.find("attention backend '" + backend + "' cannot run this call"), std::string::npos) << message;
       EXPECT_NE(message.find("it takes BFloat16, not Float"), std::string::npos) << message;
       continue;
     }
@@ -283,8 +307,8 @@ TEST(AttentionBackendsCli, GoldenCheckBackendsComparesEveryBackendWithMathAndCou
   for (const std::string& backend : shardit::nn::attention_backend_names()) {
     if (backend.rfind("test_", 0) == 0) continue;
     EXPECT_NE(output.find(backend), std::string::npos) << output;
-    if (backend == "amx") {
-      // An f32 model: the AMX kernel's row says why it does not apply.
+    if (own_kernel(backend)) {
+      // An f32 model: the bf16 kernels' rows say why they do not apply.
       EXPECT_NE(output.find("it takes BFloat16, not Float"), std::string::npos) << output;
       continue;
     }
@@ -302,11 +326,11 @@ TEST(AttentionBackendsCli, UnknownBackendFailsBeforeAnyWork) {
   EXPECT_NE(output.find("attention backend 'flash9' is not available"), std::string::npos) << output;
 }
 
-// The AMX attention kernel (nn/cpu/amx_attention.h) on its own: against the exact attention of
-// its bf16 inputs. Its scores are fp32 on the tiles, each row's softmax fp32, the weights rounded
+// The bf16 attention kernels (nn/cpu/bf16_attention.h), each on its own: against the exact attention
+// of their bf16 inputs. Their scores are fp32 sums, each row's softmax fp32, the weights rounded
 // to bf16 (relative error 2^-9 each) before their product with the values, the output rounded once:
 // |out - exact| <= 2^-8 * max|v| + 2^-8 * |exact| covers both roundings with a margin of ~2.
-::testing::AssertionResult within_amx_bound(const std::string& what, const at::Tensor& out, const at::Tensor& exact,
+::testing::AssertionResult within_kernel_bound(const std::string& what, const at::Tensor& out, const at::Tensor& exact,
                                             const at::Tensor& v) {
   const at::Tensor o = out.to(at::kDouble), e = exact.to(at::kDouble);
   // [B, H, 1, 1]: the largest |v| of each head
@@ -323,23 +347,34 @@ at::Tensor heads_view(int64_t batch, int64_t seq, int64_t heads, int64_t head_di
   return (at::randn({batch, seq, heads, head_dim}) * scale_by).to(at::kBFloat16).transpose(1, 2);
 }
 
-TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
+class Bf16KernelAttention : public ::testing::TestWithParam<Bf16AttentionKernel> {
+ protected:
+  Bf16AttentionKernel kernel() const { return GetParam(); }
+  std::string kernel_name() const { return shardit::nn::cpu::bf16_attention_kernel_name(GetParam()); }
+  shardit::nn::AttentionWithLse run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, double scale) const {
+    return shardit::nn::bf16_kernel_attention(kernel(), q, k, v, mask, scale);
+  }
+};
+
+TEST_P(Bf16KernelAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
   const at::Tensor probe = heads_view(1, 4, 1, 32);
-  const std::string why = shardit::nn::amx_attention_refusal(probe, probe, probe, std::nullopt, 0.5);
-  if (!shardit::nn::cpu::amx_gemm_available()) {
-    // No AMX here: the refusal names the CPU's reason, and auto runs bf16 elsewhere.
-    EXPECT_NE(why.find(shardit::nn::cpu::amx_gemm_unavailable_reason()), std::string::npos) << why;
+  const std::string why = shardit::nn::bf16_kernel_attention_refusal(kernel(), probe, probe, probe, std::nullopt, 0.5);
+  if (!kernel_available(kernel())) {
+    // Not on this CPU: the refusal names the reason, and auto runs bf16 elsewhere.
+    EXPECT_NE(why.find(shardit::nn::cpu::bf16_attention_kernel_unavailable_reason(kernel())), std::string::npos) << why;
     shardit::nn::reset_attention_dispatch_counts();
     run_with("auto", probe, probe, probe, std::nullopt);
-    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count("amx"), 0u);
+    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count(kernel_name()), 0u);
     return;
   }
   ASSERT_EQ(why, "");
   at::manual_seed(21);
+  const int64_t chunk = shardit::nn::cpu::attention_blocking(kernel()).key_chunk;
   // Rows and keys below, at and across the 32-row blocks and 32-key steps; head sizes 32-256;
   // a single head (its rows split between threads) and batches of several.
-  // Beyond kAmxKeyChunk (1536) keys the chunks' results merge: 3500 keys are three chunks, and
-  // 300 queries more than one group of eight 32-row blocks.
+  // Beyond the kernel's key chunk (amx 1536, avx512_bf16 512 keys) the chunks' results merge:
+  // 3500 keys are several chunks, and 300 queries more than one group of eight 32-row blocks.
   for (const Shape& s : {Shape{1, 1, 1, 1, 32}, Shape{2, 3, 100, 77, 64}, Shape{1, 2, 33, 130, 128},
                          Shape{1, 1, 65, 31, 256}, Shape{3, 2, 64, 64, 96}, Shape{1, 5, 300, 517, 128},
                          Shape{1, 2, 300, 3500, 64}}) {
@@ -354,21 +389,21 @@ TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
     // Rows whose keys lie in one chunk only (the others all masked), and a row with one key.
     at::Tensor chunks = at::rand({s.batch, s.heads, s.s_q, s.s_kv}) > 0.5;
     if (s.s_q > 3) {
-      chunks.select(2, 1).narrow(-1, 0, std::min<int64_t>(s.s_kv, 2 * 1536)).fill_(false);
+      chunks.select(2, 1).narrow(-1, 0, std::min<int64_t>(s.s_kv, 2 * chunk)).fill_(false);
       chunks.select(2, 2).narrow(-1, std::min<int64_t>(s.s_kv, 100), s.s_kv - std::min<int64_t>(s.s_kv, 100)).fill_(false);
       chunks.select(2, 3).fill_(false);
       chunks.select(2, 3).select(-1, s.s_kv - 1).fill_(true);
     }
     for (const auto& [name, mask] : std::vector<std::pair<std::string, std::optional<at::Tensor>>>{
              {"none", std::nullopt}, {"keys", keys}, {"rows", rows}, {"chunks", chunks}}) {
-      const std::string what = "amx q " + std::to_string(s.s_q) + " x kv " + std::to_string(s.s_kv) + " x d " +
+      const std::string what = kernel_name() + " q " + std::to_string(s.s_q) + " x kv " + std::to_string(s.s_kv) + " x d " +
                                std::to_string(s.head_dim) + ", mask " + name;
-      const auto result = shardit::nn::amx_attention(q, k, v, mask, scale);
+      const auto result = run(q, k, v, mask, scale);
       at::Tensor scores = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)) * scale;
       if (mask) scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
       // A query with no key: output 0 and lse -inf (as memory_efficient's), where softmax gives NaN.
       const at::Tensor exact = at::matmul(at::softmax(scores, -1), v.to(at::kDouble)).nan_to_num(0.0);
-      EXPECT_TRUE(within_amx_bound(what, result.output, exact, v));
+      EXPECT_TRUE(within_kernel_bound(what, result.output, exact, v));
       const at::Tensor lse = at::logsumexp(scores, -1);
       const at::Tensor empty = lse.isneginf();
       EXPECT_TRUE(at::equal(result.lse.isneginf(), empty)) << what;
@@ -381,30 +416,31 @@ TEST(AmxAttention, MatchesTheExactAttentionOnOddShapesMasksAndLayouts) {
   }
 }
 
-TEST(AmxAttention, SameBitsWithOneAndTwoThreadsAndANaNStaysInItsRow) {
-  if (!shardit::nn::cpu::amx_gemm_available()) {
+TEST_P(Bf16KernelAttention, SameBitsWithOneAndTwoThreadsAndANaNStaysInItsRow) {
+  if (!kernel_available(kernel())) {
     const at::Tensor q = heads_view(1, 8, 1, 32);
-    EXPECT_NE(error_of([&] { shardit::nn::amx_attention(q, q, q, std::nullopt, 0.5); })
-                  .find("amx attention: cannot run this call: " + shardit::nn::cpu::amx_gemm_unavailable_reason()),
+    EXPECT_NE(error_of([&] { run(q, q, q, std::nullopt, 0.5); })
+                  .find(kernel_name() + " attention: cannot run this call: " +
+                        shardit::nn::cpu::bf16_attention_kernel_unavailable_reason(kernel())),
               std::string::npos);
     return;
   }
   at::manual_seed(22);
   // One head: its 150 rows are split between the threads in runs of 32-row blocks; 2000 keys are
-  // two chunks.
+  // several chunks.
   at::Tensor q = heads_view(1, 150, 1, 64);
   const at::Tensor k = heads_view(1, 2000, 1, 64), v = heads_view(1, 2000, 1, 64);
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
-  const auto one = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  const auto one = run(q, k, v, std::nullopt, 0.125);
   at::set_num_threads(std::max(2, threads));
-  const auto two = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  const auto two = run(q, k, v, std::nullopt, 0.125);
   at::set_num_threads(threads);
   EXPECT_TRUE(at::equal(one.output, two.output));
   EXPECT_TRUE(at::equal(one.lse, two.lse));
   q = q.clone();
   q.select(2, 40).select(-1, 3).fill_(std::numeric_limits<float>::quiet_NaN());
-  const auto poisoned = shardit::nn::amx_attention(q, k, v, std::nullopt, 0.125);
+  const auto poisoned = run(q, k, v, std::nullopt, 0.125);
   EXPECT_TRUE(at::isnan(poisoned.output.select(2, 40)).all().item<bool>());
   EXPECT_TRUE(std::isnan(poisoned.lse[0][0][40].item<float>()));
   const at::Tensor others = at::cat({poisoned.output.narrow(2, 0, 40), poisoned.output.narrow(2, 41, 109)}, 2);
@@ -412,19 +448,20 @@ TEST(AmxAttention, SameBitsWithOneAndTwoThreadsAndANaNStaysInItsRow) {
   EXPECT_TRUE(at::equal(others, at::cat({one.output.narrow(2, 0, 40), one.output.narrow(2, 41, 109)}, 2)));
 }
 
-TEST(AmxAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
-  const bool amx = shardit::nn::cpu::amx_gemm_available();
+TEST_P(Bf16KernelAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
+  // auto takes amx where the CPU has it, else avx512_bf16 where it has that.
+  const bool taken_by_auto = auto_kernel() == kernel();
   at::manual_seed(23);
   const at::Tensor q = heads_view(1, 20, 2, 64), k = heads_view(1, 24, 2, 64);
   shardit::nn::reset_attention_dispatch_counts();
   run_with("auto", q, k, k, std::nullopt);
   run_with("auto", q.to(at::kFloat), k.to(at::kFloat), k.to(at::kFloat), std::nullopt);
   auto counts = shardit::nn::attention_dispatch_counts();
-  EXPECT_EQ(counts["amx"], amx ? 1 : 0);
-  EXPECT_EQ(counts["memory_efficient"], amx ? 1 : 2);
-  if (!amx) return;
-  const auto refusal = [](const at::Tensor& qq, const at::Tensor& kk, const std::optional<at::Tensor>& mask) {
-    return shardit::nn::amx_attention_refusal(qq, kk, kk, mask, 0.125);
+  EXPECT_EQ(counts[kernel_name()], taken_by_auto ? 1 : 0);
+  EXPECT_EQ(counts["memory_efficient"], auto_kernel() ? 1 : 2);
+  if (!kernel_available(kernel())) return;
+  const auto refusal = [this](const at::Tensor& qq, const at::Tensor& kk, const std::optional<at::Tensor>& mask) {
+    return shardit::nn::bf16_kernel_attention_refusal(kernel(), qq, kk, kk, mask, 0.125);
   };
   EXPECT_EQ(refusal(q.to(at::kFloat), k.to(at::kFloat), std::nullopt), "it takes bf16 on the CPU");
   const at::Tensor q48 = heads_view(1, 20, 2, 48), k48 = heads_view(1, 24, 2, 48);
@@ -432,22 +469,25 @@ TEST(AmxAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
   EXPECT_NE(refusal(q, k, at::zeros({24})).find("not an additive one"), std::string::npos);
   EXPECT_NE(refusal(q, k, at::ones({3, 24}, at::kBool)).find("does not broadcast"), std::string::npos);
   // The kernel's own check too: a 4-D mask whose query rows neither broadcast nor match.
-  EXPECT_FALSE(shardit::nn::cpu::amx_attention_takes(q, k, k, at::ones({1, 1, 3, 24}, at::kBool), 0.125));
-  EXPECT_TRUE(shardit::nn::cpu::amx_attention_takes(q, k, k, at::ones({1, 2, 20, 24}, at::kBool), 0.125));
+  EXPECT_FALSE(shardit::nn::cpu::bf16_attention_takes(kernel(), q, k, k, at::ones({1, 1, 3, 24}, at::kBool), 0.125));
+  EXPECT_TRUE(shardit::nn::cpu::bf16_attention_takes(kernel(), q, k, k, at::ones({1, 2, 20, 24}, at::kBool), 0.125));
   {
     shardit::nn::GemmBackendGuard onednn(shardit::nn::GemmBackend::OneDnn);
     EXPECT_EQ(refusal(q, k, std::nullopt), "--gemm-backend onednn keeps bf16 products on at::linear");
     shardit::nn::reset_attention_dispatch_counts();
     run_with("auto", q, k, k, std::nullopt);
-    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count("amx"), 0u);
+    EXPECT_EQ(shardit::nn::attention_dispatch_counts().count(kernel_name()), 0u);
   }
   // Chosen by name, a call it cannot take fails with the reason instead of running elsewhere.
-  const std::string message = error_of([&] { run_with("amx", q48, k48, k48, std::nullopt); });
-  EXPECT_NE(message.find("attention backend 'amx' cannot run this call"), std::string::npos) << message;
+  const std::string message = error_of([&] { run_with(kernel_name(), q48, k48, k48, std::nullopt); });
+  EXPECT_NE(message.find("attention backend '" + kernel_name() + "' cannot run this call"), std::string::npos) << message;
 }
 
-TEST(AmxAttention, PartialResultsOverKeyShardsMergeByTheirLogSumExp) {
-  // What ring attention does with attention_with_lse: two halves of the keys, merged by lse.
+TEST_P(Bf16KernelAttention, PartialResultsOverKeyShardsMergeByTheirLogSumExp) {
+  // What ring attention does with attention_with_lse: two halves of the keys, merged by lse, on
+  // this kernel where it runs (chosen by name: attention_with_lse follows the selection).
+  if (!kernel_available(kernel())) return;
+  AttentionBackendGuard guard(kernel_name());
   at::manual_seed(24);
   const at::Tensor q = heads_view(1, 70, 3, 64), k = heads_view(1, 100, 3, 64), v = heads_view(1, 100, 3, 64);
   const double scale = 0.125;
@@ -463,6 +503,11 @@ TEST(AmxAttention, PartialResultsOverKeyShardsMergeByTheirLogSumExp) {
   EXPECT_LE(((merged - exact).abs() - (v_max / 128 + exact.abs() / 128)).max().item<double>(), 0.0);
   EXPECT_TRUE(tensors_close("merged lse", lse, at::logsumexp(scores, -1).to(at::kFloat), 1e-4, 1e-5));
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Bf16KernelAttention, ::testing::ValuesIn(kBf16Kernels),
+                         [](const ::testing::TestParamInfo<Bf16AttentionKernel>& info) {
+                           return std::string(shardit::nn::cpu::bf16_attention_kernel_name(info.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Golden, AttentionBackendsGolden,
                          ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",

@@ -231,12 +231,6 @@ bool linear_on_amx(const at::Device& device, at::ScalarType dtype, int64_t rows,
   return false;
 }
 
-bool attention_on_amx(const at::Device& device, at::ScalarType dtype) {
-  if (!device.is_cpu() || dtype != at::kBFloat16) return false;
-  const GemmBackend selected = gemm_backend_selection();
-  return (selected == GemmBackend::Auto || selected == GemmBackend::Amx) && cpu::amx_gemm_available();
-}
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t in = x.size(-1);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;

@@ -68,11 +68,6 @@ int blas_vector_level(const std::string& core_name);
 /// same on every run of a build on a machine.
 GemmBackend auto_gemm_backend();
 
-/// Whether bf16 attention on this device runs on the AMX attention kernel (nn/cpu/amx_attention.h)
-/// where it takes the call: under auto and amx, on a CPU where the AMX kernels run. blas and
-/// onednn keep it on at::linear's products, as the bf16 Linears.
-bool attention_on_amx(const at::Device& device, at::ScalarType dtype);
-
 /// One line for start-up messages and the bench: "blas (auto; BLAS core Haswell; cpu avx2 fma ...;
 /// bf16 Linears on at::linear)".
 std::string gemm_kernel_summary();

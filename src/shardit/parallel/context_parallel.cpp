@@ -8,7 +8,7 @@
 
 #include "shardit/core/profile.h"
 #include "shardit/dist/mesh.h"
-#include "shardit/nn/attention/amx.h"
+#include "shardit/nn/attention/bf16_kernels.h"
 
 namespace shardit::parallel {
 

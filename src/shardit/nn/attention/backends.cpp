@@ -12,7 +12,8 @@
 
 #include "shardit/core/compat.h"
 #include "shardit/core/profile.h"
-#include "shardit/nn/attention/amx.h"
+#include "shardit/nn/attention/bf16_kernels.h"
+#include "shardit/nn/cpu/bf16_attention.h"
 #include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/nn/gemm.h"
 
@@ -90,15 +91,24 @@ void register_builtins(Registry& registry) {
   };
   registry.backends.emplace(efficient.name, std::move(efficient));
 
-  AttentionBackend amx;
-  amx.name = "amx";
-  amx.description = "bf16 in one kernel on AMX tiles: 32 queries at a time, each row's softmax whole";
-  amx.devices = {c10::DeviceType::CPU};
-  amx.dtypes = {at::kBFloat16};
-  amx.returns_lse = true;
-  amx.refuses = [](const AttentionCall& c) { return amx_attention_refusal(c.q, c.k, c.v, c.mask, c.scale); };
-  amx.run = [](const AttentionCall& c) { return amx_attention(c.q, c.k, c.v, c.mask, c.scale).output; };
-  registry.backends.emplace(amx.name, std::move(amx));
+  for (const cpu::Bf16AttentionKernel kernel : {cpu::Bf16AttentionKernel::amx, cpu::Bf16AttentionKernel::avx512_bf16}) {
+    AttentionBackend own;
+    own.name = cpu::bf16_attention_kernel_name(kernel);
+    own.description = kernel == cpu::Bf16AttentionKernel::amx
+                          ? "bf16 in one kernel on AMX tiles: 32 queries at a time, each row's softmax whole"
+                          : "bf16 in one kernel on AVX512-BF16 pair dot products: 32 queries at a time, each "
+                            "row's softmax whole";
+    own.devices = {c10::DeviceType::CPU};
+    own.dtypes = {at::kBFloat16};
+    own.returns_lse = true;
+    own.refuses = [kernel](const AttentionCall& c) {
+      return bf16_kernel_attention_refusal(kernel, c.q, c.k, c.v, c.mask, c.scale);
+    };
+    own.run = [kernel](const AttentionCall& c) {
+      return bf16_kernel_attention(kernel, c.q, c.k, c.v, c.mask, c.scale).output;
+    };
+    registry.backends.emplace(own.name, std::move(own));
+  }
 
 #if SHARDIT_HAS_SDPA
   AttentionBackend sdpa;
@@ -208,7 +218,7 @@ std::string attention_backend_refusal(const AttentionBackend& backend, const Att
 }
 
 std::vector<std::string> default_attention_backends(c10::DeviceType device) {
-  if (device == c10::DeviceType::CPU) return {"amx", "memory_efficient", "math"};
+  if (device == c10::DeviceType::CPU) return {"amx", "avx512_bf16", "memory_efficient", "math"};
   return {"sdpa", "memory_efficient", "math"};
 }
 

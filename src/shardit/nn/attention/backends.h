@@ -7,8 +7,8 @@
 //
 // Built in: "math" (the reference: scores materialised per head group, softmax in fp32),
 // "memory_efficient" (key/value blocks streamed with an online softmax, memory linear in the
-// sequence, any device), "amx" (bf16 in one kernel on AMX tiles, CPUs with AMX-BF16; nn/attention/
-// amx.h) and "sdpa" (LibTorch's fused at::scaled_dot_product_attention, only where the linked
+// sequence, any device), "amx" and "avx512_bf16" (bf16 in one kernel, its products on AMX tiles
+// or on AVX512-BF16 pair dot products, CPUs with them; nn/attention/bf16_kernels.h) and "sdpa" (LibTorch's fused at::scaled_dot_product_attention, only where the linked
 // LibTorch has it: 2.0 and later).
 #include <ATen/ATen.h>
 
@@ -60,9 +60,10 @@ const AttentionBackend& attention_backend(const std::string& name);
 /// "" when `backend` can run `call`, otherwise why not (device, dtype, mask or its own condition).
 std::string attention_backend_refusal(const AttentionBackend& backend, const AttentionCall& call);
 
-/// The preference list that "auto" walks on `device`: on CPU amx, memory_efficient, then math; on
-/// accelerators sdpa (where built), memory_efficient, math. On CPU amx takes the bf16 calls where
-/// the CPU has AMX (1.9x memory_efficient's speed on FLUX's heads), and memory_efficient is faster
+/// The preference list that "auto" walks on `device`: on CPU amx, avx512_bf16, memory_efficient,
+/// then math; on accelerators sdpa (where built), memory_efficient, math. On CPU amx takes the bf16
+/// calls where the CPU has AMX (1.9x memory_efficient's speed on FLUX's heads), avx512_bf16 where it
+/// has AVX512-BF16 without AMX (AMD's Zen 4: see docs/benchmarks.md), and memory_efficient is faster
 /// than math: it keeps one head's block of scores in cache, where math's batched scores go through
 /// main memory (docs/benchmarks.md).
 std::vector<std::string> default_attention_backends(c10::DeviceType device);

@@ -22,7 +22,7 @@ void amx_bf16_linear_columns(const AmxLinearArgs& args, int64_t n_begin, int64_t
   for (int64_t block = 0; block < (n_end - n_begin) / 16; ++block) {
     const uint16_t* rows = args.w + (n_begin + 16 * block) * args.w_stride;
     for (int64_t s = 0; s < k_steps; ++s) {
-      amx::transpose_16x16_u32(reinterpret_cast<const uint32_t*>(rows + 32 * s), args.w_stride / 2,
+      pairs::transpose_16x16_u32(reinterpret_cast<const uint32_t*>(rows + 32 * s), args.w_stride / 2,
                           scratch.packed_w + (block * k_steps + s) * 256);
     }
   }
@@ -87,9 +87,9 @@ void amx_bf16_linear_columns(const AmxLinearArgs& args, int64_t n_begin, int64_t
         uint16_t* out = args.y + (m0 + m) * args.y_stride + n0;
         for (int64_t n = 0; n < n_count; n += 16) {
           __m512 v = _mm512_loadu_ps(row + n);
-          if (args.bias != nullptr) v = _mm512_add_ps(v, amx::bf16x16_to_float(args.bias + n0 + n));
+          if (args.bias != nullptr) v = _mm512_add_ps(v, pairs::bf16x16_to_float(args.bias + n0 + n));
           if (args.gelu_tanh) v = avx512::gelu_tanh(v);
-          amx::store_bf16x16(out + n, v);
+          pairs::store_bf16x16(out + n, v);
         }
       }
     }

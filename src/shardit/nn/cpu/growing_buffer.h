@@ -1,5 +1,5 @@
 #pragma once
-// Per-thread scratch of the AMX kernels (nn/cpu/amx_gemm.cpp, nn/cpu/amx_attention.cpp).
+// Per-thread scratch of the AMX kernels (nn/cpu/amx_gemm.cpp, nn/cpu/bf16_attention.cpp).
 #include <c10/util/Exception.h>
 
 #include <cstddef>
