@@ -61,6 +61,7 @@
 #include "shardit/nn/module.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/nn/attention/bf16_kernels.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
 #include "shardit/models/lora_formats.h"
@@ -429,6 +430,7 @@ nlohmann::json gemm_report() {
            shardit::nn::gemm_backend_name(shardit::nn::gemm_backend_for(at::kCPU, at::kFloat, 4096, 1 << 24))},
           {"large_bf16_linears_on",
            shardit::nn::linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072) ? "amx" : "at::linear"},
+          {"bf16_attention_on", shardit::nn::cpu_bf16_attention_backend()},
           {"probe_blas_gflops", probe.blas_gflops},
           {"probe_onednn_gflops", probe.onednn_gflops},
           {"probe_threads", probe.threads},

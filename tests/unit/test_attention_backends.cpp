@@ -459,6 +459,12 @@ TEST_P(Bf16KernelAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
   auto counts = shardit::nn::attention_dispatch_counts();
   EXPECT_EQ(counts[kernel_name()], taken_by_auto ? 1 : 0);
   EXPECT_EQ(counts["memory_efficient"], auto_kernel() ? 1 : 2);
+  // What the start-up line and the bench report: the kernel auto took.
+  const std::string reported = shardit::nn::cpu_bf16_attention_backend();
+  EXPECT_EQ(reported, auto_kernel() ? shardit::nn::cpu::bf16_attention_kernel_name(*auto_kernel()) : "memory_efficient");
+  if (taken_by_auto) {
+    EXPECT_EQ(reported, kernel_name());
+  }
   if (!kernel_available(kernel())) return;
   const auto refusal = [this](const at::Tensor& qq, const at::Tensor& kk, const std::optional<at::Tensor>& mask) {
     return shardit::nn::bf16_kernel_attention_refusal(kernel(), qq, kk, kk, mask, 0.125);
@@ -474,6 +480,7 @@ TEST_P(Bf16KernelAttention, AutoTakesBf16CallsItRunsAndRefusalsNameTheCause) {
   {
     shardit::nn::GemmBackendGuard onednn(shardit::nn::GemmBackend::OneDnn);
     EXPECT_EQ(refusal(q, k, std::nullopt), "--gemm-backend onednn keeps bf16 products on at::linear");
+    EXPECT_EQ(shardit::nn::cpu_bf16_attention_backend(), "memory_efficient");
     shardit::nn::reset_attention_dispatch_counts();
     run_with("auto", q, k, k, std::nullopt);
     EXPECT_EQ(shardit::nn::attention_dispatch_counts().count(kernel_name()), 0u);

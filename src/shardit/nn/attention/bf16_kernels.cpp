@@ -50,6 +50,17 @@ AttentionWithLse bf16_kernel_attention(cpu::Bf16AttentionKernel kernel, const at
   return result;
 }
 
+std::string cpu_bf16_attention_backend() {
+  const std::string selection = attention_backend_selection();
+  if (selection != "auto") return selection;
+  const GemmBackend gemm = gemm_backend_selection();
+  if (gemm != GemmBackend::Auto && gemm != GemmBackend::Amx) return "memory_efficient";
+  for (const cpu::Bf16AttentionKernel kernel : {cpu::Bf16AttentionKernel::amx, cpu::Bf16AttentionKernel::avx512_bf16}) {
+    if (cpu::bf16_attention_kernel_unavailable_reason(kernel).empty()) return cpu::bf16_attention_kernel_name(kernel);
+  }
+  return "memory_efficient";
+}
+
 AttentionWithLse attention_with_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& mask, double scale) {
   const std::string selection = attention_backend_selection();

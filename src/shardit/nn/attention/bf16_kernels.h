@@ -27,6 +27,12 @@ std::string bf16_kernel_attention_refusal(cpu::Bf16AttentionKernel kernel, const
 AttentionWithLse bf16_kernel_attention(cpu::Bf16AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const std::optional<at::Tensor>& mask, double scale);
 
+/// The backend that bf16 attention on the CPU runs on under the current selections, for the calls
+/// the bf16 kernels take (head sizes that are multiples of 32, no additive mask): "amx",
+/// "avx512_bf16" or "memory_efficient" under "auto"; the selected backend otherwise. For start-up
+/// lines and the bench.
+std::string cpu_bf16_attention_backend();
+
 /// The attention with its log-sum-exp on the kernel the attention selection implies: under "auto"
 /// amx, then avx512_bf16, where they run the call; under "amx" or "avx512_bf16" that kernel where
 /// it runs the call; memory_efficient_attention otherwise.
