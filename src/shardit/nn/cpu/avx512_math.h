@@ -4,6 +4,8 @@
 // the functions are static, so each translation unit keeps its own copy under its own flags.
 #include <immintrin.h>
 
+#include "shardit/nn/cpu/exp2_polynomials.h"
+
 namespace shardit::nn::cpu::avx512 {
 
 /// 2^t for the attention weights, where t <= 0 (a scaled score minus the row's maximum, in
@@ -12,15 +14,12 @@ namespace shardit::nn::cpu::avx512 {
 /// smallest normal float; t = -inf included) it returns 0: a subnormal weight would only slow the
 /// product with the values. NaN stays NaN. For t > 0 the result is not meaningful.
 static inline __m512 exp2_nonpositive(__m512 t) {
-  // q(f) = (2^f - 1) / f, highest power first; 2^f = 1 + f q(f) is exactly 1 at f = 0.
-  constexpr float kQ[6] = {1.5353361959569156e-4f, 1.3398875016719103e-3f, 9.61843691766262e-3f,
-                           5.5503323674201965e-2f, 2.4022647738456726e-1f, 6.931471824645996e-1f};
   // max(-127, t) returns its second operand for a NaN t: NaN goes through.
   const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-127.0f), t);
   const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(clamped, n);
-  __m512 q = _mm512_set1_ps(kQ[0]);
-  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kQ[i]));
+  __m512 q = _mm512_set1_ps(kExp2Degree6[0]);
+  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kExp2Degree6[i]));
   const __m512 p = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
   // Kept: t >= -126, or NaN (unordered).
   const __mmask16 kept = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
@@ -33,15 +32,12 @@ static inline __m512 exp2_nonpositive(__m512 t) {
 /// hardware's estimate and one Newton step (relative error ~1e-7) instead of a division. NaN stays
 /// NaN.
 static inline __m512 reciprocal_one_plus_exp2(__m512 t) {
-  // q(f) = (2^f - 1) / f on |f| <= 1/2, highest power first (fitted as exp2_nonpositive's).
-  constexpr float kQ[4] = {9.582852944731712e-3f, 5.5906426161527634e-2f, 2.4024099111557007e-1f,
-                           6.931241750717163e-1f};
   // min(126, max(-126, t)): each returns its second operand for a NaN, so NaN goes through.
   const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(126.0f), _mm512_max_ps(_mm512_set1_ps(-126.0f), t));
   const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(clamped, n);
-  __m512 q = _mm512_set1_ps(kQ[0]);
-  for (int i = 1; i < 4; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kQ[i]));
+  __m512 q = _mm512_set1_ps(kExp2Degree4[0]);
+  for (int i = 1; i < 4; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(kExp2Degree4[i]));
   const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(_mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f)), n));
   const __m512 r = _mm512_rcp14_ps(d);
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));

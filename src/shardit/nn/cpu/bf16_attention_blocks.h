@@ -276,7 +276,7 @@ static inline void attention_rows(const Bf16AttentionArgs& args, int64_t q_begin
         block.m0 = m0;
         block.rows = g1 - m0 < 32 ? g1 - m0 : 32;
         Kernel::scores(args, scratch, keys, block);
-        if (!Kernel::kOverlapValues) {
+        if constexpr (!Kernel::kOverlapValues) {
           block_weights<Values>(args, scratch, keys, block, nullptr);
           Values product(args, scratch, keys, block);
           product.advance(product.total_steps());

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "shardit/nn/cpu/exp2_polynomials.h"
 #include "shardit/nn/cpu/fused_table.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include "shardit/nn/cpu/avx512_math.h"
@@ -174,14 +175,11 @@ inline Vec exp2_nonpositive(const Vec& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   return Vec(avx512::exp2_nonpositive(t));
 #elif defined(CPU_CAPABILITY_AVX2)
-  // q(f) = (2^f - 1) / f, highest power first; 2^f = 1 + f q(f) is exactly 1 at f = 0.
-  constexpr float kQ[6] = {1.5353361959569156e-4f, 1.3398875016719103e-3f, 9.61843691766262e-3f,
-                           5.5503323674201965e-2f, 2.4022647738456726e-1f, 6.931471824645996e-1f};
   const __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
   const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(clamped, n);
-  __m256 q = _mm256_set1_ps(kQ[0]);
-  for (int i = 1; i < 6; ++i) q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(kQ[i]));
+  __m256 q = _mm256_set1_ps(kExp2Degree6[0]);
+  for (int i = 1; i < 6; ++i) q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(kExp2Degree6[i]));
   const __m256 p = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.0f));
   // 2^n from the exponent bits (n in [-127, 0] for the t that matter; NaN gives NaN through p).
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -201,14 +199,11 @@ inline Vec reciprocal_one_plus_exp2(const Vec& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   return Vec(avx512::reciprocal_one_plus_exp2(t));
 #elif defined(CPU_CAPABILITY_AVX2)
-  // q(f) = (2^f - 1) / f on |f| <= 1/2, highest power first (fitted as exp2_nonpositive's).
-  constexpr float kQ[4] = {9.582852944731712e-3f, 5.5906426161527634e-2f, 2.4024099111557007e-1f,
-                           6.931241750717163e-1f};
   const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(126.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
   const __m256 n = _mm256_round_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(clamped, n);
-  __m256 q = _mm256_set1_ps(kQ[0]);
-  for (int i = 1; i < 4; ++i) q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(kQ[i]));
+  __m256 q = _mm256_set1_ps(kExp2Degree4[0]);
+  for (int i = 1; i < 4; ++i) q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(kExp2Degree4[i]));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f),
                                  _mm256_mul_ps(_mm256_fmadd_ps(q, f, _mm256_set1_ps(1.0f)), _mm256_castsi256_ps(exponent)));
