@@ -413,9 +413,13 @@ nlohmann::json ImageRequest::to_json() const {
     for (const std::string& bytes : images) encoded.push_back(base64_encode(bytes));
     out["images"] = encoded;
   }
-  json adapters = json::array();
-  for (const auto& choice : lora) adapters.push_back({{"name", choice.name}, {"scale", choice.scale}});
-  out["lora"] = adapters;
+  out["lora"] = lora_json(lora);
+  return out;
+}
+
+json lora_json(const std::vector<LoraChoice>& lora) {
+  json out = json::array();
+  for (const auto& choice : lora) out.push_back({{"name", choice.name}, {"scale", choice.scale}});
   return out;
 }
 

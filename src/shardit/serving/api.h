@@ -42,6 +42,10 @@ struct LoraChoice {
   double scale = 1.0;
 };
 
+/// Adapters as set_adapters takes them, as the control plane sends them and as an answer lists
+/// them: [{"name", "scale"}, ...].
+nlohmann::json lora_json(const std::vector<LoraChoice>& lora);
+
 /// What the server accepts (set by `shardit serve` options).
 struct RequestLimits {
   int64_t max_images = 4;            ///< largest `n`

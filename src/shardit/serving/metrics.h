@@ -1,5 +1,6 @@
 #pragma once
 // The server's counters, rendered in the Prometheus text exposition format (GET /metrics).
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -9,6 +10,11 @@
 #include "shardit/serving/control.h"
 
 namespace shardit::serving {
+
+/// The seconds from `a` to `b`, as the counters take durations.
+inline double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 /// Thread-safe counters of a server.
 class Metrics {
