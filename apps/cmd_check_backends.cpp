@@ -64,7 +64,7 @@ int check_backends(const CheckBackendsOptions& given) {
   const double rtol = options.rtol >= 0 ? options.rtol : (bf16 ? 2e-2 : 1e-4);
 
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
-  const auto inputs = io::SafetensorsFile::open(case_inputs_file(options.inputs, component));
+  const auto inputs = io::SafetensorsFile::open(read_case_inputs(options.inputs, component).file);
   std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
   const parallel::LoadOptions load_options = command_load_options(world, dtype, /*tp=*/0);
   model->load(component.weights(), load_options);

@@ -176,12 +176,8 @@ int generate(const GenerateOptions& given) {
                           options.prompt_embeds, fmt::join(options.negative_prompt, "\x1f"),
                           options.height.value_or(-1), options.width.value_or(-1), options.steps.value_or(-1),
                           options.guidance.value_or(-1), options.true_cfg_scale.value_or(-1), options.num_images,
-                          options.seed, options.latents, options.pipeline.dtype,
-                          fmt::join(options.pipeline.lora.files, "\x1f"), options.pipeline.lora.scale,
-                          options.pipeline.lora.fuse) +
-                  "|" + options.pipeline.cache + "|" + options.pipeline.pipeline_class + "|" + options.pipeline.weights_dtype +
-                  fmt::format("|{}|{}|{}|{}", fmt::join(options.images, "\x1f"), options.max_area.value_or(-1),
-                              options.no_auto_resize, options.pipeline.int8_compute));
+                          options.seed, options.latents, fmt::join(options.images, "\x1f"),
+                          options.max_area.value_or(-1), options.no_auto_resize, options.pipeline.agreement()));
 
   pipelines::PipelineLoadOptions load = pipeline_load_options(world, options.pipeline);
   load.load_text_encoders = options.prompt_embeds.empty();

@@ -140,7 +140,7 @@ MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const Inspe
     step.width = options.width;
     step.batch = options.batch;
     step.text_tokens = options.text_tokens;
-    step.backend = models::parse_attention_backend(options.attention);
+    step.attention_backend = options.attention;
     request.step = step;
   }
   if (options.device_memory > 0) request.device_memory_gib = options.device_memory;
@@ -295,8 +295,8 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       ->check(integer_in(0, int64_t{1} << 16))
       ->needs("--plan");
   command->add_option("--attention", options->attention,
-                      "with --height/--width: attention backend of the estimate, math or memory-efficient")
-      ->check(CLI::IsMember({"math", "memory-efficient"}))
+                      "with --height/--width: attention backend of the estimate, math or memory_efficient")
+      ->check(CLI::IsMember({"math", "memory_efficient"}))
       ->needs("--plan");
   command->add_option("--device-memory", options->device_memory,
                       "with --plan: device memory in GiB; prints whether each TP degree fits, and the headroom")

@@ -40,7 +40,7 @@ int run_encoder(const RunEncoderOptions& options) {
   // Everything is opened and checked before any rank waits on another.
   const io::ComponentFolder component = io::open_component(options.model, "text_encoder");
   const io::Checkpoint weights = component.weights();
-  const std::string inputs_path = case_inputs_file(options.inputs, component);
+  const std::string inputs_path = read_case_inputs(options.inputs, component).file;
   const auto inputs = io::SafetensorsFile::open(inputs_path);
   if (world.rank() == 0) {
     std::vector<std::string> read = {inputs_path, options.model, component.dir, options.inputs, weights.path()};

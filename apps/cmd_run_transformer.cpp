@@ -1,12 +1,11 @@
 // `shardit run-transformer`: one forward of a diffusers transformer on a golden-style case folder
 // (inputs.safetensors with the forward's keyword tensors, inputs.json with the rest). Under a
-// multi-rank launch every rank runs the model sharded over the world (TP degree = world size);
-// rank 0 writes the sample.
+// multi-rank launch the model is sharded over --tp ranks (default: all of them; the other ranks
+// hold replicas); rank 0 writes the sample.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <chrono>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,8 +26,6 @@
 namespace shardit::apps {
 
 namespace {
-
-namespace fs = std::filesystem;
 
 struct RunTransformerOptions {
   std::string model;
@@ -61,22 +58,11 @@ int run_transformer(const RunTransformerOptions& given) {
   // rank waits on another: bad input fails in milliseconds, naming the file.
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
   const io::Checkpoint weights = component.weights();
-  const std::string inputs_path =
-      fs::is_directory(options.inputs) ? (fs::path(options.inputs) / "inputs.safetensors").string() : options.inputs;
-  const auto inputs_file = io::SafetensorsFile::open(inputs_path);
-  const fs::path inputs_json = fs::path(inputs_path).parent_path() / "inputs.json";
-  nlohmann::json meta = nlohmann::json::object();
-  if (fs::exists(fs::symlink_status(inputs_json))) {
-    meta = io::read_json_file(inputs_json.string());
-    if (meta.contains("model_class") && meta.at("model_class").is_string()) {
-      TORCH_CHECK(meta.at("model_class").get<std::string>() == component.class_name(), inputs_json.string(),
-                  ": inputs are for '", meta.at("model_class").get<std::string>(), "', but ", component.dir,
-                  " holds a '", component.class_name(), "'");
-    }
-  }
+  const CaseInputs case_inputs = read_case_inputs(options.inputs, component);
+  const auto inputs_file = io::SafetensorsFile::open(case_inputs.file);
   const std::vector<models::LoraRequest> loras = lora_requests(options.lora);
   if (world.rank() == 0) {
-    std::vector<std::string> inputs = {inputs_path, inputs_json.string(), options.model, component.dir, options.inputs,
+    std::vector<std::string> inputs = {case_inputs.file, case_inputs.json_file, options.model, component.dir, options.inputs,
                                        weights.path()};
     for (const auto& file : weights.files()) inputs.push_back(file->path());
     for (const auto& lora : loras) inputs.push_back(lora.path);
@@ -91,7 +77,7 @@ int run_transformer(const RunTransformerOptions& given) {
   world.agree("weights dtype", options.weights_dtype + (options.int8_compute ? " int8-compute" : ""));
   world.agree("model config", component.class_name() + " " + component.config.dump());
   world.agree("weights", tensor_table(weights));
-  world.agree("inputs", tensor_table(*inputs_file) + meta.dump());
+  world.agree("inputs", tensor_table(*inputs_file) + case_inputs.meta.dump());
   for (const models::LoraFile& adapter : adapter_files) {
     world.agree("LoRA " + adapter.spec.path, tensor_table(*adapter.file));
   }

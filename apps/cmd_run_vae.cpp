@@ -39,7 +39,7 @@ int run_vae(const RunVaeOptions& options) {
   const io::ComponentFolder component = io::open_component(options.model, "vae");
   std::shared_ptr<models::AutoencoderModel> vae = models::create_vae(component);
 
-  const std::string inputs_path = case_inputs_file(options.inputs, component);
+  const std::string inputs_path = read_case_inputs(options.inputs, component).file;
   const auto inputs = io::SafetensorsFile::open(inputs_path);
   // Before any work: the output must not land on anything read (the component folder, the case).
   if (world.rank() == 0) {

@@ -11,6 +11,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/pipelines/auto_pipeline.h"
 #include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
 
 namespace shardit::apps {
@@ -26,14 +27,6 @@ struct ScheduleOptions {
   int64_t width = 0;
   std::string family;
 };
-
-/// The pipeline family of a diffusers pipeline class name, or "" when unknown.
-std::string family_of_pipeline(const std::string& class_name) {
-  if (class_name.rfind("Flux2", 0) == 0) return "flux2";
-  if (class_name.rfind("Flux", 0) == 0) return "flux1";
-  if (class_name.rfind("QwenImage", 0) == 0) return "qwenimage";
-  return "";
-}
 
 /// The pipeline folder `model` is or lies in (a `scheduler/` component), or "".
 std::string pipeline_root(const std::string& model) {
@@ -62,11 +55,12 @@ int run_schedule(const ScheduleOptions& options) {
     TORCH_CHECK(!root.empty(), "schedule: ", options.model,
                 " is a bare scheduler folder, whose config does not say which pipeline uses it; pass --family "
                 "flux1, flux2 or qwenimage");
-    const io::ModelFolder pipeline = io::ModelFolder::open(root);
-    const std::string class_name = pipeline.model_index().value("_class_name", "");
-    family = family_of_pipeline(class_name);
-    TORCH_CHECK(!family.empty(), root, "/model_index.json: pipeline class '", class_name,
+    const io::ModelFolder folder = io::ModelFolder::open(root);
+    const std::string class_name = folder.model_index().value("_class_name", "");
+    const pipelines::PipelineClass* pipeline = pipelines::find_pipeline_class(class_name);
+    TORCH_CHECK(pipeline != nullptr, root, "/model_index.json: pipeline class '", class_name,
                 "' is not a FLUX.1, FLUX.2 or Qwen-Image pipeline; pass --family");
+    family = pipeline->schedule_family;
   }
   TORCH_CHECK(family == "flux1" || family == "flux2" || family == "qwenimage", "schedule: --family '", family,
               "' is not one of flux1, flux2, qwenimage");

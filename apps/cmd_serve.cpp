@@ -82,15 +82,8 @@ int serve(ServeCommandOptions options) {
   // Idle ranks hear from rank 0 at least every tick: well inside the collective timeout.
   serve.tick = std::min<std::chrono::milliseconds>(std::chrono::seconds(1), world.options().timeout / 4);
   const PipelineCliOptions& pipeline_options = options.pipeline;
-  world.agree("serve arguments",
-              fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model, pipeline_options.dtype,
-                          pipeline_options.dims().to_string(), pipeline_options.text_encoder_tp,
-                          serve.limits.max_sequence_length, pipeline_options.tiled_vae, pipeline_options.vae_parallel,
-                          fmt::join(pipeline_options.lora.files, "\x1f"), pipeline_options.lora.scale,
-                          pipeline_options.lora.fuse) +
-                  "|" + pipeline_options.cache + "|" + pipeline_options.weights_dtype + "|" +
-                  std::to_string(options.replicas) + "|" + std::to_string(serve.max_batch) + "|" +
-                  std::to_string(pipeline_options.int8_compute));
+  world.agree("serve arguments", fmt::format("{}|{}|{}|{}|{}", options.model, serve.limits.max_sequence_length,
+                                            options.replicas, serve.max_batch, pipeline_options.agreement()));
 
   PipelineCliOptions layout_options = pipeline_options;
   if (options.replicas > 0) {

@@ -40,9 +40,15 @@ CLI::Validator number_in(double low, double high);
 /// far beyond any world, small enough that products of degrees cannot overflow.
 constexpr int64_t kMaxParallelDegree = 65536;
 
-/// The inputs.safetensors of a golden-style case (`inputs`: the case folder or the file), checked
-/// against the case's inputs.json `model_class` when there is one.
-std::string case_inputs_file(const std::string& inputs, const io::ComponentFolder& component);
+/// A golden-style case's inputs: the inputs.safetensors (`inputs`: the case folder or the file) and
+/// the inputs.json next to it, checked against `component`'s class by its `model_class` when it
+/// has one.
+struct CaseInputs {
+  std::string file;       ///< the inputs.safetensors
+  std::string json_file;  ///< the inputs.json beside it (which may not exist)
+  nlohmann::json meta = nlohmann::json::object();  ///< its contents; {} without one
+};
+CaseInputs read_case_inputs(const std::string& inputs, const io::ComponentFolder& component);
 
 /// "name dtype [shape]" per tensor of a Checkpoint or SafetensorsFile, one per line: what two
 /// ranks compare (World::agree) to know that they read the same tensors.
@@ -102,6 +108,9 @@ struct PipelineCliOptions {
   parallel::ParallelDims dims() const;
   /// --cache parsed (errors name the key); nullopt without.
   std::optional<models::StepCacheConfig> cache_config() const;
+  /// Every option as one string, for the ranks to compare (World::agree): ranks launched with
+  /// different options would load different models or meet in collectives with different shapes.
+  std::string agreement() const;
 };
 
 /// The load options of `options`: the dtype on the world's device, the transformer on the

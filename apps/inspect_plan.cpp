@@ -14,8 +14,8 @@
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/core/units.h"
-#include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/registry.h"
+#include "shardit/pipelines/auto_pipeline.h"
 
 namespace shardit::apps {
 
@@ -57,19 +57,22 @@ PlannedComponent plan_component(const io::ComponentFolder& folder, const models:
   return {folder.name, entry.class_name, entry.kind, entry.create_module(folder), folder.config, folder.dir + "/config.json"};
 }
 
-/// Mistral-3 as Flux2Pipeline holds it (models::flux2_dev_text_encoder: only the layers up to the
-/// last hidden state it stacks), or nothing when that is the whole model.
-std::optional<PlannedComponent> as_flux2_dev_encoder(const PlannedComponent& whole) {
-  if (whole.class_name != "Mistral3ForConditionalGeneration") return std::nullopt;
-  const models::Mistral3Config config = models::Mistral3Config::from_json(whole.config, whole.source);
-  auto model = models::flux2_dev_text_encoder(config);
-  const int64_t built = static_cast<int64_t>(model->language_model->model->layers->size());
-  if (built == config.text_config.num_hidden_layers) return std::nullopt;
-  PlannedComponent held = whole;
-  held.name = fmt::format("{} (layers 1-{} of {}, as Flux2Pipeline loads it)", whole.name.empty() ? "text_encoder" : whole.name,
-                          built, config.text_config.num_hidden_layers);
-  held.model = model;
-  return held;
+/// What `pipeline` holds of `whole` when it loads less than the whole checkpoint (a text encoder
+/// slot with build_part, as FLUX.2 [dev]'s Mistral-3: only the layers up to the last hidden state
+/// it stacks); nothing when it holds the whole model or has no such slot.
+std::optional<PlannedComponent> as_pipeline_holds(const PlannedComponent& whole, const pipelines::PipelineClass& pipeline,
+                                                  const io::ComponentFolder& folder) {
+  for (const pipelines::TextEncoderSlot& slot : pipeline.prompt_encoder.slots) {
+    if (slot.class_name != whole.class_name || !slot.build_part) continue;
+    pipelines::HeldTextEncoder held = slot.build_part(folder);
+    if (held.part.empty()) return std::nullopt;
+    PlannedComponent part = whole;
+    part.name = fmt::format("{} ({}, as {} loads it)", whole.name.empty() ? slot.text_encoder : whole.name, held.part,
+                            pipeline.class_name);
+    part.model = held.module;
+    return part;
+  }
+  return std::nullopt;
 }
 
 struct Planned {
@@ -87,14 +90,18 @@ Planned plan_folder(const io::ModelFolder& folder) {
     // An unknown class gets the registry's own error, as when the weights are present.
     if (entry == nullptr) models::create_module_component(component);
     planned.components.push_back(plan_component(component, *entry));
-    // A FLUX.2 [dev] text encoder folder: the whole checkpoint, and beside it what the pipeline
-    // loads of it.
-    if (auto held = as_flux2_dev_encoder(planned.components.back())) {
-      held->counted = false;
-      planned.components.push_back(*held);
+    // A text encoder folder of which a pipeline loads only part (FLUX.2 [dev]'s): the whole
+    // checkpoint, and beside it what that pipeline holds.
+    for (const pipelines::PipelineClass& pipeline : pipelines::pipeline_classes()) {
+      if (auto held = as_pipeline_holds(planned.components.front(), pipeline, component)) {
+        held->counted = false;
+        planned.components.push_back(*held);
+      }
     }
     return planned;
   }
+  const pipelines::PipelineClass* pipeline =
+      pipelines::find_pipeline_class(folder.model_index().value("_class_name", std::string()));
   for (const auto& name : folder.components()) {
     const nlohmann::json& declared = folder.model_index().at(name);
     const std::string class_name = declared.is_array() && declared.size() == 2 && declared[1].is_string()
@@ -109,10 +116,13 @@ Planned plan_folder(const io::ModelFolder& folder) {
       planned.not_counted.emplace_back(name, class_name + ": no " + name + "/ folder here");
       continue;
     }
-    planned.components.push_back(plan_component(folder.component(name), *entry));
-    // Flux2Pipeline loads only part of its text encoder: that part is what its ranks hold.
-    if (folder.model_index().value("_class_name", std::string()) == "Flux2Pipeline") {
-      if (auto held = as_flux2_dev_encoder(planned.components.back())) planned.components.back() = *held;
+    const io::ComponentFolder component = folder.component(name);
+    planned.components.push_back(plan_component(component, *entry));
+    // A pipeline that loads only part of a text encoder holds that part on its ranks.
+    if (pipeline != nullptr) {
+      if (auto held = as_pipeline_holds(planned.components.back(), *pipeline, component)) {
+        planned.components.back() = *held;
+      }
     }
   }
   TORCH_CHECK(!planned.components.empty(), folder.root(), ": no component of a supported class; supported transformers: ",
@@ -233,7 +243,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
                            {"width", request.step->width},
                            {"batch", request.step->batch},
                            {"text_tokens", request.step->text_tokens},
-                           {"attention_backend", models::attention_backend_name(request.step->backend)},
+                           {"attention_backend", request.step->attention_backend},
                            {"transformer_step_bytes_per_rank", step.transformer},
                            {"vae_decode_bytes", step.vae_decode}};
   }
@@ -295,7 +305,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
   if (request.step) {
     fmt::print("activations per rank at {}x{}, batch {}, {} text tokens, {} attention: transformer step {}, VAE decode {}\n",
                request.step->height, request.step->width, request.step->batch, request.step->text_tokens,
-               models::attention_backend_name(request.step->backend), gib(step.transformer), gib(step.vae_decode));
+               request.step->attention_backend, gib(step.transformer), gib(step.vae_decode));
   }
   if (request.device_memory_gib) {
     fmt::print("on a {:.1f} GiB device (weights per rank + the larger activation peak):\n", *request.device_memory_gib);

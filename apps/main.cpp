@@ -20,6 +20,7 @@
 #include "shardit/dist/world.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/gemm.h"
+#include "shardit/nn/program_start.h"
 
 namespace {
 
@@ -110,9 +111,12 @@ int run_cli(int argc, char** argv) {
                  "default 120, or SHARDIT_DIST_TIMEOUT_MS")
       ->check(shardit::apps::number_in(0.001, 86400.0));
   std::string attention_backend;
+  // The names come from the registry, so the help lists exactly the backends of this build.
   app.add_option("--attention-backend", attention_backend,
-                 "attention backend: auto (the device's default), math, memory_efficient, or sdpa where "
-                 "LibTorch has it; default auto, or SHARDIT_ATTENTION_BACKEND");
+                 "attention backend: auto (the device's default, the first that takes each call) or one of " +
+                     fmt::format("{}", fmt::join(shardit::nn::attention_backend_names(), ", ")) +
+                     " (amx and avx512_bf16 on CPUs with them, sdpa where LibTorch has it); default auto, or "
+                     "SHARDIT_ATTENTION_BACKEND");
   std::string gemm_backend;
   app.add_option("--gemm-backend", gemm_backend,
                  "kernel of the matrix products on CPU: auto (from what the CPU is: fp32 on oneDNN for large products "
@@ -185,7 +189,6 @@ int run_cli(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  shardit::keep_freed_memory_for_reuse();
-  shardit::nn::exec_with_cpu_blas_kernels(argv);
+  shardit::nn::start_program(argv);
   return run_cli(argc, argv);
 }

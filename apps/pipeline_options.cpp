@@ -80,6 +80,12 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
   add_lora_options(command, options.lora);
 }
 
+std::string PipelineCliOptions::agreement() const {
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", pipeline_class, dtype, weights_dtype, int8_compute,
+                     dims().to_string(), text_encoder_tp, tiled_vae, vae_parallel, cache,
+                     fmt::join(lora.files, "\x1f"), lora.scale, lora.fuse);
+}
+
 std::optional<models::StepCacheConfig> PipelineCliOptions::cache_config() const {
   if (cache.empty()) return std::nullopt;
   return models::StepCacheConfig::parse(cache);

@@ -40,7 +40,6 @@
 #include <thread>
 #include <vector>
 
-#include "shardit/core/heap.h"
 #include "shardit/nn/cpu/fused.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
@@ -62,7 +61,10 @@
 #include "shardit/nn/attention.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/bf16_kernels.h"
+#include "shardit/nn/cpu/blas_core.h"
+#include "shardit/nn/cpu/dispatch.h"
 #include "shardit/nn/gemm.h"
+#include "shardit/nn/program_start.h"
 #include "shardit/nn/linear.h"
 #include "shardit/models/lora_formats.h"
 #include "shardit/parallel/lora.h"
@@ -434,8 +436,9 @@ nlohmann::json gemm_report() {
           {"probe_blas_gflops", probe.blas_gflops},
           {"probe_onednn_gflops", probe.onednn_gflops},
           {"probe_threads", probe.threads},
-          {"blas_core", shardit::nn::blas_core_name()},
+          {"blas_core", shardit::nn::cpu::blas_core_name()},
           {"cpu_features", shardit::cpu_features().to_string()},
+          {"cpu_isa", shardit::nn::cpu::cpu_isa_summary()},
           {"kernels", shardit::nn::gemm_kernel_summary()},
           {"fused_cpu_kernels", shardit::nn::cpu::fused_kernels_name()}};
 }
@@ -1130,8 +1133,7 @@ int run_gemm(const BenchOptions& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  shardit::keep_freed_memory_for_reuse();
-  shardit::nn::exec_with_cpu_blas_kernels(argv);
+  shardit::nn::start_program(argv);
   CLI::App app{"shardit-bench: transformer forward and load benchmarks"};
   BenchOptions options;
   app.add_option("--nproc-per-node", options.nproc_per_node, "ranks on this host")->check(CLI::PositiveNumber);

@@ -11,10 +11,10 @@
 #include <optional>
 #include <string>
 
-#include "shardit/core/heap.h"
 #include "shardit/core/error.h"
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
+#include "shardit/nn/program_start.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/parallel/parallel_dims.h"
@@ -33,8 +33,7 @@ struct TpExample {
 
 /// Parses the example's command line, runs it, and returns the exit status (errors on stderr).
 inline int run_tp_example(int argc, char** argv, const TpExample& example) {
-  keep_freed_memory_for_reuse();
-  nn::exec_with_cpu_blas_kernels(argv);
+  nn::start_program(argv);
   CLI::App app{example.description};
   std::string model, embeds, latents, out = example.out;
   // Unset: the pipeline's defaults (diffusers' __call__ defaults).

@@ -24,9 +24,11 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/nn/cpu/blas_core.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/auto_pipeline.h"
 #include "shardit/pipelines/prompt_encoders.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
@@ -253,7 +255,7 @@ std::string file_bytes(const std::string& path) {
 
 // The same command on the same machine gives the same bits whatever the load: `auto` takes the
 // GEMM kernel from what the machine is (cpuid, the BLAS library's core), never from a timing, and
-// OpenBLAS's core is set from cpuid (nn::exec_with_cpu_blas_kernels). Ten
+// OpenBLAS's core is set from cpuid (nn::cpu::run_on_cpu_blas_kernels). Ten
 // runs of one `generate` at 256x256 (its products are large enough for auto to route them) while
 // two busy processes load the cores: the PNG bytes and the tensors equal the first run's. The runs
 // wait for their OpenMP threads passively (OMP_WAIT_POLICY, which changes no arithmetic): a thread
@@ -281,7 +283,7 @@ TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
       EXPECT_THAT(output, ::testing::HasSubstr("fp32 matrix products on")) << "the kernel is not reported";
       // The CLI runs the BLAS kernels this test process runs (the same environment, the same
       // decision from cpuid).
-      const std::string core = shardit::nn::blas_core_name();
+      const std::string core = shardit::nn::cpu::blas_core_name();
       if (!core.empty()) {
         EXPECT_THAT(output, ::testing::HasSubstr("BLAS core " + core));
       }
@@ -298,11 +300,11 @@ TEST(PipelinesBuiltin, TenRunsUnderLoadAreBitIdentical) {
 }
 
 // OpenBLAS's core follows the CPU: with nothing set, a program whose OpenBLAS chose a narrower core
-// than cpuid's vector set runs again on the right one (nn::exec_with_cpu_blas_kernels) and says so
+// than cpuid's vector set runs again on the right one (nn::cpu::run_on_cpu_blas_kernels) and says so
 // on its kernel line; a core the user sets with OPENBLAS_CORETYPE is kept.
 TEST(PipelinesBuiltin, BlasCoreFollowsTheCpuUnlessTheUserSetsOne) {
   if (is_worker()) return;
-  if (shardit::nn::blas_core_name().empty()) GTEST_SKIP() << "the BLAS library is not OpenBLAS";
+  if (shardit::nn::cpu::blas_core_name().empty()) GTEST_SKIP() << "the BLAS library is not OpenBLAS";
   const std::string dir = shardit::testing::make_temp_dir("pipeline-builtin-blas-core");
   const auto builtin = shardit::models::write_builtin_model(dir + "/model");
   const std::string model = "--model " + builtin.pipeline + " --prompt-embeds " + builtin.prompt_embeds;
@@ -314,9 +316,9 @@ TEST(PipelinesBuiltin, BlasCoreFollowsTheCpuUnlessTheUserSetsOne) {
   };
   const BuiltinRun chosen =
       generate_builtin(dir, "chosen", model, "env -u OPENBLAS_CORETYPE -u SHARDIT_KEEP_BLAS_CORE ");
-  const int cpu_level = shardit::cpu_features().vector_level();
+  const int cpu_level = shardit::nn::cpu::cpu_vector_level();
   const std::string core = core_of(chosen.output);
-  EXPECT_GE(shardit::nn::blas_vector_level(core), std::min(cpu_level, 3)) << "OpenBLAS runs " << core << " on a CPU with "
+  EXPECT_GE(shardit::nn::cpu::blas_vector_level(core), std::min(cpu_level, 3)) << "OpenBLAS runs " << core << " on a CPU with "
                                                                      << shardit::cpu_features().to_string();
   if (cpu_level >= 2) {
     const BuiltinRun kept = generate_builtin(dir, "kept", model, "env -u SHARDIT_KEEP_BLAS_CORE OPENBLAS_CORETYPE=Haswell ");
@@ -352,7 +354,8 @@ void builtin_encoder_worker() {
   shardit::pipelines::TextEncoderLoadOptions options;
   options.tp_degree = world.size();
   const auto encoder = shardit::pipelines::load_prompt_encoder(
-      shardit::io::ModelFolder::open(env_or("SHARDIT_BUILTIN_MODEL")), "FluxPipeline", options);
+      shardit::io::ModelFolder::open(env_or("SHARDIT_BUILTIN_MODEL")), "FluxPipeline",
+      shardit::pipelines::pipeline_class("FluxPipeline", "test").prompt_encoder, options);
   const auto embeds = encoder->encode(kEncoderPrompts, kEncoderMaxLength);
   const auto reference = shardit::io::SafetensorsFile::open(env_or("SHARDIT_BUILTIN_REFERENCE"));
   for (const auto& [name, value] : {std::pair<std::string, at::Tensor>{"prompt_embeds", embeds.prompt_embeds},
@@ -370,8 +373,9 @@ TEST(PipelinesBuiltin, PromptEncodingTp2AndTp3MatchTp1) {
   const auto builtin = shardit::models::write_builtin_model(dir + "/model");
   shardit::pipelines::TextEncoderLoadOptions options;
   options.tp_degree = 1;
-  const auto encoder =
-      shardit::pipelines::load_prompt_encoder(shardit::io::ModelFolder::open(builtin.pipeline), "FluxPipeline", options);
+  const auto encoder = shardit::pipelines::load_prompt_encoder(
+      shardit::io::ModelFolder::open(builtin.pipeline), "FluxPipeline",
+      shardit::pipelines::pipeline_class("FluxPipeline", "test").prompt_encoder, options);
   const auto embeds = encoder->encode(kEncoderPrompts, kEncoderMaxLength);
   ASSERT_EQ(embeds.prompt_embeds.sizes(), (std::vector<int64_t>{2, kEncoderMaxLength, 64}));
   ASSERT_EQ(embeds.pooled_prompt_embeds.value().sizes(), (std::vector<int64_t>{2, 96}));

@@ -52,7 +52,7 @@ TEST(FluxParityPieces, BatchedIdsUseTheFirstEntry) {
   auto model = load_case_model(dir);
   ASSERT_TRUE(model);
   const auto inputs_file = io::SafetensorsFile::open(dir + "/inputs.safetensors");
-  FluxTransformer2DModelInputs inputs = verify::read_flux_inputs(*inputs_file);
+  FluxTransformer2DModelInputs inputs = FluxTransformer2DModelInputs::from_file(*inputs_file);
   const at::Tensor expected = io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample");
   const int64_t batch = inputs.hidden_states.size(0);
   inputs.img_ids = inputs.img_ids.unsqueeze(0).expand({batch, -1, -1});
@@ -64,7 +64,7 @@ TEST(FluxParityPieces, GuidanceMismatchIsReported) {
   auto model = load_case_model(golden_path("flux_b1_square"));
   ASSERT_TRUE(model);
   const auto inputs_file = io::SafetensorsFile::open(golden_path("flux_b1_square/inputs.safetensors"));
-  FluxTransformer2DModelInputs inputs = verify::read_flux_inputs(*inputs_file);
+  FluxTransformer2DModelInputs inputs = FluxTransformer2DModelInputs::from_file(*inputs_file);
   inputs.guidance.reset();
   EXPECT_EQ(testing::error_of([&] { model->forward(inputs); }),
             "FluxTransformer2DModel: this model embeds guidance (guidance_embeds=true); pass `guidance` [B]");

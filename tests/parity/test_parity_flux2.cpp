@@ -39,7 +39,7 @@ std::shared_ptr<Flux2Transformer2DModel> load_case_model(const std::string& case
 
 Flux2Transformer2DModelInputs read_inputs(const std::string& case_dir) {
   const auto file = io::SafetensorsFile::open(case_dir + "/inputs.safetensors");
-  return verify::read_flux2_inputs(*file);
+  return Flux2Transformer2DModelInputs::from_file(*file);
 }
 
 TEST(Flux2ParityPieces, TwoDimensionalIdsGiveTheSameSample) {

@@ -37,7 +37,7 @@ std::shared_ptr<models::QwenImageTransformer2DModel> load_model(const std::strin
 }
 
 models::QwenImageTransformer2DModelInputs read_inputs(const std::string& dir) {
-  return verify::read_qwenimage_inputs(*io::SafetensorsFile::open(dir + "/inputs.safetensors"));
+  return models::QwenImageTransformer2DModelInputs::from_file(*io::SafetensorsFile::open(dir + "/inputs.safetensors"));
 }
 
 at::Tensor golden_sample(const std::string& dir) {

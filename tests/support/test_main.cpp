@@ -1,18 +1,16 @@
-// The main of every test executable: GoogleTest's, after the program is made to run OpenBLAS's
-// kernels for this CPU as every shardit program does (nn::exec_with_cpu_blas_kernels), so a test
+// The main of every test executable: GoogleTest's, after the start every shardit program makes
+// (nn::start_program: OpenBLAS on the kernels for this CPU, the instruction-set cap), so a test
 // computes with the kernels of the CLI and the ranks it compares with, and after the rank forker
 // of run_ranks is started (support/multiprocess.h).
 #include <gtest/gtest.h>
 
 #include <csignal>
 
-#include "shardit/core/heap.h"
-#include "shardit/nn/gemm.h"
+#include "shardit/nn/program_start.h"
 #include "support/multiprocess.h"
 
 int main(int argc, char** argv) {
-  shardit::keep_freed_memory_for_reuse();
-  shardit::nn::exec_with_cpu_blas_kernels(argv);
+  shardit::nn::start_program(argv);
   // As the CLI: a write to a peer that is gone is an error to report, not a silent death (a rank
   // that outlives a lost peer must say which rank it lost).
   ::signal(SIGPIPE, SIG_IGN);

@@ -1,15 +1,29 @@
-// nn::scaled_dot_product_attention against softmax(q k^T * scale + mask) v computed in float64,
-// including sequences long enough that the heads are processed in groups.
+// nn::scaled_dot_product_attention against softmax(q k^T * scale + mask) v computed in float64, on
+// the math backend and on the one auto picks, including sequences long enough that the math
+// backend processes the heads in groups.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 
 #include "shardit/nn/attention.h"
+#include "shardit/nn/attention/backends.h"
 #include "support/test_support.h"
 
 namespace test_attention {
 namespace {
+
+/// Runs `check` on the math backend, whose head groups the long sequences here exercise (4096 x
+/// 4096 fp32 scores are 64 MiB a head, so 6 heads exceed nn::kMathScoresBudgetBytes and run in
+/// groups), and on the backend auto picks (what the models run).
+template <class Check>
+void on_math_and_auto(Check check) {
+  for (const char* backend : {"math", "auto"}) {
+    SCOPED_TRACE(backend);
+    shardit::nn::AttentionBackendGuard guard(backend);
+    check();
+  }
+}
 
 using shardit::testing::tensors_close;
 
@@ -46,11 +60,12 @@ TEST(Attention, MatchesReferenceShortSequence) {
 }
 
 TEST(Attention, LongSequenceProcessedInHeadGroupsMatchesReference) {
-  // 4096 x 4096 scores are 64 MiB per head: 6 heads exceed the scores budget and run in groups.
   at::manual_seed(2);
   const at::Tensor q = at::randn({1, 6, 4096, 8}), k = at::randn({1, 6, 4096, 8}), v = at::randn({1, 6, 4096, 8});
-  EXPECT_TRUE(tensors_close("grouped attention", shardit::nn::scaled_dot_product_attention(q, k, v),
-                            reference_attention(q, k, v, {}), 1e-5, 1e-5));
+  on_math_and_auto([&] {
+    EXPECT_TRUE(tensors_close("grouped attention", shardit::nn::scaled_dot_product_attention(q, k, v),
+                              reference_attention(q, k, v, {}), 1e-5, 1e-5));
+  });
 }
 
 TEST(Attention, BooleanKeyMaskHidesKeysInEveryGroup) {
@@ -60,16 +75,20 @@ TEST(Attention, BooleanKeyMaskHidesKeysInEveryGroup) {
   at::Tensor keep = at::ones({2, 1, 1, 4096}, at::kBool);
   keep[1].narrow(-1, 100, 4096 - 100).fill_(false);
   const at::Tensor additive = at::zeros({2, 1, 1, 4096}).masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
-  EXPECT_TRUE(tensors_close("masked attention", shardit::nn::scaled_dot_product_attention(q, k, v, keep),
-                            reference_attention(q, k, v, additive), 1e-5, 1e-5));
+  on_math_and_auto([&] {
+    EXPECT_TRUE(tensors_close("masked attention", shardit::nn::scaled_dot_product_attention(q, k, v, keep),
+                              reference_attention(q, k, v, additive), 1e-5, 1e-5));
+  });
 }
 
 TEST(Attention, PerHeadAdditiveMaskFollowsItsHeads) {
   at::manual_seed(4);
   const at::Tensor q = at::randn({1, 6, 4096, 8}), k = at::randn({1, 6, 4096, 8}), v = at::randn({1, 6, 4096, 8});
   const at::Tensor bias = at::randn({1, 6, 1, 4096});
-  EXPECT_TRUE(tensors_close("per-head bias", shardit::nn::scaled_dot_product_attention(q, k, v, bias),
-                            reference_attention(q, k, v, bias), 1e-5, 1e-5));
+  on_math_and_auto([&] {
+    EXPECT_TRUE(tensors_close("per-head bias", shardit::nn::scaled_dot_product_attention(q, k, v, bias),
+                              reference_attention(q, k, v, bias), 1e-5, 1e-5));
+  });
 }
 
 TEST(Attention, PerHeadMaskWithoutBatchDimensionFollowsItsHeads) {
@@ -77,8 +96,10 @@ TEST(Attention, PerHeadMaskWithoutBatchDimensionFollowsItsHeads) {
   at::manual_seed(5);
   const at::Tensor q = at::randn({2, 6, 4096, 8}), k = at::randn({2, 6, 4096, 8}), v = at::randn({2, 6, 4096, 8});
   const at::Tensor bias = at::randn({6, 1, 4096});
-  EXPECT_TRUE(tensors_close("per-head bias without batch", shardit::nn::scaled_dot_product_attention(q, k, v, bias),
-                            reference_attention(q, k, v, bias), 1e-5, 1e-5));
+  on_math_and_auto([&] {
+    EXPECT_TRUE(tensors_close("per-head bias without batch", shardit::nn::scaled_dot_product_attention(q, k, v, bias),
+                              reference_attention(q, k, v, bias), 1e-5, 1e-5));
+  });
 }
 
 }  // namespace

@@ -72,7 +72,7 @@ TEST(FusedKernels, ReportTheBuildTheCpuRunsAndRefuseOnesItCannot) {
 }
 
 TEST(FusedKernels, GeluTanhInBf16IsWithinOneRoundingOfFloat64AndKeepsNan) {
-  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "SHARDIT_FUSED_KERNELS=off";
+  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "the fused kernels are off";
   for_each_build([&](const std::string&) {
     at::manual_seed(0);
     // Odd length: a tail shorter than a vector; values over the range GELU is used on.
@@ -121,7 +121,7 @@ TEST(FusedKernels, GeluTanhLeavesFp32AndStridedInputsToLibTorch) {
 }
 
 TEST(FusedKernels, RmsNormInBf16MatchesTheReferenceRoundings) {
-  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "SHARDIT_FUSED_KERNELS=off";
+  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "the fused kernels are off";
   for_each_build([&](const std::string&) {
     at::manual_seed(1);
     // [B, S, H, D] with D = 72 (not a multiple of 16) as a strided view of a wider projection.
@@ -146,7 +146,7 @@ TEST(FusedKernels, RmsNormInBf16MatchesTheReferenceRoundings) {
 }
 
 TEST(FusedKernels, LayerNormModulateMatchesModulateOfLayerNorm) {
-  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "SHARDIT_FUSED_KERNELS=off";
+  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "the fused kernels are off";
   for_each_build([&](const std::string&) {
     at::manual_seed(2);
     const int64_t batch = 3, seq = 7, dim = 100;
@@ -194,7 +194,7 @@ TEST(FusedKernels, InterleavedRopeEqualsItsFp32FormulaBitForBit) {
 }
 
 TEST(FusedKernels, SoftmaxRowsMatchFloat64WithMasksAndOddLengths) {
-  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "SHARDIT_FUSED_KERNELS=off";
+  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "the fused kernels are off";
   for_each_build([&](const std::string&) {
     at::manual_seed(4);
     const double scale = 0.125;
@@ -233,7 +233,7 @@ TEST(FusedKernels, SoftmaxRowsMatchFloat64WithMasksAndOddLengths) {
 }
 
 TEST(FusedKernels, SoftmaxRowsAreTheSameBitsWithOneOrTwoThreads) {
-  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "SHARDIT_FUSED_KERNELS=off";
+  if (!cpu::fused_kernels_enabled()) GTEST_SKIP() << "the fused kernels are off";
   for_each_build([&](const std::string&) {
     const at::Tensor scores = at::randn({512, 1000}).to(at::kBFloat16);
     const auto run = [&](int threads) {

@@ -22,6 +22,8 @@
 #include "shardit/nn/attention/memory_efficient.h"
 #include "shardit/core/cpu_features.h"
 #include "shardit/nn/cpu/amx_gemm.h"
+#include "shardit/nn/cpu/blas_core.h"
+#include "shardit/nn/cpu/growing_buffer.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/nn/linear.h"
 #include "support/test_support.h"
@@ -146,14 +148,14 @@ TEST_F(Gemm, AttentionBackendsOnOneDnnMatchBlasWithMasks) {
 }
 
 TEST(GemmTable, BlasCoreNamesMapToTheirVectorSets) {
-  EXPECT_EQ(shardit::nn::blas_vector_level("Prescott"), 1);
-  EXPECT_EQ(shardit::nn::blas_vector_level("Sandybridge"), 1);
-  EXPECT_EQ(shardit::nn::blas_vector_level("Haswell"), 2);
-  EXPECT_EQ(shardit::nn::blas_vector_level("ZEN"), 2);
-  EXPECT_EQ(shardit::nn::blas_vector_level("SkylakeX"), 3);
-  EXPECT_EQ(shardit::nn::blas_vector_level("SapphireRapids"), 3);
-  EXPECT_EQ(shardit::nn::blas_vector_level(""), 0) << "no OpenBLAS: auto keeps BLAS";
-  EXPECT_EQ(shardit::nn::blas_vector_level("FutureCore"), 0) << "an unknown core: auto keeps BLAS";
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("Prescott"), 1);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("Sandybridge"), 1);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("Haswell"), 2);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("ZEN"), 2);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("SkylakeX"), 3);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("SapphireRapids"), 3);
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level(""), 0) << "no OpenBLAS: auto keeps BLAS";
+  EXPECT_EQ(shardit::nn::cpu::blas_vector_level("FutureCore"), 0) << "an unknown core: auto keeps BLAS";
   const shardit::CpuFeatures& cpu = shardit::cpu_features();
   EXPECT_TRUE(!cpu.avx512f || cpu.vector_level() == 3);
   EXPECT_TRUE(!cpu.avx512_bf16 || cpu.avx512f) << cpu.to_string();
@@ -177,8 +179,8 @@ TEST_F(Gemm, AutoKeepsSmallProductsAndOtherDtypesOnBlasAndProbesOnce) {
   EXPECT_GT(probe.onednn_gflops, 0);
   // Large products follow the machine's table, not the probe: oneDNN exactly when the BLAS
   // kernels' vector set is known and narrower than the CPU's.
-  const int blas_level = shardit::nn::blas_vector_level(shardit::nn::blas_core_name());
-  const GemmBackend expected_kernel = blas_level > 0 && blas_level < shardit::cpu_features().vector_level()
+  const int blas_level = shardit::nn::cpu::blas_vector_level(shardit::nn::cpu::blas_core_name());
+  const GemmBackend expected_kernel = blas_level > 0 && blas_level < shardit::nn::cpu::cpu_vector_level()
                                           ? GemmBackend::OneDnn
                                           : GemmBackend::Blas;
   EXPECT_EQ(shardit::nn::auto_gemm_backend(), expected_kernel) << shardit::nn::gemm_kernel_summary();
@@ -435,6 +437,20 @@ TEST_P(GemmGolden, OneDnnProductsMatchTheGoldenSample) {
 INSTANTIATE_TEST_SUITE_P(Golden, GemmGolden,
                          ::testing::Values("flux_b2_nonsquare", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
                                            "qwenimage_b2_nonsquare"));
+
+TEST(KernelScratch, KeepsItsSizeButNotAnOutsizedOne) {
+  shardit::nn::cpu::GrowingBuffer buffer;
+  void* first = buffer.get(1 << 20, "test scratch");
+  EXPECT_EQ(buffer.get(4096, "test scratch"), first) << "a smaller request reuses the block";
+  EXPECT_EQ(buffer.capacity(), size_t{1} << 20);
+  const size_t outsized = shardit::nn::cpu::GrowingBuffer::kMaxKeptBytes + (size_t{1} << 20);
+  EXPECT_NE(buffer.get(outsized, "test scratch"), nullptr);
+  EXPECT_EQ(buffer.capacity(), outsized);
+  // The next request within the bound gives the outsized block back.
+  EXPECT_NE(buffer.get(2 << 20, "test scratch"), nullptr);
+  EXPECT_EQ(buffer.capacity(), size_t{2} << 20);
+  EXPECT_NE(buffer.get(0, "test scratch"), nullptr);
+}
 
 }  // namespace
 }  // namespace test_gemm

@@ -115,7 +115,7 @@ TEST(MemoryPlan, ActivationEstimateScalesWithTokensAndDegree) {
   EXPECT_LT(bytes(large, 8), bytes(large, 1));
   // The math backend's scores are bounded per head group, never below one head.
   shardit::models::StepShape efficient = large;
-  efficient.backend = shardit::models::AttentionBackend::MemoryEfficient;
+  efficient.attention_backend = "memory_efficient";
   EXPECT_LT(bytes(efficient, 1), bytes(large, 1));
   EXPECT_THAT(error_of([&] {
                 shardit::models::StepShape odd = small;

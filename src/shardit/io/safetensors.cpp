@@ -199,6 +199,11 @@ at::Tensor SafetensorsFile::read(const std::string& name, std::optional<at::Scal
   return maybe_convert(std::move(out), tensor.dtype, dtype);
 }
 
+std::optional<at::Tensor> SafetensorsFile::read_if_present(const std::string& name) const {
+  if (!contains(name)) return std::nullopt;
+  return read(name);
+}
+
 at::Tensor SafetensorsFile::read_slices(const std::string& name, int64_t dim,
                                         const std::vector<Range>& ranges,
                                         std::optional<at::ScalarType> dtype) const {

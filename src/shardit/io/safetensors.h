@@ -89,6 +89,8 @@ class SafetensorsFile {
   /// An owned copy, converted to `dtype` when given (F8 tensors: decoded exactly to a floating
   /// `dtype`; without one, held as storage_scalar_type).
   at::Tensor read(const std::string& name, std::optional<at::ScalarType> dtype = std::nullopt) const;
+  /// read(name) when the file holds `name`, otherwise nullopt (an optional argument of a case).
+  std::optional<at::Tensor> read_if_present(const std::string& name) const;
   /// Reads only the elements of `ranges` along `dim` and concatenates them along `dim`, converted
   /// to `dtype` when given. Only the bytes of those ranges are copied from the file (for dim > 0
   /// that is one contiguous span per outer index). Throws naming the tensor when a range is out of

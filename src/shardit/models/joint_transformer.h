@@ -31,6 +31,9 @@
 #include <tuple>
 #include <utility>
 
+#include "shardit/io/safetensors.h"
+#include "shardit/models/activation_model.h"
+#include "shardit/models/lora_conventions.h"
 #include "shardit/models/step_cache.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
@@ -109,6 +112,16 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
     int64_t single_stream = 0;
   };
   virtual BlockCounts block_counts() const = 0;
+  /// The live tensors of one step's blocks for the memory planner (models/memory_plan.h), read
+  /// from the model's block code: the model's data, beside its plans.
+  virtual StepModel step_model(const StepShape& shape) const = 0;
+  /// One forward on the arguments stored in a case file (inputs.safetensors, named as the
+  /// reference's keyword arguments; non-tensor ones in the inputs.json next to it): the model's
+  /// `<Class>Inputs::from_file`. Returns the sample.
+  virtual at::Tensor forward_from_file(const io::SafetensorsFile& inputs) = 0;
+  /// How the family's LoRA files of other trainers (kohya, BFL/ai-toolkit, XLabs) name its Linears
+  /// (models/lora_conventions.h).
+  virtual const LoraKeyConventions& lora_conventions() const = 0;
 
   /// Caches work between the forwards of one generation (diffusers' enable_cache); checked
   /// against the model first (check_cache_config). Replaces a cache that was on.

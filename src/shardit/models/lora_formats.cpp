@@ -14,6 +14,8 @@
 
 #include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/joint_transformer.h"
+#include "shardit/models/registry.h"
 #include "shardit/nn/linear.h"
 
 namespace shardit::models {
@@ -23,8 +25,6 @@ namespace {
 using parallel::LoraAdapterSpec;
 using parallel::LoraFactorSource;
 using parallel::LoraTarget;
-
-enum class Family { Flux1, Flux2, QwenImage };
 
 bool starts_with(const std::string& text, const std::string& prefix) {
   return text.size() >= prefix.size() && text.compare(0, prefix.size(), prefix) == 0;
@@ -51,10 +51,11 @@ struct SourcePair {
 /// The factor suffixes of one format: (down, up).
 using Suffixes = std::vector<std::pair<std::string, std::string>>;
 
-/// What the converter needs of the model: its Linears and their output widths.
+/// What the converter needs of the model: its LoRA key conventions, its Linears and their output
+/// widths.
 struct ModelLinears {
   std::string model_name;
-  Family family;
+  const LoraKeyConventions* conventions = nullptr;
   std::map<std::string, int64_t> out_features;        ///< module -> out
   std::map<std::string, std::string> by_underscored;  ///< "transformer_blocks_0_attn_to_q" -> module
 };
@@ -62,16 +63,10 @@ struct ModelLinears {
 ModelLinears linears_of(parallel::TensorParallelModule& model) {
   ModelLinears linears;
   linears.model_name = model.type_name();
-  if (linears.model_name == "FluxTransformer2DModel") {
-    linears.family = Family::Flux1;
-  } else if (linears.model_name == "Flux2Transformer2DModel") {
-    linears.family = Family::Flux2;
-  } else if (linears.model_name == "QwenImageTransformer2DModel") {
-    linears.family = Family::QwenImage;
-  } else {
-    TORCH_CHECK(false, "LoRA adapters are supported on FluxTransformer2DModel, Flux2Transformer2DModel and "
-                       "QwenImageTransformer2DModel, not on ", linears.model_name);
-  }
+  const auto* transformer = dynamic_cast<const JointTransformer2DModel*>(&model);
+  TORCH_CHECK(transformer != nullptr, "LoRA adapters are supported on the transformer classes (",
+              c10::Join(", ", supported_classes(ComponentKind::Transformer)), "), not on ", linears.model_name);
+  linears.conventions = &transformer->lora_conventions();
   for (const auto& [name, module] : model.named_modules()) {
     if (const auto* layer = dynamic_cast<const nn::Linear*>(module)) {
       linears.out_features[name] = layer->options().out_features;
@@ -202,61 +197,15 @@ bool split_block(const std::string& name, std::string& kind, std::string& index,
   return false;
 }
 
-/// BFL module names (with `_`) -> diffusers modules, in lora_up row order. Empty: not a module
-/// diffusers converts.
-std::vector<std::string> bfl_targets(Family family, const std::string& name) {
-  using Table = std::map<std::string, std::vector<std::string>>;
-  static const Table flux1_double = {
-      {"img_attn_qkv", {"attn.to_q", "attn.to_k", "attn.to_v"}},
-      {"img_attn_proj", {"attn.to_out.0"}},
-      {"img_mlp_0", {"ff.net.0.proj"}},
-      {"img_mlp_2", {"ff.net.2"}},
-      {"img_mod_lin", {"norm1.linear"}},
-      {"txt_attn_qkv", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
-      {"txt_attn_proj", {"attn.to_add_out"}},
-      {"txt_mlp_0", {"ff_context.net.0.proj"}},
-      {"txt_mlp_2", {"ff_context.net.2"}},
-      {"txt_mod_lin", {"norm1_context.linear"}},
-  };
-  static const Table flux1_single = {
-      {"linear1", {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"}},
-      {"linear2", {"proj_out"}},
-      {"modulation_lin", {"norm.linear"}},
-  };
-  static const Table flux2_double = {
-      {"img_attn_qkv", {"attn.to_q", "attn.to_k", "attn.to_v"}},
-      {"img_attn_proj", {"attn.to_out.0"}},
-      {"img_mlp_0", {"ff.linear_in"}},
-      {"img_mlp_2", {"ff.linear_out"}},
-      {"txt_attn_qkv", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
-      {"txt_attn_proj", {"attn.to_add_out"}},
-      {"txt_mlp_0", {"ff_context.linear_in"}},
-      {"txt_mlp_2", {"ff_context.linear_out"}},
-  };
-  static const Table flux2_single = {
-      {"linear1", {"attn.to_qkv_mlp_proj"}},
-      {"linear2", {"attn.to_out"}},
-  };
-  static const Table flux2_top = {
-      {"img_in", {"x_embedder"}},
-      {"txt_in", {"context_embedder"}},
-      {"time_in_in_layer", {"time_guidance_embed.timestep_embedder.linear_1"}},
-      {"time_in_out_layer", {"time_guidance_embed.timestep_embedder.linear_2"}},
-      {"guidance_in_in_layer", {"time_guidance_embed.guidance_embedder.linear_1"}},
-      {"guidance_in_out_layer", {"time_guidance_embed.guidance_embedder.linear_2"}},
-      {"final_layer_linear", {"proj_out"}},
-      {"final_layer_adaLN_modulation_1", {"norm_out.linear"}},
-      {"single_stream_modulation_lin", {"single_stream_modulation.linear"}},
-      {"double_stream_modulation_img_lin", {"double_stream_modulation_img.linear"}},
-      {"double_stream_modulation_txt_lin", {"double_stream_modulation_txt.linear"}},
-  };
+/// BFL module names (with `_`) -> diffusers modules, in lora_up row order, by the family's tables.
+/// Empty: not a module diffusers converts.
+std::vector<std::string> bfl_targets(const LoraKeyConventions& conventions, const std::string& name) {
   std::string kind;
   std::string index;
   std::string rest;
   if (split_block(name, kind, index, rest)) {
     const bool is_double = kind == "double_blocks";
-    const Table& table = family == Family::Flux1 ? (is_double ? flux1_double : flux1_single)
-                                                 : (is_double ? flux2_double : flux2_single);
+    const LoraModuleTable& table = is_double ? conventions.bfl_double_block : conventions.bfl_single_block;
     const auto found = table.find(rest);
     if (found == table.end()) return {};
     std::vector<std::string> modules;
@@ -265,26 +214,21 @@ std::vector<std::string> bfl_targets(Family family, const std::string& name) {
     }
     return modules;
   }
-  if (family == Family::Flux2) {
-    const auto found = flux2_top.find(name);
-    if (found != flux2_top.end()) return found->second;
-  }
-  return {};
+  const auto found = conventions.bfl_top_level.find(name);
+  return found == conventions.bfl_top_level.end() ? std::vector<std::string>{} : found->second;
 }
 
-/// FLUX.1 kohya sources outside the blocks, which diffusers converts without the `transformer.`
-/// prefix and then does not load.
-bool is_flux1_unloaded_top_level(const std::string& name) {
-  for (const std::string prefix : {"img_in", "txt_in", "time_in_", "vector_in_", "guidance_in_", "final_layer_"}) {
-    if (starts_with(name, prefix)) return true;
-  }
-  return false;
+/// kohya sources that the family's diffusers conversion drops.
+bool is_kohya_skipped(const LoraKeyConventions& conventions, const std::string& name) {
+  return std::any_of(conventions.kohya_skipped_prefixes.begin(), conventions.kohya_skipped_prefixes.end(),
+                     [&](const std::string& prefix) { return starts_with(name, prefix); });
 }
 
 /// Resolves a converted-format source name to diffusers modules, or fails naming the key.
 std::vector<std::string> modules_for(const io::SafetensorsFile& file, const ModelLinears& linears,
                                      const SourcePair& pair, const std::string& name, bool underscore_names) {
-  if (linears.family == Family::QwenImage) {
+  const LoraKeyConventions& conventions = *linears.conventions;
+  if (conventions.names_are_module_paths()) {
     if (underscore_names) {
       const auto found = linears.by_underscored.find(underscored(name));
       TORCH_CHECK(found != linears.by_underscored.end(), file.path(), ": key '", pair.up, "' names module '", name,
@@ -294,7 +238,7 @@ std::vector<std::string> modules_for(const io::SafetensorsFile& file, const Mode
     }
     return {name};
   }
-  if (linears.family == Family::Flux2 && !underscore_names) {
+  if (conventions.bfl_names_may_be_diffusers && !underscore_names) {
     // Some FLUX.2 exports already hold diffusers block names (and `sformer_blocks.` for
     // `transformer_blocks.`).
     for (const std::string prefix : {"transformer_blocks.", "single_transformer_blocks."}) {
@@ -302,10 +246,9 @@ std::vector<std::string> modules_for(const io::SafetensorsFile& file, const Mode
     }
     if (starts_with(name, "sformer_blocks.")) return {"tran" + name};
   }
-  const std::vector<std::string> modules = bfl_targets(linears.family, underscored(name));
+  const std::vector<std::string> modules = bfl_targets(conventions, underscored(name));
   TORCH_CHECK(!modules.empty(), file.path(), ": key '", pair.up, "' names '", name, "', which is not a ",
-              linears.family == Family::Flux1 ? "FLUX.1" : "FLUX.2",
-              " module a LoRA can target (expected double_blocks.<i>.img_attn.qkv, single_blocks.<i>.linear1 and the "
+              conventions.family, " module a LoRA can target (expected double_blocks.<i>.img_attn.qkv, single_blocks.<i>.linear1 and the "
               "like); the LoRA is for another model family");
   return modules;
 }
@@ -400,25 +343,26 @@ void convert_prefixed(const io::SafetensorsFile& file, const ModelLinears& linea
                              {".lora_A.weight", ".lora_B.weight"},
                              {".lora_A.default.weight", ".lora_B.default.weight"}};
   spec.format = kohya ? "kohya" : "bfl";
+  const LoraKeyConventions& conventions = *linears.conventions;
   for (const SourcePair& pair : pairs_of(file, prefix, suffixes, spec.format)) {
-    if (linears.family == Family::Flux1 && kohya && is_flux1_unloaded_top_level(pair.stem)) {
+    if (kohya && is_kohya_skipped(conventions, pair.stem)) {
       spec.skipped.push_back(prefix + pair.stem);
       continue;
     }
     const int64_t rank = rank_of(file, pair);
     const bool down_up_names = pair.suffix == 0;
     double alpha = static_cast<double>(rank);
-    if (linears.family == Family::QwenImage && !down_up_names) {
-      // diffusers drops the alphas of a Qwen-Image lora_A/lora_B file: scale 1.
-    } else if (linears.family == Family::Flux2 && !kohya) {
-      TORCH_CHECK(pair.alpha.empty(), file.path(), ": key '", pair.alpha,
-                  "': a FLUX.2 BFL/ai-toolkit LoRA carries no alpha (diffusers refuses it too); remove the alpha "
-                  "keys or fold them into the weights");
+    if (conventions.lora_ab_names_drop_alpha && !down_up_names) {
+      // diffusers drops the alphas of such a lora_A/lora_B file: scale 1.
+    } else if (conventions.bfl_refuses_alpha && !kohya) {
+      TORCH_CHECK(pair.alpha.empty(), file.path(), ": key '", pair.alpha, "': a ", conventions.family,
+                  " BFL/ai-toolkit LoRA carries no alpha (diffusers refuses it too); remove the alpha keys or fold "
+                  "them into the weights");
     } else if (!pair.alpha.empty()) {
       alpha = alpha_of(file, pair, spec);
     } else {
-      TORCH_CHECK(linears.family != Family::QwenImage, file.path(), ": '", prefix, pair.stem,
-                  "' has no '.alpha'; a Qwen-Image kohya LoRA (lora_down/lora_up) gives every module its alpha");
+      TORCH_CHECK(!conventions.kohya_requires_alpha, file.path(), ": '", prefix, pair.stem, "' has no '.alpha'; a ",
+                  conventions.family, " kohya LoRA (lora_down/lora_up) gives every module its alpha");
     }
     const auto [a_factor, b_factor] = kohya_factors(alpha, rank);
     add_targets(file, linears, pair, modules_for(file, linears, pair, pair.stem, kohya), a_factor, b_factor, 1.0, spec);
@@ -426,19 +370,10 @@ void convert_prefixed(const io::SafetensorsFile& file, const ModelLinears& linea
 }
 
 void convert_xlabs(const io::SafetensorsFile& file, const ModelLinears& linears, LoraAdapterSpec& spec) {
-  TORCH_CHECK(linears.family == Family::Flux1, file.path(), ": an XLabs LoRA is for FLUX.1, not for ",
-              linears.model_name);
+  // XLabs trained FLUX.1 only; a family that takes its files lists their sources.
+  const LoraKeyConventions& conventions = *linears.conventions;
+  TORCH_CHECK(conventions.has_xlabs(), file.path(), ": an XLabs LoRA is for FLUX.1, not for ", linears.model_name);
   spec.format = "xlabs";
-  static const std::map<std::string, std::vector<std::string>> double_sources = {
-      {"qkv_lora1", {"attn.to_q", "attn.to_k", "attn.to_v"}},
-      {"proj_lora1", {"attn.to_out.0"}},
-      {"qkv_lora2", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
-      {"proj_lora2", {"attn.to_add_out"}},
-  };
-  static const std::map<std::string, std::vector<std::string>> single_sources = {
-      {"qkv_lora", {"attn.to_q", "attn.to_k", "attn.to_v"}},
-      {"proj_lora", {"proj_out"}},
-  };
   for (const SourcePair& pair : pairs_of(file, "", {{".down.weight", ".up.weight"}}, "XLabs")) {
     TORCH_CHECK(pair.alpha.empty(), file.path(), ": key '", pair.alpha, "': XLabs LoRAs carry no alpha");
     // "[diffusion_model.]double_blocks.<i>.processor.<source>"
@@ -450,7 +385,7 @@ void convert_xlabs(const io::SafetensorsFile& file, const ModelLinears& linears,
     std::string rest;
     const bool is_block = processor != std::string::npos &&
                           split_block(underscored(stem.substr(0, processor)) + "_x", kind, index, rest);
-    const auto& table = kind == "double_blocks" ? double_sources : single_sources;
+    const auto& table = kind == "double_blocks" ? conventions.xlabs_double_block : conventions.xlabs_single_block;
     const auto found = is_block ? table.find(stem.substr(processor + 11)) : table.end();
     TORCH_CHECK(found != table.end(), file.path(), ": key '", pair.up,
                 "' is not an XLabs FLUX.1 source (double_blocks.<i>.processor.qkv_lora1/2, proj_lora1/2, "

@@ -4,9 +4,7 @@
 
 #include <algorithm>
 
-#include "shardit/models/flux/transformer_flux.h"
-#include "shardit/models/flux2/transformer_flux2.h"
-#include "shardit/models/qwen_image/transformer_qwenimage.h"
+#include "shardit/models/joint_transformer.h"
 
 namespace shardit::models {
 
@@ -41,42 +39,6 @@ ComponentMemory memory_of(const parallel::ResolvedPlan& resolved) {
   return memory;
 }
 
-const char* attention_backend_name(AttentionBackend backend) {
-  switch (backend) {
-    case AttentionBackend::Math: return "math";
-    case AttentionBackend::MemoryEfficient: return "memory-efficient";
-  }
-  return "?";
-}
-
-AttentionBackend parse_attention_backend(const std::string& name) {
-  if (name == "math") return AttentionBackend::Math;
-  if (name == "memory-efficient") return AttentionBackend::MemoryEfficient;
-  TORCH_CHECK(false, "unknown attention backend '", name, "'; expected 'math' or 'memory-efficient'");
-}
-
-namespace {
-
-/// The live tensors of one phase of a block, in elements per token: `full` are [B, S, x] tensors
-/// every rank holds whole (the residual stream, norms, outputs after the all-reduce), `local`
-/// the ones split by the TP degree (projections to heads, MLP hidden).
-struct Phase {
-  int64_t tokens;
-  int64_t full;
-  int64_t local;
-  bool attention = false;  ///< holds the attention scores too
-};
-
-/// What sizes a transformer step: the phases of its blocks and its attention.
-struct StepModel {
-  std::vector<Phase> phases;
-  int64_t attention_tokens;   ///< the joint sequence attention runs over
-  int64_t heads;
-  int64_t head_dim;
-};
-
-/// Latent tokens of an image: 8x VAE downsampling, then patch_size x 2 packing (FLUX packs 2x2
-/// latents into one token; Qwen-Image's patch_size 2 is that packing).
 int64_t image_tokens(const StepShape& shape, int64_t pixels_per_token) {
   TORCH_CHECK(shape.height > 0 && shape.width > 0 && shape.height % pixels_per_token == 0 &&
                   shape.width % pixels_per_token == 0,
@@ -85,73 +47,19 @@ int64_t image_tokens(const StepShape& shape, int64_t pixels_per_token) {
   return (shape.height / pixels_per_token) * (shape.width / pixels_per_token);
 }
 
-// Counts of the live tensors, in units of the inner dim D per token, read from the block code.
-// Attention phase, at the scores' peak (the product with v): full are the block input and its
-// normed, modulated copy (2); local are q, k after the per-head RMSNorm and v (3), q and k after
-// RoPE (2, the normed ones stay referenced), and the product's operand copy and output (2): 7.
-// Double blocks also hold the joint [text; image] cat of q, k, v: +3.
-StepModel flux_step(const FluxTransformer2DModelConfig& config, const StepShape& shape) {
-  const int64_t n = image_tokens(shape, 16);
-  const int64_t s = n + shape.text_tokens;
-  const int64_t d = config.inner_dim();
-  const int64_t mlp = 4 * d;
-  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
-  if (config.num_single_layers > 0) {
-    // Single block: MLP hidden (gelu in place) beside attention; then cat[attn | mlp] into
-    // proj_out, its full output, the gated residual.
-    step.phases.push_back({s, 2 * d, 7 * d + mlp, true});
-    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
-  }
-  if (config.num_layers > 0) {
-    step.phases.push_back({s, 2 * d, 10 * d, true});
-    // Feed-forward of the image stream: hidden, normed, output full; GELU hidden local.
-    step.phases.push_back({n, 3 * d, mlp});
-  }
-  return step;
-}
-
-StepModel flux2_step(const Flux2Transformer2DModelConfig& config, const StepShape& shape) {
-  const int64_t n = image_tokens(shape, 16);
-  const int64_t s = n + shape.text_tokens;
-  const int64_t d = config.inner_dim();
-  const int64_t mlp = config.mlp_hidden_dim();
-  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
-  if (config.num_single_layers > 0) {
-    // Single block: the fused [q|k|v|gate|up] output (v stays a view of it) and the SwiGLU
-    // result beside the normed and rotated q, k and the product's operands.
-    step.phases.push_back({s, 2 * d, (3 * d + 2 * mlp) + mlp + 6 * d, true});
-    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
-  }
-  if (config.num_layers > 0) {
-    step.phases.push_back({s, 2 * d, 10 * d, true});
-    // SwiGLU feed-forward: [gate | up] and the product local.
-    step.phases.push_back({n, 3 * d, 3 * mlp});
-  }
-  return step;
-}
-
-StepModel qwen_image_step(const QwenImageTransformer2DModelConfig& config, const StepShape& shape) {
-  const int64_t n = image_tokens(shape, 8 * config.patch_size);
-  const int64_t s = n + shape.text_tokens;
-  const int64_t d = config.inner_dim();
-  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
-  step.phases.push_back({s, 2 * d, 10 * d, true});
-  step.phases.push_back({n, 3 * d, 4 * d});
-  return step;
-}
+namespace {
 
 StepModel step_model(const parallel::TensorParallelModule& model, const StepShape& shape) {
-  if (const auto* flux = dynamic_cast<const FluxTransformer2DModel*>(&model)) return flux_step(flux->config, shape);
-  if (const auto* flux2 = dynamic_cast<const Flux2Transformer2DModel*>(&model)) return flux2_step(flux2->config, shape);
-  if (const auto* qwen = dynamic_cast<const QwenImageTransformer2DModel*>(&model)) {
-    return qwen_image_step(qwen->config, shape);
-  }
-  TORCH_CHECK(false, model.type_name(), ": no activation estimate for this class");
+  const auto* joint = dynamic_cast<const JointTransformer2DModel*>(&model);
+  TORCH_CHECK(joint != nullptr, model.type_name(), ": no activation estimate for this class");
+  return joint->step_model(shape);
 }
 
 /// The attention scores one rank holds at once.
 int64_t scores_bytes(const StepModel& step, int tp_degree, at::ScalarType dtype, const StepShape& shape) {
-  if (shape.backend == AttentionBackend::MemoryEfficient) return 0;
+  if (shape.attention_backend == "memory_efficient") return 0;
+  TORCH_CHECK(shape.attention_backend == "math", "attention backend '", shape.attention_backend,
+              "': the estimate knows 'math' (scores in head groups) and 'memory_efficient' (no score matrix)");
   const int64_t local_heads = step.heads / tp_degree;
   const int64_t per_head = shape.batch * step.attention_tokens * step.attention_tokens * 4;
   const int64_t group = std::clamp<int64_t>(shape.scores_budget_bytes / per_head, 1, std::max<int64_t>(1, local_heads));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shardit/io/model_folder.h"
+#include "shardit/models/activation_model.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
 
@@ -34,34 +35,11 @@ struct ComponentMemory {
 /// Counts of a resolved plan (the largest rank wins when slices are uneven).
 ComponentMemory memory_of(const parallel::ResolvedPlan& resolved);
 
-/// The attention implementation a step is estimated for.
-enum class AttentionBackend {
-  /// Scores materialised per group of heads, each group's fp32 scores under a budget (the math
-  /// backend of nn/attention.cpp; at least one head per group whatever the budget).
-  Math,
-  /// Scores never materialised beyond one block of keys per query block (flash-style kernels).
-  MemoryEfficient,
-};
-/// "math", "memory-efficient".
-const char* attention_backend_name(AttentionBackend backend);
-/// The backend named `name`; an error listing the names otherwise.
-AttentionBackend parse_attention_backend(const std::string& name);
-
-/// The inputs of one step whose activations are estimated.
-struct StepShape {
-  int64_t height = 1024;  ///< image pixels
-  int64_t width = 1024;
-  int64_t batch = 1;
-  int64_t text_tokens = 512;
-  AttentionBackend backend = AttentionBackend::Math;
-  /// Math backend: the fp32 scores of one head group stay under this (nn/attention.cpp).
-  int64_t scores_budget_bytes = int64_t{256} << 20;
-};
-
 /// Peak bytes of the activations one rank holds during one forward of `model` (a transformer
 /// class of the registry) at TP=`tp_degree`, in `dtype`: the live tensors of the block with the
-/// largest working set, plus the attention scores of the chosen backend. Weights not included.
-/// An error naming the class when it has no estimate.
+/// largest working set (the model's own step_model), plus the attention scores of the chosen
+/// backend. Weights not included. An error naming the class when it has no estimate, or the
+/// backend when it has none.
 int64_t transformer_step_activation_bytes(const parallel::TensorParallelModule& model, int tp_degree,
                                           at::ScalarType dtype, const StepShape& shape);
 

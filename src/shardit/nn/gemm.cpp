@@ -3,20 +3,18 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <dlfcn.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
 
-#include "shardit/core/cpu_features.h"
 #include "shardit/nn/cpu/amx_gemm.h"
+#include "shardit/nn/cpu/blas_core.h"
+#include "shardit/nn/cpu/dispatch.h"
 
 namespace shardit::nn {
 
@@ -140,57 +138,11 @@ GemmProbe gemm_probe() {
   return probes.emplace(threads, run_probe(threads)).first->second;
 }
 
-std::string blas_core_name() {
-  using CoreName = char* (*)();
-  const auto core_name = reinterpret_cast<CoreName>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  if (core_name == nullptr) return "";
-  const char* name = core_name();
-  return name == nullptr ? "" : name;
-}
-
-int blas_vector_level(const std::string& core_name) {
-  std::string name;
-  for (char c : core_name) name += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  for (const char* avx512 : {"skylakex", "cooperlake", "sapphirerapids"}) {
-    if (name == avx512) return 3;
-  }
-  for (const char* avx2 : {"haswell", "zen", "excavator"}) {
-    if (name == avx2) return 2;
-  }
-  for (const char* older : {"prescott", "core2", "penryn", "dunnington", "nehalem", "atom", "sandybridge",
-                            "bulldozer", "piledriver", "steamroller", "barcelona", "opteron", "katmai",
-                            "coppermine", "northwood", "athlon", "bobcat", "nano"}) {
-    if (name == older) return 1;
-  }
-  return 0;
-}
-
-std::string better_blas_core() {
-  const int blas_level = blas_vector_level(blas_core_name());
-  const int cpu_level = cpu_features().vector_level();
-  if (blas_level == 0 || blas_level >= cpu_level) return "";
-  return cpu_level == 3 ? "SkylakeX" : (cpu_level == 2 ? "Haswell" : "");
-}
-
-void exec_with_cpu_blas_kernels(char** argv) {
-  // SHARDIT_KEEP_BLAS_CORE: the user's way to keep OpenBLAS's own choice, and the guard against
-  // executing again when a build of OpenBLAS lacks the core asked for.
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || std::getenv("SHARDIT_KEEP_BLAS_CORE") != nullptr) return;
-  const std::string core = better_blas_core();
-  if (core.empty()) return;
-  ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-  ::setenv("SHARDIT_KEEP_BLAS_CORE", "1", 1);
-  ::execv("/proc/self/exe", argv);
-  // The exec failed (no /proc): run on with OpenBLAS's own choice, as the ranks it starts will.
-  ::unsetenv("OPENBLAS_CORETYPE");
-  ::unsetenv("SHARDIT_KEEP_BLAS_CORE");
-}
-
 GemmBackend auto_gemm_backend() {
   static const GemmBackend choice = [] {
     if (!onednn_available()) return GemmBackend::Blas;
-    const int blas_level = blas_vector_level(blas_core_name());
-    return blas_level > 0 && blas_level < cpu_features().vector_level() ? GemmBackend::OneDnn : GemmBackend::Blas;
+    const int blas_level = cpu::blas_vector_level(cpu::blas_core_name());
+    return blas_level > 0 && blas_level < cpu::cpu_vector_level() ? GemmBackend::OneDnn : GemmBackend::Blas;
   }();
   return choice;
 }
@@ -199,10 +151,10 @@ std::string gemm_kernel_summary() {
   const GemmBackend selected = gemm_backend_selection();
   const GemmBackend large =
       selected == GemmBackend::Auto || selected == GemmBackend::Amx ? auto_gemm_backend() : selected;
-  const std::string core = blas_core_name();
+  const std::string core = cpu::blas_core_name();
   const bool bf16_on_amx = linear_on_amx(at::kCPU, at::kBFloat16, 4096, 3072, 3072);
   return std::string(gemm_backend_name(large)) + (selected == GemmBackend::Auto ? " (auto" : " (set") +
-         "; BLAS core " + (core.empty() ? std::string("unknown") : core) + "; cpu " + cpu_features().to_string() +
+         "; BLAS core " + (core.empty() ? std::string("unknown") : core) + "; kernels " + cpu::cpu_isa_summary() +
          "; bf16 Linears on " + (bf16_on_amx ? "amx" : "at::linear") + ")";
 }
 

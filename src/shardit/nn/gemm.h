@@ -58,37 +58,14 @@ struct GemmProbe {
 /// Runs (once per thread count, then cached) and returns the probe for the current thread count.
 GemmProbe gemm_probe();
 
-/// The vector set the BLAS library's kernels use, from its core name: 3 AVX-512 (SkylakeX,
-/// Cooperlake, SapphireRapids), 2 AVX2 (Haswell, Zen, Excavator), 1 older (Prescott, Nehalem,
-/// Sandybridge, ...), 0 unknown (no OpenBLAS, or a name not in the table).
-int blas_vector_level(const std::string& core_name);
-
 /// What "auto" takes for large fp32 products on CPU: OneDnn when oneDNN is built in and the BLAS
-/// kernels' vector set is known and narrower than this CPU's (cpu_features()), else Blas. The
-/// same on every run of a build on a machine.
+/// kernels' vector set is known and narrower than the one the kernels may use (cpu/blas_core.h,
+/// cpu/dispatch.h), else Blas. The same on every run of a build on a machine.
 GemmBackend auto_gemm_backend();
 
 /// One line for start-up messages and the bench: "blas (auto; BLAS core Haswell; cpu avx2 fma ...;
 /// bf16 Linears on at::linear)".
 std::string gemm_kernel_summary();
-
-/// The name of the kernel set the BLAS library chose for this CPU ("Prescott", "SkylakeX", ...)
-/// where it says (OpenBLAS's openblas_get_corename), "" otherwise. OPENBLAS_CORETYPE overrides
-/// OpenBLAS's choice at process start.
-std::string blas_core_name();
-
-/// The OpenBLAS core whose kernels use this CPU's vector set ("SkylakeX" for AVX-512, "Haswell"
-/// for AVX2 with FMA) when the core OpenBLAS chose at start-up is a narrower one (Debian 12's
-/// OpenBLAS names AMD Zen 4 "Haswell" and some Xeons "Prescott"), "" when its choice is right,
-/// unknown, or not OpenBLAS's. From cpuid and the core name only: the same on every run.
-std::string better_blas_core();
-
-/// Makes every shardit program run OpenBLAS's kernels for this CPU: when better_blas_core() names
-/// one and neither OPENBLAS_CORETYPE nor SHARDIT_KEEP_BLAS_CORE is set, sets OPENBLAS_CORETYPE to it
-/// and executes the program again (OpenBLAS reads it only when it loads, before main). The ranks a
-/// program launches inherit it. Returns (doing nothing) where it does not apply or the exec fails.
-/// Call first thing in main.
-void exec_with_cpu_blas_kernels(char** argv);
 
 /// The kernel that a product of `rows` rows of `dtype` on `device` goes to under the current
 /// selection: Blas or OneDnn. Off CPU, for dtypes other than fp32, and for products too small to

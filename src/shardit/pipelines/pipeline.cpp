@@ -1,5 +1,5 @@
 #include "shardit/pipelines/pipeline.h"
-#include "shardit/pipelines/prompt_encoders.h"
+#include "shardit/pipelines/auto_pipeline.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/ScopeExit.h>
@@ -26,9 +26,6 @@
 #include "shardit/nn/inputs.h"
 #include "shardit/nn/int8_compute.h"
 #include "shardit/nn/linear.h"
-#include "shardit/pipelines/pipeline_flux.h"
-#include "shardit/pipelines/pipeline_flux2_klein.h"
-#include "shardit/pipelines/pipeline_qwenimage.h"
 
 namespace shardit::pipelines {
 
@@ -310,6 +307,10 @@ at::Tensor DiffusionPipeline::guided(
   return combine(both[0], both[1]);
 }
 
+const PromptEncoderRecipe& DiffusionPipeline::prompt_encoding() const {
+  return pipeline_class(class_name(), "the pipeline class").prompt_encoder;
+}
+
 void DiffusionPipeline::load() {
   if (loaded_) return;
   check_parallel();
@@ -342,14 +343,14 @@ void DiffusionPipeline::load() {
   const std::vector<models::LoraFile> adapter_files = models::open_lora_files(options_.lora, *transformer_);
   // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,
   // rather than after the (larger) transformer has loaded.
-  if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name())) {
+  if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, prompt_encoding())) {
     TextEncoderLoadOptions text;
     text.dtype = options_.dtype;
     text.device = options_.device;
     text.tp_degree = options_.text_encoder_tp;
     text.transformer_tp_degree = options_.parallel.dims.tp;
     text.replica_size = replica_size;
-    prompt_encoder_ = load_prompt_encoder(folder_, class_name(), text);
+    prompt_encoder_ = load_prompt_encoder(folder_, class_name(), prompt_encoding(), text);
   }
   transformer_->load(transformer_weights_, load);
   lora_ = std::make_unique<parallel::LoraAdapters>(*transformer_);
@@ -406,7 +407,7 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
     num_prompts = request.prompt_embeds->num_prompts();
   }
   if (!request.prompt_embeds && !request.prompt.empty() && !prompt_encoder_) {
-    TORCH_CHECK(options_.load_text_encoders && has_prompt_encoder_components(folder_, class_name()), folder_.root(),
+    TORCH_CHECK(options_.load_text_encoders && has_prompt_encoder_components(folder_, prompt_encoding()), folder_.root(),
                 ": prompts given as text, but the ", class_name(),
                 " has no text encoder to encode them (model_index.json needs its tokenizer and text_encoder "
                 "components, or pass prompt embeddings instead)");
@@ -831,39 +832,6 @@ at::Tensor DiffusionPipeline::decode_image(const at::Tensor& vae_latents) const 
               "transformer or the VAE, or an input, holds NaN or infinite values; no image is written");
   // VaeImageProcessor.postprocess(output_type="np"): [-1, 1] -> [0, 1], NCHW -> NHWC.
   return (sample.to(at::kFloat) / 2 + 0.5).clamp(0, 1).permute({0, 2, 3, 1}).contiguous().to(at::kCPU);
-}
-
-std::unique_ptr<DiffusionPipeline> DiffusionPipeline::open(const std::string& path,
-                                                           const PipelineLoadOptions& options) {
-  io::ModelFolder folder = io::ModelFolder::open(path);
-  TORCH_CHECK(folder.is_pipeline(), path, " has no model_index.json; give a diffusers pipeline folder");
-  const std::string name = options.pipeline_class.value_or(folder.model_index().value("_class_name", std::string()));
-  std::unique_ptr<DiffusionPipeline> pipeline;
-  if (name == "FluxPipeline") {
-    pipeline = std::make_unique<FluxPipeline>(std::move(folder), options);
-  } else if (name == "FluxKontextPipeline") {
-    pipeline = std::make_unique<FluxKontextPipeline>(std::move(folder), options);
-  } else if (name == "Flux2KleinPipeline") {
-    pipeline = std::make_unique<Flux2KleinPipeline>(std::move(folder), options);
-  } else if (name == "Flux2Pipeline") {
-    pipeline = std::make_unique<Flux2Pipeline>(std::move(folder), options);
-  } else if (name == "QwenImagePipeline") {
-    pipeline = std::make_unique<QwenImagePipeline>(std::move(folder), options);
-  } else {
-    TORCH_CHECK(false, options.pipeline_class ? std::string("--pipeline") : path + "/model_index.json: _class_name",
-                " '", name,
-                "' is not a supported pipeline (supported: FluxPipeline, FluxKontextPipeline, Flux2KleinPipeline, "
-                "Flux2Pipeline, QwenImagePipeline)");
-  }
-  pipeline->check_parallel();
-  return pipeline;
-}
-
-std::unique_ptr<DiffusionPipeline> DiffusionPipeline::from_pretrained(const std::string& path,
-                                                                      const PipelineLoadOptions& options) {
-  auto pipeline = open(path, options);
-  pipeline->load();
-  return pipeline;
 }
 
 }  // namespace shardit::pipelines

@@ -41,6 +41,8 @@ struct PromptEmbeds {
 /// negative prompt (`prefix` is "" or "negative_"). nullopt when `<prefix>prompt_embeds` is absent.
 std::optional<PromptEmbeds> read_prompt_embeds(const std::string& path, const std::string& prefix = "");
 
+struct PromptEncoderRecipe;
+
 /// Turns prompts into PromptEmbeds for one pipeline family: what the text encoders provide
 /// (CLIP + T5 for FLUX.1, Qwen3 for FLUX.2 klein, Qwen2.5-VL for Qwen-Image), tokenizing and
 /// templating included.
@@ -221,10 +223,10 @@ struct PipelineLoadOptions {
 class DiffusionPipeline {
  public:
   virtual ~DiffusionPipeline() = default;
-  /// Opens a diffusers pipeline folder and builds the pipeline its model_index.json names
-  /// (FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline), weights not yet
-  /// loaded (see load()).
-  /// Every component the pipeline needs is checked to be there (named when missing).
+  /// Opens a diffusers pipeline folder and builds the pipeline its model_index.json names (or
+  /// options.pipeline_class), from the table of pipeline classes (auto_pipeline.h), weights not
+  /// yet loaded (see load()). Every component the pipeline needs is checked to be there (named
+  /// when missing). Defined with that table, in auto_pipeline.cpp.
   static std::unique_ptr<DiffusionPipeline> open(const std::string& path, const PipelineLoadOptions& options = {});
   /// open() then load().
   static std::unique_ptr<DiffusionPipeline> from_pretrained(const std::string& path,
@@ -237,6 +239,8 @@ class DiffusionPipeline {
 
   /// The pipeline class ("FluxPipeline").
   virtual std::string class_name() const = 0;
+  /// Its prompt encoding: the row of class_name() in the pipeline table (auto_pipeline.h).
+  const PromptEncoderRecipe& prompt_encoding() const;
   /// Checks a request against the pipeline's components without loading or computing anything:
   /// steps, sizes, the prompt embeddings' widths and dtypes, the latents' shape, and under
   /// CFG-parallel that the request runs CFG. generate() makes the same checks; call this first to

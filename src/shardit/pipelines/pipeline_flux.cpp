@@ -2,9 +2,55 @@
 
 #include <cmath>
 
+#include "shardit/models/clip/modeling_clip.h"
+#include "shardit/models/t5/modeling_t5.h"
 #include "shardit/pipelines/image_processor.h"
 
 namespace shardit::pipelines {
+
+namespace {
+
+/// FluxPipeline.tokenizer_max_length (CLIPTokenizer.model_max_length).
+constexpr int64_t kClipMaxLength = 77;
+
+/// FluxPipeline.encode_prompt: CLIP's pooled output and T5's last hidden state.
+class FluxPromptEncoder : public PromptEncoder {
+ public:
+  FluxPromptEncoder(std::unique_ptr<tokenizers::Tokenizer> clip_tokenizer, std::shared_ptr<models::CLIPTextModel> clip,
+                    std::unique_ptr<tokenizers::Tokenizer> t5_tokenizer, std::shared_ptr<models::T5EncoderModel> t5)
+      : clip_tokenizer_(std::move(clip_tokenizer)),
+        clip_(std::move(clip)),
+        t5_tokenizer_(std::move(t5_tokenizer)),
+        t5_(std::move(t5)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const at::Tensor clip_ids =
+        token_rows((*clip_tokenizer_)(prompts, kClipMaxLength, tokenizers::Padding::MaxLength), false);
+    const at::Tensor t5_ids =
+        token_rows((*t5_tokenizer_)(prompts, max_sequence_length, tokenizers::Padding::MaxLength), false);
+    PromptEmbeds out;
+    out.pooled_prompt_embeds = models::flux_clip_prompt_embeds(*clip_, clip_ids.to(clip_->device()));
+    out.prompt_embeds = models::flux_t5_prompt_embeds(*t5_, t5_ids.to(t5_->device()));
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> clip_tokenizer_;
+  std::shared_ptr<models::CLIPTextModel> clip_;
+  std::unique_ptr<tokenizers::Tokenizer> t5_tokenizer_;
+  std::shared_ptr<models::T5EncoderModel> t5_;
+};
+
+}  // namespace
+
+PromptEncoderRecipe FluxPipeline::prompt_encoder_recipe() {
+  return {{{"tokenizer", "text_encoder", "CLIPTextModel", {}}, {"tokenizer_2", "text_encoder_2", "T5EncoderModel", {}}},
+          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+            return std::make_shared<FluxPromptEncoder>(
+                std::move(tokenizer_list[0]), encoder_as<models::CLIPTextModel>(encoders[0]), std::move(tokenizer_list[1]),
+                encoder_as<models::T5EncoderModel>(encoders[1]));
+          }};
+}
 
 FluxPipeline::FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
     : FluxPipeline(std::move(folder), options, "FluxPipeline") {}

@@ -7,6 +7,7 @@
 
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/prompt_encoders.h"
 
 namespace shardit::pipelines {
 
@@ -16,6 +17,11 @@ namespace shardit::pipelines {
 class FluxPipeline : public DiffusionPipeline {
  public:
   FluxPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  /// FluxPipeline.encode_prompt: CLIP's pooled output (tokenizer, text_encoder) and T5's last
+  /// hidden state (tokenizer_2, text_encoder_2).
+  static PromptEncoderRecipe prompt_encoder_recipe();
+  /// Its schedule's name for `shardit schedule --family` (calculate_shift).
+  static constexpr const char* kScheduleFamily = "flux1";
   std::string class_name() const override { return "FluxPipeline"; }
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;

@@ -1,6 +1,11 @@
 #include "shardit/pipelines/pipeline_flux2_klein.h"
 
+#include <fmt/format.h>
+
+#include "shardit/models/mistral/modeling_mistral3.h"
+#include "shardit/models/qwen/modeling_qwen3.h"
 #include "shardit/pipelines/image_processor.h"
+#include "shardit/tokenizers/prompt_templates.h"
 
 namespace shardit::pipelines {
 
@@ -8,7 +13,70 @@ namespace {
 
 constexpr double kDefaultGuidanceScale = 4.0;
 
+/// The FLUX.2 pipelines' encode_prompt: the tokenizer call of the pipeline's template, then a
+/// stack of the decoder's hidden states. Flux2KleinPipeline: Qwen3, its chat template, hidden
+/// states 9/18/27. Flux2Pipeline: Mistral-3, the system message and chat template (left-padded to
+/// max_sequence_length), hidden states 10/20/30.
+template <class Model>
+class Flux2PromptEncoder : public PromptEncoder {
+ public:
+  using Tokenize = std::vector<tokenizers::Encoding> (*)(const tokenizers::Tokenizer&, const std::vector<std::string>&,
+                                                          int64_t);
+  using Embed = at::Tensor (*)(Model&, const at::Tensor&, const at::Tensor&, const std::vector<int64_t>&);
+
+  Flux2PromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer, std::shared_ptr<Model> encoder,
+                     Tokenize tokenize, Embed embed, std::vector<int64_t> layers)
+      : tokenizer_(std::move(tokenizer)),
+        encoder_(std::move(encoder)),
+        tokenize_(tokenize),
+        embed_(embed),
+        layers_(std::move(layers)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const auto rows = tokenize_(*tokenizer_, prompts, max_sequence_length);
+    PromptEmbeds out;
+    out.prompt_embeds = embed_(*encoder_, token_rows(rows, false).to(encoder_->device()),
+                               token_rows(rows, true).to(encoder_->device()), layers_);
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> tokenizer_;
+  std::shared_ptr<Model> encoder_;
+  Tokenize tokenize_;
+  Embed embed_;
+  std::vector<int64_t> layers_;
+};
+
 }  // namespace
+
+PromptEncoderRecipe Flux2KleinPipeline::prompt_encoder_recipe() {
+  return {{{"tokenizer", "text_encoder", "Qwen3ForCausalLM", {}}},
+          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+            return std::make_shared<Flux2PromptEncoder<models::Qwen3ForCausalLM>>(
+                std::move(tokenizer_list[0]), encoder_as<models::Qwen3ForCausalLM>(encoders[0]),
+                &tokenizers::encode_flux2_klein_prompts, &models::flux2_klein_prompt_embeds,
+                models::flux2_klein_hidden_states_layers());
+          }};
+}
+
+PromptEncoderRecipe Flux2Pipeline::prompt_encoder_recipe() {
+  // Only the layers up to the last stacked hidden state are built and loaded.
+  const auto build_part = [](const io::ComponentFolder& folder) -> HeldTextEncoder {
+    const auto config = models::Mistral3Config::from_json(folder.config, folder.dir + "/config.json");
+    auto model = models::flux2_dev_text_encoder(config);
+    const int64_t built = static_cast<int64_t>(model->language_model->model->layers->size());
+    const int64_t layers = config.text_config.num_hidden_layers;
+    return {model, built == layers ? std::string() : fmt::format("layers 1-{} of {}", built, layers)};
+  };
+  return {{{"tokenizer", "text_encoder", "Mistral3ForConditionalGeneration", build_part}},
+          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+            return std::make_shared<Flux2PromptEncoder<models::Mistral3ForConditionalGeneration>>(
+                std::move(tokenizer_list[0]), encoder_as<models::Mistral3ForConditionalGeneration>(encoders[0]),
+                &tokenizers::encode_flux2_dev_prompts, &models::flux2_dev_prompt_embeds,
+                models::flux2_dev_hidden_states_layers());
+          }};
+}
 
 Flux2KleinPipeline::Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
     : Flux2KleinPipeline(std::move(folder), options, "Flux2KleinPipeline") {}

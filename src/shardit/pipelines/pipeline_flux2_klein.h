@@ -8,6 +8,7 @@
 
 #include "shardit/models/flux2/transformer_flux2.h"
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/prompt_encoders.h"
 
 namespace shardit::pipelines {
 
@@ -18,6 +19,10 @@ namespace shardit::pipelines {
 class Flux2KleinPipeline : public DiffusionPipeline {
  public:
   Flux2KleinPipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  /// Qwen3 on the chat-templated prompt, hidden states 9/18/27 stacked.
+  static PromptEncoderRecipe prompt_encoder_recipe();
+  /// Its schedule's name for `shardit schedule --family` (compute_empirical_mu, scheduler_mu).
+  static constexpr const char* kScheduleFamily = "flux2";
   std::string class_name() const override { return "Flux2KleinPipeline"; }
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;
@@ -64,6 +69,9 @@ class Flux2KleinPipeline : public DiffusionPipeline {
 class Flux2Pipeline : public Flux2KleinPipeline {
  public:
   Flux2Pipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  /// Mistral-3 on the system message and chat template (left-padded to max_sequence_length),
+  /// hidden states 10/20/30 stacked; only the layers up to the last of them are built and loaded.
+  static PromptEncoderRecipe prompt_encoder_recipe();
   std::string class_name() const override { return "Flux2Pipeline"; }
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;

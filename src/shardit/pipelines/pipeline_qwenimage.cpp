@@ -2,10 +2,50 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "shardit/core/notes.h"
 #include "shardit/dist/world.h"
+#include "shardit/models/qwen/modeling_qwen2_5_vl.h"
+#include "shardit/tokenizers/prompt_templates.h"
 
 namespace shardit::pipelines {
+
+namespace {
+
+/// QwenImagePipeline.encode_prompt: Qwen2.5-VL on the templated prompt, the template prefix
+/// dropped, cut to max_sequence_length, with the mask.
+class QwenImagePromptEncoder : public PromptEncoder {
+ public:
+  QwenImagePromptEncoder(std::unique_ptr<tokenizers::Tokenizer> tokenizer,
+                         std::shared_ptr<models::Qwen2_5_VLForConditionalGeneration> encoder)
+      : tokenizer_(std::move(tokenizer)), encoder_(std::move(encoder)) {}
+
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) override {
+    const auto rows = tokenizers::encode_qwenimage_prompts(*tokenizer_, prompts);
+    const models::QwenImagePromptEmbeds embeds = models::qwenimage_prompt_embeds(
+        *encoder_, token_rows(rows, false).to(encoder_->device()), token_rows(rows, true).to(encoder_->device()));
+    const int64_t length = std::min(max_sequence_length, embeds.prompt_embeds.size(1));
+    PromptEmbeds out;
+    out.prompt_embeds = embeds.prompt_embeds.slice(1, 0, length);
+    out.prompt_embeds_mask = embeds.prompt_embeds_mask.slice(1, 0, length);
+    return out;
+  }
+
+ private:
+  std::unique_ptr<tokenizers::Tokenizer> tokenizer_;
+  std::shared_ptr<models::Qwen2_5_VLForConditionalGeneration> encoder_;
+};
+
+}  // namespace
+
+PromptEncoderRecipe QwenImagePipeline::prompt_encoder_recipe() {
+  return {{{"tokenizer", "text_encoder", "Qwen2_5_VLForConditionalGeneration", {}}},
+          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+            return std::make_shared<QwenImagePromptEncoder>(
+                std::move(tokenizer_list[0]), encoder_as<models::Qwen2_5_VLForConditionalGeneration>(encoders[0]));
+          }};
+}
 
 QwenImagePipeline::QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
     : DiffusionPipeline(std::move(folder), options, "QwenImagePipeline", "QwenImageTransformer2DModel") {}

@@ -6,6 +6,7 @@
 
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
 #include "shardit/pipelines/pipeline.h"
+#include "shardit/pipelines/prompt_encoders.h"
 
 namespace shardit::pipelines {
 
@@ -17,6 +18,10 @@ namespace shardit::pipelines {
 class QwenImagePipeline : public DiffusionPipeline {
  public:
   QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options);
+  /// Qwen2.5-VL on the templated prompt, the template's prefix dropped, with the mask.
+  static PromptEncoderRecipe prompt_encoder_recipe();
+  /// Its schedule's name for `shardit schedule --family` (calculate_shift).
+  static constexpr const char* kScheduleFamily = "qwenimage";
   std::string class_name() const override { return "QwenImagePipeline"; }
   bool runs_cfg(const GenerateRequest& request) const override;
   std::string cfg_condition() const override;

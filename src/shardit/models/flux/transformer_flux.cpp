@@ -273,6 +273,87 @@ FluxTransformer2DModel::FluxTransformer2DModel(const FluxTransformer2DModelConfi
                                              inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
 }
 
+// Counts of the live tensors, in units of the inner dim D per token, read from the block code.
+// Attention phase, at the scores' peak (the product with v): full are the block input and its
+// normed, modulated copy (2); local are q, k after the per-head RMSNorm and v (3), q and k after
+// RoPE (2, the normed ones stay referenced), and the product's operand copy and output (2): 7.
+// Double blocks also hold the joint [text; image] cat of q, k, v: +3.
+StepModel FluxTransformer2DModel::step_model(const StepShape& shape) const {
+  const int64_t n = image_tokens(shape, 16);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  const int64_t mlp = 4 * d;
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  if (config.num_single_layers > 0) {
+    // Single block: MLP hidden (gelu in place) beside attention; then cat[attn | mlp] into
+    // proj_out, its full output, the gated residual.
+    step.phases.push_back({s, 2 * d, 7 * d + mlp, true});
+    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
+  }
+  if (config.num_layers > 0) {
+    step.phases.push_back({s, 2 * d, 10 * d, true});
+    // Feed-forward of the image stream: hidden, normed, output full; GELU hidden local.
+    step.phases.push_back({n, 3 * d, mlp});
+  }
+  return step;
+}
+
+FluxTransformer2DModelInputs FluxTransformer2DModelInputs::from_file(const io::SafetensorsFile& file) {
+  FluxTransformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  inputs.pooled_projections = file.read("pooled_projections");
+  inputs.timestep = file.read("timestep");
+  inputs.img_ids = file.read("img_ids");
+  inputs.txt_ids = file.read("txt_ids");
+  inputs.guidance = file.read_if_present("guidance");
+  return inputs;
+}
+
+at::Tensor FluxTransformer2DModel::forward_from_file(const io::SafetensorsFile& inputs) {
+  return forward(FluxTransformer2DModelInputs::from_file(inputs));
+}
+
+// diffusers' FLUX.1 LoRA conversions (kohya, BFL, XLabs; loaders/lora_conversion_utils.py):
+// BFL's fused qkv and linear1 split by rows; kohya's
+// sources outside the blocks are converted without the `transformer.` prefix and then not loaded.
+const LoraKeyConventions& FluxTransformer2DModel::lora_conventions() const {
+  static const LoraKeyConventions conventions = [] {
+    LoraKeyConventions c;
+    c.family = "FLUX.1";
+    c.bfl_double_block = {
+        {"img_attn_qkv", {"attn.to_q", "attn.to_k", "attn.to_v"}},
+        {"img_attn_proj", {"attn.to_out.0"}},
+        {"img_mlp_0", {"ff.net.0.proj"}},
+        {"img_mlp_2", {"ff.net.2"}},
+        {"img_mod_lin", {"norm1.linear"}},
+        {"txt_attn_qkv", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
+        {"txt_attn_proj", {"attn.to_add_out"}},
+        {"txt_mlp_0", {"ff_context.net.0.proj"}},
+        {"txt_mlp_2", {"ff_context.net.2"}},
+        {"txt_mod_lin", {"norm1_context.linear"}},
+    };
+    c.bfl_single_block = {
+        {"linear1", {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"}},
+        {"linear2", {"proj_out"}},
+        {"modulation_lin", {"norm.linear"}},
+    };
+    c.kohya_skipped_prefixes = {"img_in", "txt_in", "time_in_", "vector_in_", "guidance_in_", "final_layer_"};
+    c.xlabs_double_block = {
+        {"qkv_lora1", {"attn.to_q", "attn.to_k", "attn.to_v"}},
+        {"proj_lora1", {"attn.to_out.0"}},
+        {"qkv_lora2", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
+        {"proj_lora2", {"attn.to_add_out"}},
+    };
+    c.xlabs_single_block = {
+        {"qkv_lora", {"attn.to_q", "attn.to_k", "attn.to_v"}},
+        {"proj_lora", {"proj_out"}},
+    };
+    return c;
+  }();
+  return conventions;
+}
+
 std::vector<std::string> FluxTransformer2DModel::high_precision_modules() const {
   // Left dense by --weights-dtype (docs/quantization.md): the embedders, the modulation and the
   // output head. The modulation sets every token's shift, scale and gate in every block; the

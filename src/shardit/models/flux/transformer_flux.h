@@ -179,6 +179,9 @@ struct FluxTransformer2DModelInputs {
   at::Tensor img_ids;                ///< [N, 3] (a [B, N, 3] tensor is accepted; [0] is used)
   at::Tensor txt_ids;                ///< [L, 3] (likewise)
   std::optional<at::Tensor> guidance;  ///< [B] guidance scale (e.g. 3.5), also x1000 inside; required iff guidance_embeds
+
+  /// Read from a case file, by argument name (`guidance` optional).
+  static FluxTransformer2DModelInputs from_file(const io::SafetensorsFile& file);
 };
 
 /// The skeleton of its forward, norm_out / proj_out and traits() come from
@@ -195,6 +198,9 @@ class FluxTransformer2DModel : public JointTransformer2DModel {
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their ids split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
+  StepModel step_model(const StepShape& shape) const override;
+  at::Tensor forward_from_file(const io::SafetensorsFile& inputs) override;
+  const LoraKeyConventions& lora_conventions() const override;
   BlockCounts block_counts() const override {
     return {static_cast<int64_t>(transformer_blocks->size()), static_cast<int64_t>(single_transformer_blocks->size())};
   }

@@ -33,8 +33,6 @@ at::Tensor swiglu(const at::Tensor& x) {
   return at::silu(halves[0]).mul_(halves[1]);
 }
 
-/// Joint attention over q, k, v [B, S, H_local, hd] -> [B, S, H_local * hd].
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -300,6 +298,84 @@ Flux2Transformer2DModel::Flux2Transformer2DModel(const Flux2Transformer2DModelCo
                                          nn::AdaLayerNormContinuousOptions(inner_dim, inner_dim).with_eps(config.eps).with_bias(false)));
   proj_out = register_module(
       "proj_out", linear_no_bias(inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels()));
+}
+
+// Counts of the live tensors per token in units of D, as FluxTransformer2DModel::step_model's.
+StepModel Flux2Transformer2DModel::step_model(const StepShape& shape) const {
+  const int64_t n = image_tokens(shape, 16);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  const int64_t mlp = config.mlp_hidden_dim();
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  if (config.num_single_layers > 0) {
+    // Single block: the fused [q|k|v|gate|up] output (v stays a view of it) and the SwiGLU
+    // result beside the normed and rotated q, k and the product's operands.
+    step.phases.push_back({s, 2 * d, (3 * d + 2 * mlp) + mlp + 6 * d, true});
+    step.phases.push_back({s, 3 * d, 2 * (d + mlp)});
+  }
+  if (config.num_layers > 0) {
+    step.phases.push_back({s, 2 * d, 10 * d, true});
+    // SwiGLU feed-forward: [gate | up] and the product local.
+    step.phases.push_back({n, 3 * d, 3 * mlp});
+  }
+  return step;
+}
+
+Flux2Transformer2DModelInputs Flux2Transformer2DModelInputs::from_file(const io::SafetensorsFile& file) {
+  Flux2Transformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  inputs.timestep = file.read("timestep");
+  inputs.img_ids = file.read("img_ids");
+  inputs.txt_ids = file.read("txt_ids");
+  inputs.guidance = file.read_if_present("guidance");
+  return inputs;
+}
+
+at::Tensor Flux2Transformer2DModel::forward_from_file(const io::SafetensorsFile& inputs) {
+  return forward(Flux2Transformer2DModelInputs::from_file(inputs));
+}
+
+// diffusers' FLUX.2 LoRA conversions (kohya, BFL/ai-toolkit; loaders/lora_conversion_utils.py):
+// BFL's fused qkv split by rows; the single blocks' linear1/linear2 are the fused projections
+// here; BFL/ai-toolkit files carry no alphas (diffusers refuses them) and may hold diffusers block
+// names already.
+const LoraKeyConventions& Flux2Transformer2DModel::lora_conventions() const {
+  static const LoraKeyConventions conventions = [] {
+    LoraKeyConventions c;
+    c.family = "FLUX.2";
+    c.bfl_double_block = {
+        {"img_attn_qkv", {"attn.to_q", "attn.to_k", "attn.to_v"}},
+        {"img_attn_proj", {"attn.to_out.0"}},
+        {"img_mlp_0", {"ff.linear_in"}},
+        {"img_mlp_2", {"ff.linear_out"}},
+        {"txt_attn_qkv", {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}},
+        {"txt_attn_proj", {"attn.to_add_out"}},
+        {"txt_mlp_0", {"ff_context.linear_in"}},
+        {"txt_mlp_2", {"ff_context.linear_out"}},
+    };
+    c.bfl_single_block = {
+        {"linear1", {"attn.to_qkv_mlp_proj"}},
+        {"linear2", {"attn.to_out"}},
+    };
+    c.bfl_top_level = {
+        {"img_in", {"x_embedder"}},
+        {"txt_in", {"context_embedder"}},
+        {"time_in_in_layer", {"time_guidance_embed.timestep_embedder.linear_1"}},
+        {"time_in_out_layer", {"time_guidance_embed.timestep_embedder.linear_2"}},
+        {"guidance_in_in_layer", {"time_guidance_embed.guidance_embedder.linear_1"}},
+        {"guidance_in_out_layer", {"time_guidance_embed.guidance_embedder.linear_2"}},
+        {"final_layer_linear", {"proj_out"}},
+        {"final_layer_adaLN_modulation_1", {"norm_out.linear"}},
+        {"single_stream_modulation_lin", {"single_stream_modulation.linear"}},
+        {"double_stream_modulation_img_lin", {"double_stream_modulation_img.linear"}},
+        {"double_stream_modulation_txt_lin", {"double_stream_modulation_txt.linear"}},
+    };
+    c.bfl_names_may_be_diffusers = true;
+    c.bfl_refuses_alpha = true;
+    return c;
+  }();
+  return conventions;
 }
 
 std::vector<std::string> Flux2Transformer2DModel::high_precision_modules() const {

@@ -193,6 +193,9 @@ struct Flux2Transformer2DModelInputs {
   at::Tensor img_ids;                ///< [B, N, 4] or [N, 4] int64; [0] is used
   at::Tensor txt_ids;                ///< [B, L, 4] or [L, 4] int64; [0] is used
   std::optional<at::Tensor> guidance;  ///< [B], also x1000 inside; required iff guidance_embeds
+
+  /// Read from a case file, by argument name (`guidance` optional).
+  static Flux2Transformer2DModelInputs from_file(const io::SafetensorsFile& file);
 };
 
 /// The skeleton of its forward, norm_out / proj_out and traits() come from
@@ -209,6 +212,9 @@ class Flux2Transformer2DModel : public JointTransformer2DModel {
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
+  StepModel step_model(const StepShape& shape) const override;
+  at::Tensor forward_from_file(const io::SafetensorsFile& inputs) override;
+  const LoraKeyConventions& lora_conventions() const override;
   BlockCounts block_counts() const override {
     return {static_cast<int64_t>(transformer_blocks->size()), static_cast<int64_t>(single_transformer_blocks->size())};
   }

@@ -1,5 +1,6 @@
 #include "shardit/models/qwen_image/transformer_qwenimage.h"
 #include "shardit/io/file.h"
+#include "shardit/io/json.h"
 #include "shardit/core/profile.h"
 #include "shardit/nn/inputs.h"
 
@@ -258,6 +259,119 @@ QwenImageTransformer2DModel::QwenImageTransformer2DModel(const QwenImageTransfor
                                              nn::AdaLayerNormContinuousOptions(inner_dim, inner_dim).with_eps(kNormEps)));
   proj_out = register_module("proj_out", std::make_shared<nn::Linear>(nn::LinearOptions(
                                              inner_dim, config.patch_size * config.patch_size * config.resolved_out_channels())));
+}
+
+// Counts of the live tensors per token in units of D, as FluxTransformer2DModel::step_model's.
+StepModel QwenImageTransformer2DModel::step_model(const StepShape& shape) const {
+  const int64_t n = image_tokens(shape, 8 * config.patch_size);
+  const int64_t s = n + shape.text_tokens;
+  const int64_t d = config.inner_dim();
+  StepModel step{{}, s, config.num_attention_heads, config.attention_head_dim};
+  step.phases.push_back({s, 2 * d, 10 * d, true});
+  step.phases.push_back({n, 3 * d, 4 * d});
+  return step;
+}
+
+namespace {
+
+/// The directory part of a file path ("." when there is none).
+std::string parent_dir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+using QwenShapes = std::vector<std::vector<QwenImageShape>>;
+
+/// One (frame, height, width) grid read from a file, bounded so that the token counts of up to
+/// kMaxConfigLayers grids can never wrap around (which would pass the token-count check).
+QwenImageShape checked_grid(int64_t frame, int64_t height, int64_t width, const std::string& source) {
+  for (const int64_t value : {frame, height, width}) {
+    TORCH_CHECK(value >= 1 && value <= io::kMaxConfigDim, source, ": img_shapes grid (", frame, ", ", height, ", ",
+                width, ") has an entry out of the accepted range [1, ", io::kMaxConfigDim, "]");
+  }
+  // Each entry is at most 2^20, so the product fits 64 bits.
+  TORCH_CHECK(frame * height * width <= io::kMaxConfigDim * io::kMaxConfigDim, source, ": img_shapes grid (", frame,
+              ", ", height, ", ", width, ") holds more tokens than any image can");
+  return {frame, height, width};
+}
+
+/// img_shapes from an int64 tensor [B, K, 3] or [B, 3].
+QwenShapes shapes_from_tensor(const at::Tensor& tensor, const std::string& source) {
+  TORCH_CHECK((tensor.dim() == 2 || tensor.dim() == 3) && tensor.size(-1) == 3, source,
+              ": img_shapes must be [B, 3] or [B, K, 3] (frame, height, width), got ", tensor.sizes());
+  TORCH_CHECK(!at::isFloatingType(tensor.scalar_type()) && tensor.scalar_type() != at::kBool, source,
+              ": img_shapes must be an integer tensor, got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.dim() == 2 || tensor.size(1) <= io::kMaxConfigLayers, source, ": img_shapes lists ",
+              tensor.size(1), " grids per sample, more than ", io::kMaxConfigLayers);
+  const at::Tensor values = (tensor.dim() == 2 ? tensor.unsqueeze(1) : tensor).to(at::kLong).contiguous();
+  QwenShapes shapes(values.size(0));
+  const auto acc = values.accessor<int64_t, 3>();
+  for (int64_t b = 0; b < values.size(0); ++b) {
+    for (int64_t k = 0; k < values.size(1); ++k) {
+      shapes[b].push_back(checked_grid(acc[b][k][0], acc[b][k][1], acc[b][k][2], source));
+    }
+  }
+  return shapes;
+}
+
+/// img_shapes from inputs.json's non_tensor_kwargs: [[[f, h, w], ...], ...].
+QwenShapes shapes_from_json(const std::string& json_path) {
+  TORCH_CHECK(io::regular_file_problem(json_path).empty(), io::regular_file_problem(json_path),
+              "; QwenImageTransformer2DModel needs img_shapes (the (frame, height, width) token grid of each sample): ",
+              "put an `img_shapes` int64 tensor [B, K, 3] in the inputs file or `non_tensor_kwargs.img_shapes` in an ",
+              "inputs.json next to it");
+  const nlohmann::json json = io::read_json_file(json_path);
+  TORCH_CHECK(json.is_object() && json.contains("non_tensor_kwargs") && json["non_tensor_kwargs"].is_object() &&
+                  json["non_tensor_kwargs"].contains("img_shapes"),
+              json_path, ": no non_tensor_kwargs.img_shapes; QwenImageTransformer2DModel needs the token grid of ",
+              "each sample as [[[frame, height, width], ...], ...]");
+  const nlohmann::json& value = json["non_tensor_kwargs"]["img_shapes"];
+  TORCH_CHECK(value.is_array(), json_path, ": non_tensor_kwargs.img_shapes must be a list per sample");
+  QwenShapes shapes;
+  for (const auto& sample : value) {
+    TORCH_CHECK(sample.is_array() && sample.size() <= static_cast<size_t>(io::kMaxConfigLayers), json_path,
+                ": each img_shapes entry must be a list of at most ", io::kMaxConfigLayers, " [frame, height, width]");
+    std::vector<QwenImageShape> grids;
+    for (const auto& grid : sample) {
+      TORCH_CHECK(grid.is_array() && grid.size() == 3 && grid[0].is_number_integer() && grid[1].is_number_integer() &&
+                      grid[2].is_number_integer(),
+                  json_path, ": each grid of img_shapes must be [frame, height, width] integers, got ", grid.dump());
+      grids.push_back(checked_grid(grid[0].get<int64_t>(), grid[1].get<int64_t>(), grid[2].get<int64_t>(), json_path));
+    }
+    shapes.push_back(std::move(grids));
+  }
+  return shapes;
+}
+
+}  // namespace
+
+QwenImageTransformer2DModelInputs QwenImageTransformer2DModelInputs::from_file(const io::SafetensorsFile& file) {
+  QwenImageTransformer2DModelInputs inputs;
+  inputs.hidden_states = file.read("hidden_states");
+  inputs.encoder_hidden_states = file.read("encoder_hidden_states");
+  inputs.encoder_hidden_states_mask = file.read_if_present("encoder_hidden_states_mask");
+  inputs.timestep = file.read("timestep");
+  inputs.img_shapes = file.contains("img_shapes") ? shapes_from_tensor(file.read("img_shapes"), file.path())
+                                                  : shapes_from_json(parent_dir(file.path()) + "/inputs.json");
+  return inputs;
+}
+
+at::Tensor QwenImageTransformer2DModel::forward_from_file(const io::SafetensorsFile& inputs) {
+  return forward(QwenImageTransformer2DModelInputs::from_file(inputs));
+}
+
+// diffusers' Qwen-Image LoRA conversion (loaders/lora_conversion_utils.py): kohya names are the diffusers module
+// paths with `_`, every kohya module has its alpha, and lora_A/lora_B files lose their alphas.
+const LoraKeyConventions& QwenImageTransformer2DModel::lora_conventions() const {
+  static const LoraKeyConventions conventions = [] {
+    LoraKeyConventions c;
+    c.family = "Qwen-Image";
+    c.lora_ab_names_drop_alpha = true;
+    c.kohya_requires_alpha = true;
+    return c;
+  }();
+  return conventions;
 }
 
 std::vector<std::string> QwenImageTransformer2DModel::high_precision_modules() const {

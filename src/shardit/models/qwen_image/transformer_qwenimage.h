@@ -152,6 +152,11 @@ struct QwenImageTransformer2DModelInputs {
   /// Per sample, the list of (frame, height, width) grids of its image tokens (diffusers'
   /// img_shapes). All samples must agree; their token counts must add up to N.
   std::vector<std::vector<QwenImageShape>> img_shapes;
+
+  /// Read from a case file, by argument name (encoder_hidden_states_mask optional); img_shapes from
+  /// an `img_shapes` int64 tensor ([B, K, 3] or [B, 3]) in the file if there is one, otherwise from
+  /// `non_tensor_kwargs.img_shapes` of the inputs.json next to the file.
+  static QwenImageTransformer2DModelInputs from_file(const io::SafetensorsFile& file);
 };
 
 /// The skeleton of its forward, norm_out / proj_out and traits() come from
@@ -168,6 +173,9 @@ class QwenImageTransformer2DModel : public JointTransformer2DModel {
   const parallel::TpPlan* reference_tp_plan() const override;
   /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
+  StepModel step_model(const StepShape& shape) const override;
+  at::Tensor forward_from_file(const io::SafetensorsFile& inputs) override;
+  const LoraKeyConventions& lora_conventions() const override;
   BlockCounts block_counts() const override { return {static_cast<int64_t>(transformer_blocks->size()), 0}; }
 
   /// One denoiser evaluation; returns the sample [B, N, patch_size^2 * out_channels] in the

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "shardit/models/registry.h"
 #include "shardit/models/vae/unet_2d_blocks.h"
 #include "shardit/nn/conv.h"
 #include "shardit/nn/group_norm.h"

@@ -21,11 +21,6 @@ namespace shardit::nn {
 
 namespace {
 
-// Scores for every head at once take B * H * S_q * S_kv floats: 2 GiB for FLUX.1 at 1024x1024
-// (24 heads, 4608 tokens), 27 GiB at 2048x2048. The reference processes heads in groups whose
-// scores stay under this budget; each group is still one large batched matmul.
-constexpr int64_t kScoresBudgetBytes = int64_t{256} << 20;
-
 at::Tensor math_attention_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const std::optional<at::Tensor>& mask, double scale) {
   // The two products on the selected GEMM kernel (nn/gemm.h): 4-D matmuls on BLAS, one product
@@ -151,7 +146,7 @@ at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t heads = q.size(1);
   const int64_t bytes_per_head = q.size(0) * q.size(2) * k.size(2) * static_cast<int64_t>(sizeof(float));
   const int64_t group =
-      std::max<int64_t>(1, std::min<int64_t>(heads, kScoresBudgetBytes / std::max<int64_t>(1, bytes_per_head)));
+      std::max<int64_t>(1, std::min<int64_t>(heads, kMathScoresBudgetBytes / std::max<int64_t>(1, bytes_per_head)));
   if (group >= heads) return math_attention_heads(q, k, v, mask, scale);
   // The heads dimension of a mask is its third from last ([H, S_q, S_kv] or [B, H, S_q, S_kv]); a
   // mask broadcast over heads (size 1 there, or fewer dimensions) applies to every group as it is.

@@ -21,6 +21,12 @@
 
 namespace shardit::nn {
 
+/// The "math" backend's bound on the fp32 scores of one group of heads. Scores for every head at
+/// once take B * H * S_q * S_kv floats: 2 GiB for FLUX.1 at 1024x1024 (24 heads, 4608 tokens),
+/// 27 GiB at 2048x2048; the reference processes heads in groups whose scores stay under this
+/// budget (at least one head), each group still one large batched matmul.
+constexpr int64_t kMathScoresBudgetBytes = int64_t{256} << 20;
+
 /// One attention call as a backend sees it: q [B, H, S_q, D], k and v [B, H, S_kv, D], mask
 /// (optional) broadcastable to [B, H, S_q, S_kv] (bool, true = attend; or additive), softmax scale.
 struct AttentionCall {

@@ -3,15 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#if defined(__linux__) && defined(__x86_64__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include <cstdlib>
 #include <memory>
 
-#include "shardit/core/cpu_features.h"
+#include "shardit/nn/cpu/dispatch.h"
 #include "shardit/nn/cpu/amx_gemm_kernel.h"
 #include "shardit/nn/cpu/growing_buffer.h"
 
@@ -19,25 +14,9 @@ namespace shardit::nn::cpu {
 
 namespace {
 
-/// Linux hands a process the AMX tile state (8 KiB of registers per thread) only when asked.
-bool os_grants_tile_state() {
-#if defined(__linux__) && defined(__x86_64__)
-  constexpr long kArchRequestXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kXfeatureTileData = 18;          // XFEATURE_XTILEDATA
-  return ::syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureTileData) == 0;
-#else
-  return false;
-#endif
-}
-
 std::string unavailable_reason() {
-  const CpuFeatures& cpu = cpu_features();
   if (!amx_gemm_kernel_built()) return "this build has no AMX kernel (the compiler lacks -mamx-tile/-mamx-bf16)";
-  if (!cpu.amx_bf16 || !cpu.avx512_bf16 || !cpu.avx512_bw_dq_vl) {
-    return "this CPU has no AMX-BF16 with AVX512-BF16 (cpu: " + cpu.to_string() + ")";
-  }
-  if (!os_grants_tile_state()) return "the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
-  return "";
+  return cpu_isa_refusal(CpuIsa::Amx);
 }
 
 const std::string& cached_reason() {

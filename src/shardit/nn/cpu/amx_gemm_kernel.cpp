@@ -22,8 +22,7 @@ void amx_bf16_linear_columns(const AmxLinearArgs& args, int64_t n_begin, int64_t
   for (int64_t block = 0; block < (n_end - n_begin) / 16; ++block) {
     const uint16_t* rows = args.w + (n_begin + 16 * block) * args.w_stride;
     for (int64_t s = 0; s < k_steps; ++s) {
-      pairs::transpose_16x16_u32(reinterpret_cast<const uint32_t*>(rows + 32 * s), args.w_stride / 2,
-                          scratch.packed_w + (block * k_steps + s) * 256);
+      pairs::transpose_16x16_pairs(rows + 32 * s, args.w_stride, scratch.packed_w + (block * k_steps + s) * 256);
     }
   }
   // The last rows when M is not a multiple of 32, zero-padded to 32 (a tile load reads 16 rows),

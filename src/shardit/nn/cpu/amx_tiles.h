@@ -23,7 +23,7 @@ struct TileConfig {
 };
 
 /// Every tile 16 rows of 64 bytes; loaded before a kernel's tile loops, released after them.
-inline void load_full_tiles() {
+static inline void load_full_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
@@ -33,7 +33,7 @@ inline void load_full_tiles() {
 }
 
 /// tmm0-3 = 0: a fresh 32 x 32 block of sums.
-inline void zero_sums_2x2() {
+static inline void zero_sums_2x2() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -43,7 +43,7 @@ inline void zero_sums_2x2() {
 /// One step of 32 along the depth: tmm0-3 += a (32 rows x 32 bf16, rows a_stride_bytes apart)
 /// times b0 and b1 (pair-layout tiles of 16 columns each, 1 KiB contiguous), each product issued as
 /// soon as its two tiles are in.
-inline void multiply_accumulate_2x2(const void* a, int64_t a_stride_bytes, const void* b0, const void* b1) {
+static inline void multiply_accumulate_2x2(const void* a, int64_t a_stride_bytes, const void* b0, const void* b1) {
   _tile_loadd(4, a, a_stride_bytes);
   _tile_loadd(6, b0, 64);
   _tile_dpbf16ps(0, 4, 6);
@@ -55,7 +55,7 @@ inline void multiply_accumulate_2x2(const void* a, int64_t a_stride_bytes, const
 }
 
 /// The 32 x 32 block of sums in tmm0-3 stored at c (rows `stride` floats apart).
-inline void store_sums_2x2(float* c, int64_t stride) {
+static inline void store_sums_2x2(float* c, int64_t stride) {
   const int64_t stride_bytes = stride * int64_t(sizeof(float));
   _tile_stored(0, c, stride_bytes);
   _tile_stored(1, c + 16, stride_bytes);
@@ -64,7 +64,7 @@ inline void store_sums_2x2(float* c, int64_t stride) {
 }
 
 /// The block of sums at c (rows `stride` floats apart) loaded into tmm0-3.
-inline void load_sums_2x2(const float* c, int64_t stride) {
+static inline void load_sums_2x2(const float* c, int64_t stride) {
   const int64_t stride_bytes = stride * int64_t(sizeof(float));
   _tile_loadd(0, c, stride_bytes);
   _tile_loadd(1, c + 16, stride_bytes);

@@ -20,20 +20,20 @@ namespace {
 using namespace attention_blocks;
 
 /// The 32-bit word at p (a pair of bf16) in every lane.
-inline __m512bh broadcast_pair(const uint16_t* p) {
+static inline __m512bh broadcast_pair(const uint16_t* p) {
   uint32_t word;
   memcpy(&word, p, sizeof(word));
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(word)));
 }
 
-inline __m512bh load_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+static inline __m512bh load_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
 /// sums [8 rows, 32 columns] (rows `sums_stride` floats apart) = sum over `pairs` steps i of the
 /// rows' pair i (a: rows a_stride apart, pairs consecutive) times the second operand's pair row i:
 /// 16 columns at pair_row(i), the next 16 `second_half` words further. 16 fp32 sums in
 /// registers; each step one vdpbf16ps per sum, the steps in order.
 template <class PairRow>
-inline void product_8x32(const uint16_t* a, int64_t a_stride, int64_t pairs, PairRow pair_row, int64_t second_half,
+static inline void product_8x32(const uint16_t* a, int64_t a_stride, int64_t pairs, PairRow pair_row, int64_t second_half,
                          float* sums, int64_t sums_stride) {
   __m512 acc[8][2];
 #pragma GCC unroll 8

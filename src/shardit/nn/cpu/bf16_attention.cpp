@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-#include "shardit/core/cpu_features.h"
+#include "shardit/nn/cpu/dispatch.h"
 #include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/cpu/growing_buffer.h"
 
@@ -34,10 +34,8 @@ const char* bf16_attention_kernel_name(Bf16AttentionKernel kernel) {
 
 std::string bf16_attention_kernel_unavailable_reason(Bf16AttentionKernel kernel) {
   if (kernel == Bf16AttentionKernel::amx) return amx_gemm_available() ? "" : amx_gemm_unavailable_reason();
-  const CpuFeatures& cpu = cpu_features();
-  if (!cpu.avx512_bw_dq_vl || !cpu.avx512_bf16) return "this CPU has no AVX512-BF16 (cpu: " + cpu.to_string() + ")";
   if (!avx512_bf16_attention_kernel_built()) return "this build has no AVX512-BF16 kernels (the compiler lacked -mavx512bf16)";
-  return "";
+  return cpu_isa_refusal(CpuIsa::Avx512Bf16);
 }
 
 bool bf16_attention_takes(Bf16AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k,

@@ -39,8 +39,7 @@ static inline void pack_keys_and_values(const Bf16AttentionArgs& args, const Bf1
       stride = D;
     }
     for (int64_t s = 0; s < d_steps; ++s) {
-      pairs::transpose_16x16_u32(reinterpret_cast<const uint32_t*>(keys + 32 * s), stride / 2,
-                                 scratch.packed_k + (b * d_steps + s) * 256);
+      pairs::transpose_16x16_pairs(keys + 32 * s, stride, scratch.packed_k + (b * d_steps + s) * 256);
     }
   }
   const __m512i zero = _mm512_setzero_si512();

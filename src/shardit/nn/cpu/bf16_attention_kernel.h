@@ -32,7 +32,7 @@ struct Bf16AttentionArgs {
 };
 
 /// The keys padded to a multiple of 32 (the products' step).
-inline int64_t attention_padded_keys(int64_t s_kv) { return (s_kv + 31) / 32 * 32; }
+static inline int64_t attention_padded_keys(int64_t s_kv) { return (s_kv + 31) / 32 * 32; }
 
 /// Blocking (fixed per kernel, so the order of every sum is too). Keys are taken key_chunk at a
 /// time: a chunk's laid-out keys and values stay in L2 while every query block of a group of
@@ -52,12 +52,12 @@ constexpr Bf16AttentionBlocking kAmxAttentionBlocking{1536, 8};
 /// 1536 and 4608 queries).
 constexpr Bf16AttentionBlocking kAvx512Bf16AttentionBlocking{1024, 8};
 
-inline Bf16AttentionBlocking attention_blocking(Bf16AttentionKernel kernel) {
+static inline Bf16AttentionBlocking attention_blocking(Bf16AttentionKernel kernel) {
   return kernel == Bf16AttentionKernel::amx ? kAmxAttentionBlocking : kAvx512Bf16AttentionBlocking;
 }
 
 /// The width of one chunk's rows of scores and weights: min(key_chunk, padded keys).
-inline int64_t attention_chunk_keys(int64_t s_kv, const Bf16AttentionBlocking& blocking) {
+static inline int64_t attention_chunk_keys(int64_t s_kv, const Bf16AttentionBlocking& blocking) {
   const int64_t padded = attention_padded_keys(s_kv);
   return padded < blocking.key_chunk ? padded : blocking.key_chunk;
 }

@@ -5,35 +5,33 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "shardit/core/cpu_features.h"
 #include "shardit/core/profile.h"
+#include "shardit/nn/cpu/dispatch.h"
 #include "shardit/nn/cpu/fused_table.h"
 
 namespace shardit::nn::cpu {
 
 namespace {
 
-/// The builds this CPU can run, best first, and "off" (LibTorch's operators).
+/// The builds the kernels may run here (cpu_isa(): this CPU, capped by SHARDIT_CPU_ISA), best
+/// first, and "off" (LibTorch's operators).
 const std::vector<FusedKernelTable>& runnable_builds() {
   static const std::vector<FusedKernelTable> builds = [] {
     std::vector<FusedKernelTable> out;
-    const CpuFeatures& cpu = cpu_features();
-    if (cpu.avx512_bw_dq_vl && cpu.fma && cpu.avx512_bf16) {
-      FusedKernelTable t = fused_kernels_avx512_bf16();
-      if (t.softmax_row_f32 != nullptr) out.push_back(t);
-    }
-    if (cpu.avx512_bw_dq_vl && cpu.fma) {
-      FusedKernelTable t = fused_kernels_avx512();
-      if (t.softmax_row_f32 != nullptr) out.push_back(t);
-    }
-    if (cpu.avx2 && cpu.fma) {
-      FusedKernelTable t = fused_kernels_avx2();
-      if (t.softmax_row_f32 != nullptr) out.push_back(t);
+    const std::pair<CpuIsa, FusedKernelTable (*)()> vector_builds[] = {
+        {CpuIsa::Avx512Bf16, &fused_kernels_avx512_bf16},
+        {CpuIsa::Avx512, &fused_kernels_avx512},
+        {CpuIsa::Avx2, &fused_kernels_avx2},
+    };
+    for (const auto& [isa, build] : vector_builds) {
+      if (!cpu_isa_allows(isa)) continue;
+      FusedKernelTable t = build();
+      if (t.softmax_row_f32 != nullptr) out.push_back(t);  // null: not compiled in this build
     }
     out.push_back(fused_kernels_default());
     FusedKernelTable off;
@@ -54,15 +52,8 @@ const FusedKernelTable& build_named(const std::string& name, const char* source)
               names);
 }
 
-/// The table the process runs: SHARDIT_FUSED_KERNELS, else the best this CPU has.
-const FusedKernelTable& process_kernels() {
-  static const FusedKernelTable& table = [&]() -> const FusedKernelTable& {
-    const char* setting = std::getenv("SHARDIT_FUSED_KERNELS");
-    if (setting != nullptr && *setting != '\0') return build_named(setting, "SHARDIT_FUSED_KERNELS");
-    return runnable_builds().front();
-  }();
-  return table;
-}
+/// The table the process runs: the best the kernels may use here.
+const FusedKernelTable& process_kernels() { return runnable_builds().front(); }
 
 std::atomic<const FusedKernelTable*> scoped_kernels{nullptr};
 

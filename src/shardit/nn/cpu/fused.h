@@ -5,11 +5,11 @@
 // passes with temporaries (and bf16 through scalar loops): in bf16 they were a third of a FLUX
 // step on CPU (docs/benchmarks.md).
 //
-// The kernel build (AVX-512, AVX2 or portable) is chosen from the CPU's features once per
-// process; every row is computed by one thread in a fixed order. So the same inputs give the
-// same bits on the same machine whatever its load or thread count. SHARDIT_FUSED_KERNELS picks
-// another build this CPU can run (avx2, default) or turns them off (LibTorch's operators then
-// run, as before), to compare.
+// The kernel build (AVX512-BF16, AVX-512, AVX2 or portable) is the best the instruction-set
+// dispatch allows (dispatch.h: this CPU, capped by SHARDIT_CPU_ISA), chosen once per process;
+// every row is computed by one thread in a fixed order. So the same inputs give the same bits on
+// the same machine whatever its load or thread count. FusedKernelsScope runs another build, or
+// none (LibTorch's operators), to compare.
 //
 // Each try_* returns false, having done nothing, for what it does not take (another device or
 // dtype, a layout it does not read, kernels off); the caller then runs LibTorch's operators.
@@ -20,14 +20,14 @@
 
 namespace shardit::nn::cpu {
 
-/// "avx512_bf16", "avx512", "avx2", "default" (the build this CPU runs), or "off".
+/// "avx512_bf16", "avx512", "avx2", "default" (the build the process runs), or "off".
 const char* fused_kernels_name();
 
-/// False when SHARDIT_FUSED_KERNELS=off.
+/// False while a FusedKernelsScope("off") lives.
 bool fused_kernels_enabled();
 
-/// The builds this CPU can run, best first ("avx512_bf16", "avx512", "avx2", "default"), then
-/// "off": the values SHARDIT_FUSED_KERNELS takes (unset: the first).
+/// The builds the kernels may run here, best first ("avx512_bf16", "avx512", "avx2", "default"),
+/// then "off": the values FusedKernelsScope takes (the process runs the first).
 std::vector<std::string> fused_kernel_builds();
 
 /// Runs the process on another build while it lives (process-wide, for tests and benchmarks that
