@@ -2,6 +2,8 @@
 // real HTTP client. The image equals `shardit generate`'s; bad requests get their documented
 // status and message while the server keeps serving; a full queue answers 429; a lost rank fails
 // /health and the server exits non-zero naming it; SIGTERM stops it with exit code 0.
+// The cases wait on what the server reports (a line, /health, a job's status, /metrics, an
+// answer), never on a clock: the hang deadline (kHangDeadline) only ends a hung case.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -46,6 +48,8 @@ using shardit::testing::make_temp_dir;
 using shardit::testing::run_command;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using shardit::testing::kHangDeadline;
+using shardit::testing::poll_until;
 using Clock = std::chrono::steady_clock;
 
 // The pipeline every case serves: the built-in tiny FLUX.1 pipeline, with its CLIP and T5 text
@@ -121,9 +125,9 @@ class Process {
   std::string log() const { return read_text(log_); }
 
   // The port from the "listening on http://host:port" line, once the model is loaded.
-  int wait_listening(std::chrono::seconds limit = std::chrono::seconds(180)) {
+  int wait_listening() {
     const std::regex line_re("listening on http://[^:]+:([0-9]+)");
-    const auto deadline = Clock::now() + limit;
+    const auto deadline = Clock::now() + kHangDeadline;
     while (Clock::now() < deadline) {
       std::smatch match;
       const std::string text = log();
@@ -134,8 +138,8 @@ class Process {
     return 0;
   }
 
-  // Whether the process exited within `limit` (its status in status()).
-  bool exited(std::chrono::milliseconds limit) {
+  // Whether the process exited within `limit` (its status in exit_code()).
+  bool exited(std::chrono::milliseconds limit = kHangDeadline) {
     const auto deadline = Clock::now() + limit;
     do {
       if (status_) return true;
@@ -172,8 +176,8 @@ std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<
 
 std::unique_ptr<httplib::Client> client(int port) {
   auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
-  c->set_read_timeout(std::chrono::seconds(120));
-  c->set_connection_timeout(std::chrono::seconds(5));
+  c->set_read_timeout(kHangDeadline);
+  c->set_connection_timeout(kHangDeadline);
   return c;
 }
 
@@ -203,24 +207,55 @@ class RawConnection {
     }
     return true;
   }
-  /// What the server sends until it closes the connection or `limit` passes.
-  std::string read_until_closed(std::chrono::milliseconds limit) {
+  /// What the server sends until it closes the connection (closed() then holds) or the hang
+  /// deadline passes.
+  std::string read_until_closed() {
     std::string text;
-    const auto deadline = Clock::now() + limit;
-    while (Clock::now() < deadline) {
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 50) <= 0) continue;
-      char buffer[65536];
-      const ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
-      if (n <= 0) break;
-      text.append(buffer, static_cast<size_t>(n));
-    }
+    const auto deadline = Clock::now() + kHangDeadline;
+    while (!closed_ && Clock::now() < deadline) receive(50, text);
     return text;
   }
+  /// One whole answer (its head, and as many body bytes as its Content-Length says), for a
+  /// connection the server keeps open; what came when the hang deadline passes.
+  std::string read_answer() {
+    std::string text;
+    const auto deadline = Clock::now() + kHangDeadline;
+    while (!closed_ && Clock::now() < deadline && !whole_answer(text)) receive(50, text);
+    return text;
+  }
+  /// Whether the server has sent anything, or closed the connection, that was not read yet.
+  bool answered() {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+  bool closed() const { return closed_; }
 
  private:
+  // Waits up to `wait_ms` for bytes and appends them; an end of stream or an error closes.
+  void receive(int wait_ms, std::string& text) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, wait_ms) <= 0) return;
+    char buffer[65536];
+    const ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
+    if (n <= 0) {
+      closed_ = true;
+      return;
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  static bool whole_answer(const std::string& text) {
+    const size_t head_end = text.find("\r\n\r\n");
+    if (head_end == std::string::npos) return false;
+    std::smatch match;
+    static const std::regex length_re("\r\n[Cc]ontent-[Ll]ength: *([0-9]+)\r\n");
+    const std::string head = text.substr(0, head_end + 2);
+    const size_t length = std::regex_search(head, match, length_re) ? std::stoul(match[1]) : 0;
+    return text.size() >= head_end + 4 + length;
+  }
+
   int fd_;
   bool connected_ = false;
+  bool closed_ = false;
 };
 
 std::string fmt_hex(size_t value) {
@@ -252,20 +287,23 @@ at::Tensor png_pixels(const std::string& b64, const std::string& dir, const std:
   return shardit::io::read_png(dir + "/" + name);
 }
 
-// Starts a long request (256x256, `steps` steps) and waits until /health says it runs; its answer
-// is the future's. False in `started` when it never started within 30 s.
-std::future<httplib::Result> start_long_request(int port, int steps, bool* started) {
+// The status of job `id` as GET /v1/jobs/{id} reports it ("" when it does not answer 200).
+std::string job_status(int port, const std::string& id) {
+  auto job = client(port)->Get(("/v1/jobs/" + id).c_str());
+  return job && job->status == 200 ? json::parse(job->body)["status"].get<std::string>() : "";
+}
+
+// Starts a long request (256x256, `steps` steps, X-Request-Id `id`) and waits until the server
+// reports its job running; its answer is the future's. False in `started` when it never started.
+std::future<httplib::Result> start_long_request(int port, int steps, const std::string& id, bool* started) {
   json slow = kValid;
   slow["size"] = "256x256";
   slow["num_inference_steps"] = steps;
-  auto answer = std::async(std::launch::async, [port, body = slow.dump()] { return post(port, body); });
-  const auto begin = Clock::now();
-  *started = false;
-  while (!*started && Clock::now() - begin < std::chrono::seconds(30)) {
-    auto h = client(port)->Get("/health");
-    *started = h && json::parse(h->body)["queue"]["running"].get<bool>();
-    if (!*started) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  auto answer = std::async(std::launch::async, [port, id, body = slow.dump()] {
+    return client(port)->Post("/v1/images/generations", httplib::Headers{{"X-Request-Id", id}}, body,
+                              "application/json");
+  });
+  *started = poll_until([&] { return job_status(port, id) == "running"; });
   return answer;
 }
 
@@ -349,7 +387,7 @@ TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
   EXPECT_THAT(metrics->body, HasSubstr("shardit_denoising_steps_total 6"));
 
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
   EXPECT_THAT(server->log(), HasSubstr("shardit serve: stopped"));
 }
@@ -416,7 +454,7 @@ TEST(Serve, LoraAppliesToEveryRequestAsInGenerate) {
                                        << served.ne(with_lora).sum().item<int64_t>() << " values";
   EXPECT_FALSE(with_lora.equal(without)) << "the adapter does not change the image";
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
@@ -503,7 +541,7 @@ TEST(Serve, LoraChosenPerRequestEqualsGenerateWithoutReload) {
   // both -> none -> style -> detail -> both -> none -> both -> detail: seven switches, none for a repeat.
   EXPECT_EQ(metric_value(metrics->body, "shardit_lora_switches_total"), 7);
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
@@ -616,26 +654,25 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
 // What a careless or hostile HTTP client does (bad or missing lengths, encoded or endless chunked
 // bodies, connections trickling a byte a second, more connections than the cap) is answered at
 // once or within the request deadline, and the server keeps answering /health and generating.
-/// True once /health answers 200 (asked every 100 ms), false if it does not within `limit`.
-bool health_answers_within(int port, std::chrono::seconds limit) {
-  const auto deadline = Clock::now() + limit;
-  for (;;) {
+/// True once /health answers 200 (asked every 10 ms); false when the server hung.
+bool health_answers(int port) {
+  return poll_until([port] {
     auto health = client(port)->Get("/health");
-    if (health && health->status == 200) return true;
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+    return health && health->status == 200;
+  });
 }
 
 TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   const std::string dir = make_temp_dir("serve_hostile_http");
-  auto server = start_server(dir, {"--request-timeout", "6", "--max-connections", "60", "--max-body-mb", "1"}, "1");
+  // The request deadline is long enough for /health and a generation to be answered before it
+  // passes, on a slow machine too: the slowloris part checks that order, not a duration.
+  auto server = start_server(dir, {"--request-timeout", "15", "--max-connections", "60", "--max-body-mb", "1"}, "1");
   const int port = server->wait_listening();
   ASSERT_GT(port, 0);
   const std::string head = "POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\n";
   const std::string body = kValid.dump();
-  // "At once": well inside the 6 s deadline and httplib's 5 s read timeout, which answered before.
-  const auto at_once = std::chrono::seconds(3);
+  // "At once": each is answered by the check that refuses it (its own status and message), then
+  // closed, rather than waited on until the request deadline (408) or httplib's read timeout.
   struct Case {
     std::string request;
     int status;
@@ -664,10 +701,9 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
     SCOPED_TRACE(c.request.substr(0, 160));
     RawConnection connection(port);
     ASSERT_TRUE(connection.connected());
-    const auto start = Clock::now();
     connection.send(c.request);
-    const std::string answer = connection.read_until_closed(std::chrono::seconds(15));
-    EXPECT_LT(Clock::now() - start, at_once) << "not answered at once";
+    const std::string answer = connection.read_until_closed();
+    EXPECT_TRUE(connection.closed()) << "the server hung on the connection";
     EXPECT_EQ(raw_status(answer), c.status) << answer;
     EXPECT_EQ(raw_message(answer), c.message) << answer;
   }
@@ -681,7 +717,7 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
     const std::string chunk = "10000\r\n" + std::string(0x10000, ' ') + "\r\n";
     for (int i = 0; i < 24 && connection.send(chunk); ++i) {
     }
-    const std::string answer = connection.read_until_closed(std::chrono::seconds(15));
+    const std::string answer = connection.read_until_closed();
     EXPECT_EQ(raw_status(answer), 413) << answer.substr(0, 300);
     EXPECT_EQ(raw_message(answer), "the request body is too large: more than 1048576 bytes (chunked)");
   }
@@ -692,19 +728,19 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
     connection.send(head + "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" +
                     fmt_hex(half.size()) + "\r\n" + half + "\r\n" + fmt_hex(rest.size()) + "\r\n" + rest +
                     "\r\n0\r\n\r\n");
-    const std::string answer = connection.read_until_closed(std::chrono::seconds(120));
+    const std::string answer = connection.read_until_closed();
     EXPECT_EQ(raw_status(answer), 200) << answer.substr(0, 300);
   }
 
   // Slowloris: 50 connections trickling one byte a second hold no thread that /health or a
-  // generation needs, and each is answered 408 and closed once the deadline passes.
+  // generation needs (both are answered while every slow connection is still waiting for its
+  // answer), and each is answered 408 and closed once the deadline passes.
   std::vector<std::unique_ptr<RawConnection>> slow;
   for (int i = 0; i < 50; ++i) {
     slow.push_back(std::make_unique<RawConnection>(port));
     ASSERT_TRUE(slow.back()->connected());
     slow.back()->send("P");
   }
-  const auto trickle_start = Clock::now();
   std::atomic<bool> trickling{true};
   // Four bytes over four seconds, then silence until the deadline (a byte sent to a connection
   // the server has closed would make it reset the connection before its 408 is read).
@@ -716,37 +752,38 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
     }
   });
   for (int i = 0; i < 3; ++i) {
-    const auto start = Clock::now();
     auto health = client(port)->Get("/health");
     ASSERT_TRUE(health) << "no answer to /health under slowloris";
     EXPECT_EQ(health->status, 200);
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(2)) << "/health waited behind the slow connections";
   }
-  const auto generation_start = Clock::now();
   auto generated = post(port, kValid.dump());
   ASSERT_TRUE(generated);
   EXPECT_EQ(generated->status, 200) << generated->body;
-  EXPECT_LT(Clock::now() - generation_start, std::chrono::seconds(10)) << "the generation waited behind them";
+  int answered_before = 0;
+  for (auto& connection : slow) answered_before += connection->answered() ? 1 : 0;
+  EXPECT_EQ(answered_before, 0) << "/health and the generation were answered only after the slow connections' "
+                                   "deadline: they waited behind them";
   int timed_out = 0;
   for (auto& connection : slow) {
-    const std::string answer = connection->read_until_closed(std::chrono::seconds(20));
+    const std::string answer = connection->read_until_closed();
     if (raw_status(answer) == 408) ++timed_out;
   }
   trickling = false;
   trickler.join();
   EXPECT_EQ(timed_out, 50) << "every trickling connection is answered 408";
-  EXPECT_LT(Clock::now() - trickle_start, std::chrono::seconds(20)) << "deadline 6 s";
 
   // More connections than the cap: those beyond it are answered 503 at once and closed; the
-  // others are closed when idle long enough, and then the server answers again.
+  // others are closed unanswered once idle long enough (each read waits for the server's close),
+  // and then the server answers again.
   std::vector<std::unique_ptr<RawConnection>> idle;
   for (int i = 0; i < 70; ++i) {
     idle.push_back(std::make_unique<RawConnection>(port));
     ASSERT_TRUE(idle.back()->connected());
   }
-  int refused = 0;  // each answered within the 100 ms its read waits, or before
+  int refused = 0;
   for (auto& connection : idle) {
-    const std::string answer = connection->read_until_closed(std::chrono::milliseconds(100));
+    const std::string answer = connection->read_until_closed();
+    EXPECT_TRUE(connection->closed()) << "the server hung on an idle connection";
     if (raw_status(answer) != 503) continue;
     ++refused;
     EXPECT_EQ(raw_message(answer), "the server has 60 connections open, its most; retry later");
@@ -754,10 +791,9 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   EXPECT_GE(refused, 10) << "70 connections, at most 60";
   EXPECT_LT(refused, 70);
   idle.clear();
-  EXPECT_TRUE(health_answers_within(port, std::chrono::seconds(20)))
-      << "the server did not answer again after the idle connections left";
+  EXPECT_TRUE(health_answers(port)) << "the server did not answer again after the idle connections left";
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
@@ -776,30 +812,51 @@ TEST(Serve, ClientOverItsConnectionCapAnswers503) {
   // Both are taken up (served) before the third arrives: a request on each gets its answer.
   for (auto& connection : held) {
     connection->send("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    const std::string answer = connection->read_answer();
+    ASSERT_EQ(raw_status(answer), 200) << answer;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   {
     RawConnection third(port);
     ASSERT_TRUE(third.connected());
-    const std::string answer = third.read_until_closed(std::chrono::seconds(5));
+    const std::string answer = third.read_until_closed();
     EXPECT_EQ(raw_status(answer), 503) << answer;
     EXPECT_EQ(raw_message(answer),
               "this client (127.0.0.1) has 2 connections open, the most one client may; retry later");
   }
   held.pop_back();
-  EXPECT_TRUE(health_answers_within(port, std::chrono::seconds(10)))
+  EXPECT_TRUE(health_answers(port))
       << "the client was not served again after one of its connections closed";
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
+// A slow request (256x256, `steps` steps) written on a raw connection with the X-Request-Id `id`,
+// so that the test can close the connection while the server computes.
+std::unique_ptr<RawConnection> post_raw(int port, int steps, const std::string& id) {
+  json slow = kValid;
+  slow["size"] = "256x256";
+  slow["num_inference_steps"] = steps;
+  const std::string body = slow.dump();
+  auto raw = std::make_unique<RawConnection>(port);
+  EXPECT_TRUE(raw->connected());
+  EXPECT_TRUE(raw->send("POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-Id: " + id +
+                        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                        "\r\n\r\n" + body));
+  return raw;
+}
+
+// While one request runs (a long one, which the test cancels by closing its connection once it has
+// seen the refusals), eight more arrive together: four wait, the queue's depth, and four are
+// refused 429 at once (the long one still running). The four that waited are then served.
 TEST(Serve, FullQueueAnswers429) {
   const std::string dir = make_temp_dir("serve_queue");
-  auto server = start_server(dir, {"--queue-depth", "4"});
+  auto server = start_server(dir, {"--queue-depth", "4", "--max-steps", "1000"});
   const int port = server->wait_listening();
   ASSERT_GT(port, 0);
-  // Larger than the other cases, so that a generation outlasts the arrival of all eight.
+  auto holder = post_raw(port, 1000, "queue-holder");
+  ASSERT_TRUE(poll_until([&] { return job_status(port, "queue-holder") == "running"; }))
+      << "the long request never started";
   json request = kValid;
   request["size"] = "128x128";
   request["num_inference_steps"] = 4;
@@ -815,17 +872,27 @@ TEST(Serve, FullQueueAnswers429) {
     }));
   }
   go.set_value();
+  const auto answered = [&] {
+    int count = 0;
+    for (auto& status : statuses) count += status.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    return count;
+  };
+  ASSERT_TRUE(poll_until([&] { return answered() >= 4; })) << "the requests over the queue's depth were not refused";
+  auto queued = client(port)->Get("/health");
+  ASSERT_TRUE(queued);
+  EXPECT_EQ(json::parse(queued->body)["queue"]["waiting"], 4) << queued->body;
+  EXPECT_EQ(job_status(port, "queue-holder"), "running") << "the refusals waited for the running request";
+  EXPECT_EQ(answered(), 4);
+  holder.reset();  // cancels the long request: the four waiting run
   int ok = 0, rejected = 0;
   for (auto& status : statuses) {
     const int s = status.get();
     if (s == 200) ++ok;
     if (s == 429) ++rejected;
   }
-  std::printf("8 concurrent requests, queue depth 4: %d answered 200, %d answered 429\n", ok, rejected);
-  // Four wait behind the running one at most; with eight arriving together some must be refused.
-  EXPECT_EQ(ok + rejected, 8);
-  EXPECT_GE(ok, 4);
-  EXPECT_GE(rejected, 1);
+  std::printf("8 requests behind a running one, queue depth 4: %d answered 200, %d answered 429\n", ok, rejected);
+  EXPECT_EQ(ok, 4);
+  EXPECT_EQ(rejected, 4);
   auto metrics = client(port)->Get("/metrics");
   ASSERT_TRUE(metrics);
   EXPECT_THAT(metrics->body,
@@ -914,39 +981,23 @@ TEST(Serve, CompatibleRequestsAreBatchedAndEachGetsItsOwnImage) {
   EXPECT_EQ(metric_value(metrics->body, "shardit_batched_images_total"), 4) << "incompatible requests were batched";
 }
 
-// A slow request (256x256, `steps` steps) written on a raw connection with the X-Request-Id `id`,
-// so that the test can close the connection while the server computes.
-std::unique_ptr<RawConnection> post_raw(int port, int steps, const std::string& id) {
-  json slow = kValid;
-  slow["size"] = "256x256";
-  slow["num_inference_steps"] = steps;
-  const std::string body = slow.dump();
-  auto raw = std::make_unique<RawConnection>(port);
-  EXPECT_TRUE(raw->connected());
-  EXPECT_TRUE(raw->send("POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-Id: " + id +
-                        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-                        "\r\n\r\n" + body));
-  return raw;
-}
-
-// GET /v1/jobs/{id} once it has reached step `step` (or after 60 s; {} when never found).
+// GET /v1/jobs/{id} once it has reached step `step` or ended (the last answer when the server
+// hung; {} when the job was never found).
 json wait_for_step(int port, const std::string& id, int64_t step) {
   json job;
-  const auto begin = Clock::now();
-  while (Clock::now() - begin < std::chrono::seconds(60)) {
+  poll_until([&] {
     auto answer = client(port)->Get(("/v1/jobs/" + id).c_str());
-    if (answer && answer->status == 200) {
-      job = json::parse(answer->body);
-      if (job["step"].get<int64_t>() >= step || (job["status"] != "running" && job["status"] != "queued")) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+    if (!answer || answer->status != 200) return false;
+    job = json::parse(answer->body);
+    return job["step"].get<int64_t>() >= step || (job["status"] != "running" && job["status"] != "queued");
+  });
   return job;
 }
 
 // A client that closes its connection mid-generation cancels its job at the next step boundary
-// on every rank: GET /v1/jobs/{id} follows the job step by step, the next request starts and is
-// answered at once, both ranks stay alive, and /metrics counts the cancellation.
+// on every rank: GET /v1/jobs/{id} follows the job step by step, the job ends cancelled long before
+// the 1000 steps it asked for, the next request is served, both ranks stay alive, and /metrics
+// counts the cancellation.
 TEST(Serve, DisconnectCancelsAtTheNextStepAndJobsReportProgress) {
   const std::string dir = make_temp_dir("serve_cancel");
   auto server = start_server(dir, {"--max-steps", "1000"});
@@ -961,12 +1012,11 @@ TEST(Serve, DisconnectCancelsAtTheNextStepAndJobsReportProgress) {
   json job = wait_for_step(port, "slow-1", 3);
   ASSERT_EQ(job["status"], "running") << job.dump();
   EXPECT_EQ(job["num_inference_steps"], 1000);
-  // The time of one step, from the progress itself.
-  const auto timed_from = Clock::now();
-  const int64_t timed_step = job["step"];
-  job = wait_for_step(port, "slow-1", timed_step + 5);
-  const double step_seconds = std::chrono::duration<double>(Clock::now() - timed_from).count() /
-                              static_cast<double>(job["step"].get<int64_t>() - timed_step);
+  // The job reports its progress step by step.
+  const int64_t seen_step = job["step"];
+  job = wait_for_step(port, "slow-1", seen_step + 5);
+  ASSERT_EQ(job["status"], "running") << job.dump();
+  EXPECT_GE(job["step"].get<int64_t>(), seen_step + 5) << job.dump();
   // An id still in use is refused.
   auto twice = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "slow-1"}}, kValid.dump(),
                                   "application/json");
@@ -975,10 +1025,8 @@ TEST(Serve, DisconnectCancelsAtTheNextStepAndJobsReportProgress) {
 
   job = json::parse(client(port)->Get("/v1/jobs/slow-1")->body);
   const int64_t step_at_close = job["step"];
-  const auto closed_at = Clock::now();
   raw.reset();
   auto next = post(port, kValid.dump());
-  const double waited = std::chrono::duration<double>(Clock::now() - closed_at).count();
   ASSERT_TRUE(next) << httplib::to_string(next.error());
   EXPECT_EQ(next->status, 200) << next->body;
   EXPECT_FALSE(next->get_header_value("X-Request-Id").empty());
@@ -988,13 +1036,11 @@ TEST(Serve, DisconnectCancelsAtTheNextStepAndJobsReportProgress) {
   EXPECT_EQ(job["status"], "cancelled") << job.dump();
   EXPECT_EQ(job["cancel_reason"], "disconnected");
   const int64_t steps_after_close = job["step"].get<int64_t>() - step_at_close;
-  std::printf("one step: %.1f ms; the job ran %lld step(s) after its client left; the next request was answered "
-              "%.2f s after\n",
-              step_seconds * 1e3, static_cast<long long>(steps_after_close), waited);
-  // The server looks for a closed connection every 50 ms and stops at the step boundary after:
-  // generous bounds, still far below the 1000 steps the job asked for.
-  EXPECT_LE(steps_after_close, 3 + static_cast<int64_t>(0.5 / step_seconds)) << "the job did not stop at once";
-  EXPECT_LT(steps_after_close + step_at_close, 1000);
+  // How many steps ran between the close and the cancellation depends on the machine's speed
+  // (the server looks for a closed connection every 50 ms): reported, not bounded. The job was
+  // stopped, not run to its end.
+  std::printf("the job ran %lld step(s) after its client left\n", static_cast<long long>(steps_after_close));
+  EXPECT_LT(job["step"].get<int64_t>(), 1000) << job.dump();
 
   // Every rank is still serving, and the cancellation is counted.
   health = client(port)->Get("/health");
@@ -1035,15 +1081,12 @@ TEST(Serve, GenerationTimeoutCancelsAndWarningsAreAnswered) {
   json slow = kValid;
   slow["size"] = "256x256";
   slow["num_inference_steps"] = 1000;
-  const auto begin = Clock::now();
   auto late = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "late-1"}}, slow.dump(),
                                  "application/json");
-  const double took = std::chrono::duration<double>(Clock::now() - begin).count();
-  ASSERT_TRUE(late);
+  ASSERT_TRUE(late) << "no answer: " << httplib::to_string(late.error());
   EXPECT_EQ(late->status, 504) << late->body;
   EXPECT_THAT(json::parse(late->body)["error"]["message"].get<std::string>(),
               HasSubstr("the request took longer than --generation-timeout (2 s) and was cancelled at step "));
-  EXPECT_LT(took, 30) << "the timeout did not cancel the generation";
   const json job = json::parse(client(port)->Get("/v1/jobs/late-1")->body);
   EXPECT_EQ(job["status"], "cancelled");
   EXPECT_EQ(job["cancel_reason"], "timeout");
@@ -1090,7 +1133,8 @@ std::vector<std::unique_ptr<Process>> start_ranks(const std::string& dir, int wo
 }
 
 // SIGTERM while a generation runs and others wait: /health and new requests answer 503 at once,
-// the waiting requests are answered 503 at once, the running one finishes, and the server exits 0.
+// the waiting requests are answered 503 at once (all of it while the running job still runs, as
+// the server reports it), the running one finishes, and the server exits 0.
 TEST(Serve, SigtermAnswersWaitingAndNewRequestsAtOnce) {
   const std::string dir = make_temp_dir("serve_sigterm");
   // Ranks started by hand, as torchrun or srun start them, so the signal reaches rank 0 alone (the
@@ -1099,28 +1143,23 @@ TEST(Serve, SigtermAnswersWaitingAndNewRequestsAtOnce) {
   const int port = ranks[0]->wait_listening();
   ASSERT_GT(port, 0);
   bool is_running = false;
-  auto running = start_long_request(port, 30, &is_running);
+  auto running = start_long_request(port, 50, "sigterm-running", &is_running);
   ASSERT_TRUE(is_running) << "the request never started";
-  const auto started = Clock::now();
   std::vector<std::future<httplib::Result>> waiting;
   for (int i = 0; i < 2; ++i) waiting.push_back(std::async(std::launch::async, [&] { return post(port, kValid.dump()); }));
-  bool queued = false;
-  while (!queued && Clock::now() - started < std::chrono::seconds(30)) {
+  const bool queued = poll_until([&] {
     auto h = client(port)->Get("/health");
-    queued = h && json::parse(h->body)["queue"]["waiting"].get<int>() == 2;
-    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+    return h && json::parse(h->body)["queue"]["waiting"].get<int>() == 2;
+  });
   ASSERT_TRUE(queued) << "the two requests were not queued";
 
   ::kill(ranks[0]->pid(), SIGTERM);
-  const auto signalled = Clock::now();
   for (auto& w : waiting) {
     auto answer = w.get();
     ASSERT_TRUE(answer) << "a waiting request got no answer";
     EXPECT_EQ(answer->status, 503) << answer->body;
     EXPECT_EQ(json::parse(answer->body)["error"]["message"], "the server is shutting down");
   }
-  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(2)) << "the waiting requests were not answered at once";
   auto health = client(port)->Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 503);
@@ -1128,12 +1167,13 @@ TEST(Serve, SigtermAnswersWaitingAndNewRequestsAtOnce) {
   auto refused = post(port, kValid.dump());
   ASSERT_TRUE(refused);
   EXPECT_EQ(refused->status, 503) << refused->body;
-  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(3)) << "/health or a new request waited";
+  EXPECT_EQ(job_status(port, "sigterm-running"), "running")
+      << "the waiting requests, /health or the new request were answered only after the running job ended";
   auto first = running.get();
   ASSERT_TRUE(first) << "the running request got no answer";
   EXPECT_EQ(first->status, 200) << first->body;
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(120))) << "rank " << r << ":\n" << ranks[r]->log();
+    ASSERT_TRUE(ranks[r]->exited()) << "rank " << r << ":\n" << ranks[r]->log();
     EXPECT_EQ(ranks[r]->exit_code(), 0) << "rank " << r << ":\n" << ranks[r]->log();
   }
 }
@@ -1146,13 +1186,13 @@ TEST(Serve, SigtermToRankZeroStopsEveryRank) {
   ASSERT_GT(port, 0);
   ::kill(ranks[0]->pid(), SIGTERM);
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(20))) << "rank " << r << ":\n" << ranks[r]->log();
+    ASSERT_TRUE(ranks[r]->exited()) << "rank " << r << ":\n" << ranks[r]->log();
     EXPECT_EQ(ranks[r]->exit_code(), 0) << "rank " << r << ":\n" << ranks[r]->log();
   }
 }
 
 // Rank 0's own detection (no launcher): a request in flight when rank 1 dies is answered with an
-// error, /health fails naming rank 1, and rank 0 exits non-zero naming it within the timeout.
+// error, /health fails naming rank 1, and rank 0 exits non-zero naming it.
 TEST(Serve, LostRankFailsHealthAndExitsNamingIt) {
   const std::string dir = make_temp_dir("serve_lost");
   auto ranks = start_ranks(dir);
@@ -1167,33 +1207,27 @@ TEST(Serve, LostRankFailsHealthAndExitsNamingIt) {
 
   // A long request (many steps), running when rank 1 is killed.
   bool running = false;
-  auto in_flight = start_long_request(port, 100, &running);
+  auto in_flight = start_long_request(port, 100, "lost-in-flight", &running);
   ASSERT_TRUE(running) << "the request never started";
 
-  const auto killed_at = Clock::now();
   ::kill(static_cast<pid_t>(listed[1]["pid"].get<int64_t>()), SIGKILL);
   // /health fails (503 naming the lost rank, then no answer once the server is gone).
-  bool saw_failure = false;
   std::string failure_body;
-  while (Clock::now() - killed_at < std::chrono::seconds(20)) {
+  const bool saw_failure = poll_until([&] {
     auto answer = client(port)->Get("/health");
-    if (!answer || answer->status != 200) {
-      saw_failure = true;
-      if (answer) failure_body = answer->body;
-      if (!answer || answer->status == 503) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+    if (answer && answer->status == 200) return false;
+    if (answer) failure_body = answer->body;
+    return true;
+  });
   EXPECT_TRUE(saw_failure);
-  // The server reports the loss for a second before it exits: polled every 50 ms, it is seen.
+  // The server reports the loss for a second before it exits: polled every 10 ms, it is seen.
   EXPECT_THAT(failure_body, HasSubstr("lost rank 1"));
   EXPECT_THAT(failure_body, HasSubstr("\"status\":\"failed\""));
   auto answer = in_flight.get();
   ASSERT_TRUE(answer) << "the request in flight got no answer: " << httplib::to_string(answer.error());
   EXPECT_TRUE(answer->status == 500 || answer->status == 503) << answer->status;
   EXPECT_THAT(answer->body, HasSubstr("lost rank 1"));
-  ASSERT_TRUE(ranks[0]->exited(std::chrono::seconds(20))) << ranks[0]->log();
-  EXPECT_LT(Clock::now() - killed_at, std::chrono::seconds(12)) << "timeout 10 s";
+  ASSERT_TRUE(ranks[0]->exited()) << ranks[0]->log();
   EXPECT_NE(ranks[0]->exit_code(), 0);
   EXPECT_THAT(ranks[0]->log(), HasSubstr("lost rank 1"));
 }
@@ -1267,7 +1301,7 @@ TEST(Serve, EditsEqualGenerateWithImageAndRefuseBadImagesGolden) {
   ASSERT_TRUE(again && again->status == 200) << (again ? again->body : "no answer");
   EXPECT_TRUE(png_pixels(json::parse(again->body)["data"][0]["b64_json"], dir, "again.png").equal(served));
   ::kill(server->pid(), SIGTERM);
-  ASSERT_TRUE(server->exited(std::chrono::seconds(30))) << server->log();
+  ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
@@ -1284,13 +1318,12 @@ TEST(Serve, ReplicasServeConcurrentlyAndALostReplicaRankFailsTheServer) {
   ASSERT_GT(port, 0) << ranks[0]->log();
   // The other replica's ranks report after their first tick.
   json health_json;
-  for (int attempt = 0; attempt < 100; ++attempt) {
+  poll_until([&] {
     auto health = client(port)->Get("/health");
-    ASSERT_TRUE(health);
+    if (!health) return true;  // the server is gone: the checks below say what it last reported
     health_json = json::parse(health->body);
-    if (health->status == 200 && health_json["ranks"].size() == 4u) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+    return health->status == 200 && health_json["ranks"].size() == 4u;
+  });
   ASSERT_EQ(health_json["ranks"].size(), 4u) << health_json.dump();
   ASSERT_EQ(health_json["replicas"].size(), 2u) << health_json.dump();
   EXPECT_EQ(health_json["ranks"][3]["pid"].get<int64_t>(), ranks[3]->pid());
@@ -1306,17 +1339,9 @@ TEST(Serve, ReplicasServeConcurrentlyAndALostReplicaRankFailsTheServer) {
     }));
   }
   // Both jobs running at the same moment: each on its own replica.
-  bool both_running = false;
-  const auto asked = Clock::now();
-  while (!both_running && Clock::now() - asked < std::chrono::seconds(60)) {
-    int running = 0;
-    for (const std::string id : {"replica-job-a", "replica-job-b"}) {
-      auto job = client(port)->Get(("/v1/jobs/" + id).c_str());
-      if (job && job->status == 200 && json::parse(job->body)["status"] == "running") ++running;
-    }
-    both_running = running == 2;
-    if (!both_running) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const bool both_running = poll_until([&] {
+    return job_status(port, "replica-job-a") == "running" && job_status(port, "replica-job-b") == "running";
+  });
   EXPECT_TRUE(both_running) << "the two requests never ran at the same time";
   std::set<int> replicas_used;
   std::vector<std::string> images;
@@ -1333,23 +1358,20 @@ TEST(Serve, ReplicasServeConcurrentlyAndALostReplicaRankFailsTheServer) {
   ASSERT_TRUE(metrics);
   EXPECT_THAT(metrics->body, HasSubstr("shardit_replica_generations_total{replica=\"1\"} 1\n"));
 
-  const auto killed_at = Clock::now();
   ::kill(static_cast<pid_t>(ranks[3]->pid()), SIGKILL);
   std::string failure_body;
-  while (Clock::now() - killed_at < std::chrono::seconds(20)) {
+  poll_until([&] {
     auto answer = client(port)->Get("/health");
-    if (!answer) break;
-    if (answer->status == 503) {
-      failure_body = answer->body;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+    if (!answer) return true;
+    if (answer->status != 503) return false;
+    failure_body = answer->body;
+    return true;
+  });
   EXPECT_THAT(failure_body, HasSubstr("\"status\":\"failed\""));
   EXPECT_THAT(failure_body, HasSubstr("replica 1"));
   EXPECT_THAT(failure_body, HasSubstr("lost rank 3"));
   for (int r = 0; r < 3; ++r) {
-    ASSERT_TRUE(ranks[r]->exited(std::chrono::seconds(30))) << "rank " << r << ":\n" << ranks[r]->log();
+    ASSERT_TRUE(ranks[r]->exited()) << "rank " << r << ":\n" << ranks[r]->log();
     EXPECT_NE(ranks[r]->exit_code(), 0) << "rank " << r;
   }
   EXPECT_THAT(ranks[0]->log(), HasSubstr("lost rank 3"));

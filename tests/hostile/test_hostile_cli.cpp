@@ -1,7 +1,10 @@
 // The CLI as a hostile user meets it: generated bad inputs, environments and signals, each run as
 // a real subprocess. Every case asserts the documented exit code, a message naming the thing, no
-// death by signal, a bounded run time, no process left behind and no file created or changed
+// death by signal, an end (no hang), no process left behind and no file created or changed
 // (except where a case documents one). docs/reliability.md lists the guarantees tested here.
+// The cases wait on events (the process's exit, processes appearing in or leaving /proc), never on
+// a clock: the hang deadline only ends a hung case, and a refusal "before loading" or "at once" is
+// checked by what the CLI printed (the refusal's message, and nothing of a load or a run).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -45,11 +48,14 @@ using Clock = std::chrono::steady_clock;
 // whatever process group or parent they ended up with.
 const std::string kMarkName = "SHARDIT_HOSTILE_CASE";
 
+// Only a hung case waits this long: for a CLI run to end, or for its processes to be gone.
+using shardit::testing::kHangDeadline;
+using shardit::testing::poll_until;
+
 struct Outcome {
   int exit_code = -1;     // when it exited
   int signal = 0;         // when a signal killed it
-  bool timed_out = false;
-  double seconds = 0;
+  bool timed_out = false;  // hung: killed at the hang deadline
   std::string out, err;
 };
 
@@ -59,7 +65,7 @@ struct Spawn {
   std::optional<rlim_t> file_size_limit{};
 };
 
-/// A started CLI process; wait() collects its output within `limit` seconds (then SIGKILL).
+/// A started CLI process; wait() collects its output until it exits (SIGKILLed when it hangs).
 class Process {
  public:
   Process(const Spawn& spawn, const std::string& mark) {
@@ -109,9 +115,9 @@ class Process {
 
   pid_t pid() const { return pid_; }
 
-  Outcome wait(double limit_seconds) {
+  Outcome wait() {
     Outcome outcome;
-    const auto deadline = start_ + std::chrono::duration<double>(limit_seconds);
+    const auto deadline = start_ + kHangDeadline;
     int status = 0;
     bool exited = false;
     while (!exited || out_fd_ >= 0 || err_fd_ >= 0) {
@@ -149,7 +155,6 @@ class Process {
       if (*fd >= 0) ::close(*fd);
       *fd = -1;
     }
-    outcome.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
     if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
     return outcome;
@@ -175,14 +180,14 @@ std::vector<pid_t> marked_processes(const std::string& mark) {
   return found;
 }
 
-/// Waits up to `seconds` for every process carrying `mark` to be gone; returns those left.
-std::vector<pid_t> leftovers(const std::string& mark, double seconds = 5.0) {
-  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
-  std::vector<pid_t> left = marked_processes(mark);
-  while (!left.empty() && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+/// Waits for every process carrying `mark` to be gone (polling; only a hang waits past the hang
+/// deadline); returns those left.
+std::vector<pid_t> leftovers(const std::string& mark) {
+  std::vector<pid_t> left;
+  poll_until([&] {
     left = marked_processes(mark);
-  }
+    return left.empty();
+  }, std::chrono::milliseconds(100));
   for (pid_t pid : left) ::kill(pid, SIGKILL);  // never leave them to the next case
   return left;
 }
@@ -227,20 +232,37 @@ class Hostile : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
 
-  /// Runs the CLI and checks what every case checks: finished within `limit` seconds, not
-  /// killed by a signal, no process left. Files under the case's folder must be unchanged unless
-  /// `files_may_change`.
-  Outcome run(const Spawn& spawn, double limit = 30, bool files_may_change = false) {
+  /// Runs the CLI and checks what every case checks: it ended (no hang), not killed by a signal,
+  /// no process left. Files under the case's folder must be unchanged unless `files_may_change`.
+  Outcome run(const Spawn& spawn, bool files_may_change = false) {
     const auto before = snapshot(root_);
     Process process(spawn, mark_);
-    Outcome outcome = process.wait(limit);
-    EXPECT_FALSE(outcome.timed_out) << "did not finish within " << limit << " s\n" << outcome.err;
+    Outcome outcome = process.wait();
+    EXPECT_FALSE(outcome.timed_out) << "hung: still running after " << kHangDeadline.count() << " min\n" << outcome.err;
     EXPECT_EQ(outcome.signal, 0) << "killed by signal " << outcome.signal << "\n" << outcome.err;
     EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty()) << "processes left running";
     if (!files_may_change) {
       EXPECT_EQ(snapshot(root_), before) << "files were created or changed";
     }
     return outcome;
+  }
+
+  /// True once `count` processes of this case run at the same time (polled); false when that
+  /// never happens before the hang deadline.
+  bool wait_for_processes(size_t count) const {
+    return poll_until([&] { return marked_processes(mark_).size() >= count; }, std::chrono::milliseconds(5));
+  }
+
+  /// Makes every weight file of the model (transformer shards, text encoders, VAE) bytes that are
+  /// no safetensors file: a run that reads any weight fails naming it, so a refusal that still
+  /// names its own problem came before anything was loaded.
+  void make_weights_unreadable() const {
+    for (const auto& entry : fs::recursive_directory_iterator(model_)) {
+      const fs::path& path = entry.path();
+      if (path.extension() != ".safetensors" || path.filename() == "prompt_embeds.safetensors") continue;
+      if (path.parent_path() == fs::path(inputs_)) continue;
+      write_text(path, "not a safetensors file");
+    }
   }
 
   /// A refusal: exit code `code`, the message on stderr containing every `needles` entry.
@@ -269,7 +291,7 @@ TEST_F(Hostile, DeeplyNestedConfigIsRefusedWithoutCrashing) {
   write_text(config(), std::string("{\"_class_name\": \"FluxTransformer2DModel\", \"x\": ") + std::string(depth, '[') +
                            std::string(depth, ']') + "}");
   for (const auto& args : {std::vector<std::string>{"inspect", model_}, run_args(out_path())}) {
-    const Outcome outcome = run({args}, 20);
+    const Outcome outcome = run({args});
     EXPECT_THAT(outcome.err + outcome.out, HasSubstr(config()));
     EXPECT_THAT(outcome.err + outcome.out, HasSubstr("nests JSON deeper than"));
     EXPECT_LT(outcome.out.size(), 100000u) << "printed a huge document";
@@ -295,16 +317,16 @@ TEST_F(Hostile, FifoInputsAreRefusedWithoutBlocking) {
   };
   const fs::path fifo = fs::path(root_) / "weights.safetensors";
   make_fifo(fifo);
-  expect_refused(run({{"inspect", fifo.string()}}, 10), {fifo.string(), "FIFO"});
+  expect_refused(run({{"inspect", fifo.string()}}), {fifo.string(), "FIFO"});
 
   make_fifo(fs::path(inputs_) / "inputs.safetensors");
-  expect_refused(run({run_args(out_path())}, 10), {"inputs.safetensors", "FIFO"});
+  expect_refused(run({run_args(out_path())}), {"inputs.safetensors", "FIFO"});
 
   make_fifo(fs::path(transformer_) / "diffusion_pytorch_model-00002-of-00002.safetensors");
-  expect_refused(run({{"inspect", transformer_}}, 10), {"00002-of-00002.safetensors", "FIFO"});
+  expect_refused(run({{"inspect", transformer_}}), {"00002-of-00002.safetensors", "FIFO"});
 
   make_fifo(config());
-  expect_refused(run({{"inspect", transformer_}}, 10), {"config.json", "FIFO"});
+  expect_refused(run({{"inspect", transformer_}}), {"config.json", "FIFO"});
 }
 
 TEST_F(Hostile, ForeignServerOnMasterPortIsBounded) {
@@ -324,13 +346,14 @@ TEST_F(Hostile, ForeignServerOnMasterPortIsBounded) {
   env["RANK"] = "1";
   auto args = run_args(out_path());
   args.insert(args.end(), {"--timeout", "2"});
-  const Outcome client = run({args, env}, 15);
+  const Outcome client = run({args, env});
   expect_refused(client, {"rank 1", "127.0.0.1:" + port});
 
   env["RANK"] = "0";
-  const Outcome host = run({args, env}, 15);
+  const Outcome host = run({args, env});
+  // Refused at once: by the check of the port, not after waiting for the other rank to join.
   expect_refused(host, {"MASTER_PORT=" + port, "already in use"});
-  EXPECT_LT(host.seconds, 5.0);
+  EXPECT_THAT(host.err, Not(HasSubstr("did not join")));
   ::close(server);
 }
 
@@ -340,12 +363,9 @@ TEST_F(Hostile, LauncherStopsStartingRanksOnSigterm) {
   const auto before = snapshot(root_);
   Process process({args}, mark_);
   // Once the launcher has started its first ranks (before that, SIGTERM simply ends it).
-  const auto deadline = Clock::now() + std::chrono::seconds(20);
-  while (marked_processes(mark_).size() < 2 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  ASSERT_TRUE(wait_for_processes(2)) << "the launcher started no rank";
   ::kill(process.pid(), SIGTERM);
-  const Outcome outcome = process.wait(30);
+  const Outcome outcome = process.wait();
   EXPECT_FALSE(outcome.timed_out);
   EXPECT_EQ(outcome.signal, 0);
   EXPECT_NE(outcome.exit_code, 0);
@@ -362,12 +382,12 @@ TEST_F(Hostile, ServeBatchAndReplicaOptionsAreBounded) {
                                       {"--batch-wait-ms", "5000"},
                                       {"--batch-wait-ms", "-1"},
                                       {"--replicas", "0"}}) {
-    const Outcome outcome = run({{"serve", "--model", model_, "--port", "0", option, value}}, 10);
+    const Outcome outcome = run({{"serve", "--model", model_, "--port", "0", option, value}});
     EXPECT_EQ(outcome.exit_code, 2) << option << " " << value << ": " << outcome.err;
     EXPECT_THAT(outcome.err, HasSubstr(option));
     EXPECT_LT(outcome.err.size(), 400u) << outcome.err;
   }
-  const Outcome misfit = run({{"--nproc-per-node", "4", "serve", "--model", model_, "--port", "0", "--replicas", "3"}}, 30);
+  const Outcome misfit = run({{"--nproc-per-node", "4", "serve", "--model", model_, "--port", "0", "--replicas", "3"}});
   EXPECT_NE(misfit.exit_code, 0);
   EXPECT_THAT(misfit.err, HasSubstr("--replicas 3"));
   EXPECT_THAT(misfit.err, HasSubstr("replicas x cfg x ulysses x ring x tp = 4"));
@@ -375,7 +395,7 @@ TEST_F(Hostile, ServeBatchAndReplicaOptionsAreBounded) {
 
 TEST_F(Hostile, LocalRankCountIsBounded) {
   for (const std::string n : {"0", "1000", "-3"}) {
-    const Outcome outcome = run({{"--nproc-per-node", n, "inspect", model_}}, 10);
+    const Outcome outcome = run({{"--nproc-per-node", n, "inspect", model_}});
     EXPECT_EQ(outcome.exit_code, 2) << outcome.err;
     EXPECT_THAT(outcome.err, HasSubstr("--nproc-per-node"));
     EXPECT_LT(outcome.err.size(), 400u) << outcome.err;
@@ -390,15 +410,11 @@ TEST_F(Hostile, RanksDieWithAKilledLauncher) {
   args.insert(args.end(), {"--nproc-per-node", "2"});
   Process process({args}, mark_);
   // Wait until both ranks run, then kill the launcher outright.
-  const auto deadline = Clock::now() + std::chrono::seconds(20);
-  while (marked_processes(mark_).size() < 3 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ASSERT_GE(marked_processes(mark_).size(), 3u);
+  ASSERT_TRUE(wait_for_processes(3)) << "the launcher and its two ranks never ran together";
   ::kill(process.pid(), SIGKILL);
-  process.wait(10);
-  EXPECT_THAT(leftovers(mark_, 3.0), ::testing::IsEmpty()) << "ranks outlived their launcher";
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  process.wait();
+  EXPECT_THAT(leftovers(mark_), ::testing::IsEmpty()) << "ranks outlived their launcher";
+  // Every process of the case is gone, so nothing can write --out any more.
   EXPECT_FALSE(fs::exists(out_path())) << "a rank wrote --out after its launcher was killed";
 }
 
@@ -406,10 +422,10 @@ TEST_F(Hostile, FailedWriteLeavesNoPartialOutput) {
   // Writes beyond 1 KiB fail (EFBIG instead of SIGXFSZ); the sample is larger.
   Spawn spawn{run_args(out_path())};
   spawn.file_size_limit = 1024;
-  expect_refused(run(spawn, 30), {out_path(), "writing failed"});
+  expect_refused(run(spawn), {out_path(), "writing failed"});
   // An existing output is left as it was.
   write_text(out_path(), "previous");
-  expect_refused(run(spawn, 30), {out_path(), "writing failed"});
+  expect_refused(run(spawn), {out_path(), "writing failed"});
   EXPECT_EQ(read_text(out_path()), "previous");
 }
 
@@ -424,8 +440,10 @@ TEST_F(Hostile, OutputNamingAnInputIsRefused) {
 }
 
 // Sizes, counts and lengths are bounded, and guidance scales must be finite, before anything is
-// allocated: each is refused at once, naming the option (no 5 GB allocation, no black image).
+// allocated: each is refused at once, naming the option (no 5 GB allocation, no black image), with
+// the model's weights unreadable (a load would fail naming them).
 TEST_F(Hostile, GenerateBoundsAndNonFiniteScalesAreRefusedBeforeLoading) {
+  make_weights_unreadable();
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--height", "100000", "--width", "100000"}, "height (--height) is 100000; it must be between 1 and 16384"},
       {{"--width", "16", "--height", "100000"}, "height (--height) is 100000"},
@@ -439,9 +457,9 @@ TEST_F(Hostile, GenerateBoundsAndNonFiniteScalesAreRefusedBeforeLoading) {
   for (const auto& [options, message] : cases) {
     std::vector<std::string> args = {"generate", "--model", model_, "--prompt", "a fox", "--out", out_path("x.png")};
     args.insert(args.end(), options.begin(), options.end());
-    const Outcome outcome = run({args}, 20);
+    const Outcome outcome = run({args});
     expect_refused(outcome, {message});
-    EXPECT_LT(outcome.seconds, 10) << message;
+    EXPECT_THAT(outcome.err, Not(HasSubstr("safetensors"))) << "the weights were read before the refusal";
   }
 }
 
@@ -467,14 +485,16 @@ std::string png_declaring(uint32_t width, uint32_t height) {
   return std::string("\x89PNG\r\n\x1a\n", 8) + chunk("IHDR", ihdr) + chunk("IDAT", "") + chunk("IEND", "");
 }
 
+// Refused from its header, before any weight is read (they are unreadable here) and without
+// decoding 30000x30000 pixels.
 TEST_F(Hostile, HugePngForCompareToIsRefusedFromItsHeader) {
+  make_weights_unreadable();
   const std::string png = (fs::path(root_) / "huge.png").string();
   std::ofstream(png, std::ios::binary) << png_declaring(30000, 30000);
   const Outcome outcome = run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--compare-to", png,
-                                "--out", out_path("fox.png")}},
-                              20);
+                                "--out", out_path("fox.png")}});
   expect_refused(outcome, {png + ": not a readable PNG: it is 30000x30000 pixels; at most 16384 per side are read"});
-  EXPECT_LT(outcome.seconds, 10);
+  EXPECT_THAT(outcome.err, Not(HasSubstr("safetensors"))) << "the weights were read before the refusal";
 }
 
 // generate reads the whole model folder: an output onto any file under it (weights, configs,
@@ -506,10 +526,11 @@ TEST_F(Hostile, UnwritableOutputIsRefusedBeforeLoading) {
 // Slow failures
 
 TEST_F(Hostile, HeaderWithManyTensorsParsesInLinearTime) {
-  // 100k empty tensors, then trailing bytes that make the file invalid: the parse must finish
-  // (quadratic parsing took minutes) and the error name the problem.
+  // 400k empty tensors, then trailing bytes that make the file invalid: the parse must end and the
+  // error name the problem. Quadratic parsing took minutes at 100k, so at 400k it would take hours
+  // and be ended by the hang deadline; a linear parse takes seconds (no clock is read).
   std::string header = "{";
-  for (int i = 0; i < 100000; ++i) {
+  for (int i = 0; i < 400000; ++i) {
     header += (i ? "," : "") + std::string("\"t") + std::to_string(i) +
               "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
   }
@@ -520,9 +541,8 @@ TEST_F(Hostile, HeaderWithManyTensorsParsesInLinearTime) {
   out.write(reinterpret_cast<const char*>(&size), 8);
   out << header << "xxxx";
   out.close();
-  const Outcome outcome = run({{"inspect", file.string()}}, 20);
+  const Outcome outcome = run({{"inspect", file.string()}});
   expect_refused(outcome, {file.string(), "trailing bytes"});
-  EXPECT_LT(outcome.seconds, 10.0);
 }
 
 TEST_F(Hostile, AbsurdConfigValuesFailFastNamingTheKey) {
@@ -543,9 +563,8 @@ TEST_F(Hostile, AbsurdConfigValuesFailFastNamingTheKey) {
   };
   for (const auto& [key, value, reason] : cases) {
     with(key, value);
-    const Outcome outcome = run({run_args(out_path())}, 10);
+    const Outcome outcome = run({run_args(out_path())});
     expect_refused(outcome, {config(), "'" + key + "'", reason});
-    EXPECT_LT(outcome.seconds, 5.0) << key << " = " << value;
   }
 }
 
@@ -554,9 +573,8 @@ TEST_F(Hostile, TimeoutOptionBoundsAMissingRank) {
   auto args = run_args(out_path());
   args.insert(args.begin(), {"--timeout", "2"});
   const Outcome outcome =
-      run({args, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}}, 15);
-  expect_refused(outcome, {"rank 1", "2000 ms"});
-  EXPECT_LT(outcome.seconds, 8.0);
+      run({args, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}}});
+  expect_refused(outcome, {"rank 1", "2000 ms"});  // the --timeout given, not the default
 }
 
 TEST_F(Hostile, HugeWorldSizeIsBoundedByTheTimeoutAndNamedBriefly) {
@@ -566,11 +584,9 @@ TEST_F(Hostile, HugeWorldSizeIsBoundedByTheTimeoutAndNamedBriefly) {
   args.insert(args.begin(), {"--timeout", "2"});
   const int port = 20000 + (::getpid() + 13) % 20000;
   const Outcome outcome = run(
-      {args, {{"RANK", "0"}, {"WORLD_SIZE", "100000"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}},
-      30);
+      {args, {{"RANK", "0"}, {"WORLD_SIZE", "100000"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}});
   expect_refused(outcome, {"rank 0 of 100000", "2000 ms", "did not join", "more)"});
   EXPECT_LT(outcome.err.size(), 2000u) << outcome.err;
-  EXPECT_LT(outcome.seconds, 10.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,7 +603,7 @@ TEST_F(Hostile, RanksWithDifferentWorkFailNamingTheDifference) {
   args0.insert(args0.end(), {"--timeout", "10"});
   args1.insert(args1.end(), {"--dtype", "bf16", "--timeout", "10"});
   Process rank0({args0, env0}, mark_), rank1({args1, env1}, mark_);
-  const Outcome out0 = rank0.wait(30), out1 = rank1.wait(30);
+  const Outcome out0 = rank0.wait(), out1 = rank1.wait();
   for (const Outcome* outcome : {&out0, &out1}) {
     EXPECT_EQ(outcome->signal, 0) << outcome->err;
     EXPECT_FALSE(outcome->timed_out);
@@ -608,7 +624,7 @@ TEST_F(Hostile, WorldSizeDisagreementIsNamed) {
   auto args = run_args(out_path());
   args.insert(args.end(), {"--timeout", "5"});
   Process rank0({args, env0}, mark_), rank1({args, env1}, mark_);
-  const Outcome out0 = rank0.wait(30), out1 = rank1.wait(30);
+  const Outcome out0 = rank0.wait(), out1 = rank1.wait();
   EXPECT_EQ(out0.exit_code, 1) << out0.err;
   EXPECT_EQ(out1.exit_code, 1) << out1.err;
   EXPECT_THAT(out0.err + out1.err, HasSubstr("world size"));
@@ -618,8 +634,7 @@ TEST_F(Hostile, WorldSizeDisagreementIsNamed) {
 
 TEST_F(Hostile, NestedLaunchersAreRefused) {
   const Outcome outcome = run({{"--nproc-per-node", "2", "inspect", model_},
-                               {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}},
-                              10);
+                               {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}});
   expect_refused(outcome, {"--nproc-per-node 2 inside a job", "openmpi", "rank 0 of 2"});
 }
 
@@ -627,10 +642,10 @@ TEST_F(Hostile, NestedLaunchersAreRefused) {
 // Messages
 
 TEST_F(Hostile, CommandLineMistakesNameTheMistake) {
-  const Outcome unknown = run({{"frobnicate", "--x"}}, 10);
+  const Outcome unknown = run({{"frobnicate", "--x"}});
   EXPECT_EQ(unknown.exit_code, 2);
   EXPECT_THAT(unknown.err, HasSubstr("unknown command 'frobnicate'"));
-  const Outcome tp_alone = run({{"inspect", model_, "--tp", "2"}}, 10);
+  const Outcome tp_alone = run({{"inspect", model_, "--tp", "2"}});
   EXPECT_EQ(tp_alone.exit_code, 2);
   EXPECT_THAT(tp_alone.err, HasSubstr("--plan"));
 }
@@ -665,10 +680,9 @@ TEST_F(Hostile, NumericOptionsAreCheckedAsWritten) {
       {{"--timeout", "0", "inspect", model_}, "--timeout: must be a number from 0.001 to 86400, got '0'"},
   };
   for (const auto& [args, message] : cases) {
-    const Outcome outcome = run({args}, 20);
+    const Outcome outcome = run({args});
     expect_refused(outcome, {message}, 2);
     EXPECT_LT(outcome.err.size(), 400u) << "an unreadable message:\n" << outcome.err;
-    EXPECT_LT(outcome.seconds, 10) << message;
   }
 }
 
@@ -677,7 +691,7 @@ TEST_F(Hostile, NumericOptionsAreCheckedAsWritten) {
 TEST_F(Hostile, UnusableTmpdirIsNamed) {
   const std::string file = (fs::path(root_) / "not-a-folder").string();
   std::ofstream(file) << "x";
-  const Outcome not_folder = run({{"inspect"}, {{"TMPDIR", file}}}, 20);
+  const Outcome not_folder = run({{"inspect"}, {{"TMPDIR", file}}});
   expect_refused(not_folder, {"the built-in model has no folder: ", "TMPDIR (\"" + file + "\"); set TMPDIR to a writable folder"});
 }
 
@@ -685,13 +699,11 @@ TEST_F(Hostile, MalformedCasesFileIsNamed) {
   const std::string cases = (fs::path(root_) / "cases.json").string();
   std::ofstream(cases) << R"({"fast_vs_slow_differences": [{"text": "a"}]})";
   const Outcome outcome = run({{"tokenize", "--tokenizer", (fs::path(model_) / "tokenizer_2").string(), "--kind",
-                                "t5", "--cases", cases}},
-                              20);
+                                "t5", "--cases", cases}});
   expect_refused(outcome, {cases + ": not a cases file of the expected layout for this tokenizer ("});
   std::ofstream(cases, std::ios::trunc) << R"({"cases": [{"text": "a", "ids": [1, "x"]}]})";
   expect_refused(run({{"tokenize", "--tokenizer", (fs::path(model_) / "tokenizer").string(), "--kind", "clip",
-                       "--cases", cases}},
-                     20),
+                       "--cases", cases}}),
                  {cases + ": cases[0].ids: expected integer ids"});
 }
 
@@ -733,8 +745,7 @@ TEST_F(Hostile, NonFiniteImageIsRefused) {
     shardit::io::save_safetensors(entry.path().string(), tensors);
   }
   const Outcome outcome = run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--width", "32",
-                                "--height", "32", "--out", out_path("fox.png")}},
-                              120);
+                                "--height", "32", "--out", out_path("fox.png")}});
   expect_refused(outcome, {"the decoded image is not finite", "NaN or infinite"});
   EXPECT_FALSE(fs::exists(out_path("fox.png")));
 }
@@ -742,7 +753,7 @@ TEST_F(Hostile, NonFiniteImageIsRefused) {
 TEST_F(Hostile, GlobalOptionsWorkAfterTheSubcommand) {
   auto args = run_args(out_path());
   args.insert(args.end(), {"--nproc-per-node", "2", "--timeout", "60"});
-  const Outcome outcome = run({args}, 120, /*files_may_change=*/true);
+  const Outcome outcome = run({args}, /*files_may_change=*/true);
   EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
   EXPECT_TRUE(fs::exists(out_path()));
   // Only the output appeared in the out folder (no temporary file left).
@@ -777,8 +788,7 @@ TEST_F(Hostile, IntegerWeightsAreRefusedNamingTheTensor) {
   expect_refused(run({run_args(out_path())}), {"'" + changed + "'", "I64"});
   // The pipelines load through the same loader: named before any weight is read.
   expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--out",
-                       out_path("fox.png")}},
-                     60),
+                       out_path("fox.png")}}),
                  {shard.string() + ": tensor '" + changed + "' is I64, but it is a weight of FluxTransformer2DModel"});
 }
 
@@ -788,22 +798,20 @@ TEST_F(Hostile, IntegerLoraFactorIsRefusedNamingTheTensor) {
   shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::ones({4, 192}, at::kInt)},
                                        {key + ".lora_B.weight", at::randn({192, 4})}});
   expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora, "--out",
-                       out_path("fox.png")}},
-                     60),
+                       out_path("fox.png")}}),
                  {lora + ": tensor '" + key + ".lora_A.weight' is I32, expected a floating-point LoRA factor"});
   // A weight beyond float's range is named, not left to LibTorch's conversion error.
   shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::randn({4, 192})},
                                        {key + ".lora_B.weight", at::randn({192, 4})}});
   expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora + ":1e308",
-                       "--out", out_path("fox.png")}},
-                     60),
+                       "--out", out_path("fox.png")}}),
                  {"the weight of LoRA adapter 'int' is 1e+308; it must be a finite number from -10000 to 10000"});
 }
 
 TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
   const fs::path file = fs::path(root_) / "evil.safetensors";
   shardit::io::save_safetensors(file.string(), {{"ok", at::zeros({2})}}, {{"note", "\x1b[31mred\ninjected line"}});
-  const Outcome shown = run({{"inspect", file.string()}}, 10);
+  const Outcome shown = run({{"inspect", file.string()}});
   EXPECT_EQ(shown.exit_code, 0) << shown.err;
   EXPECT_THAT(shown.out, Not(HasSubstr("\x1b")));
   EXPECT_THAT(shown.out, Not(HasSubstr("\ninjected line")));
@@ -814,7 +822,7 @@ TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
   out.write(reinterpret_cast<const char*>(&size), 8);
   out << header;
   out.close();
-  const Outcome refused = run({{"inspect", file.string()}}, 10);
+  const Outcome refused = run({{"inspect", file.string()}});
   expect_refused(refused, {"control characters"});
   EXPECT_THAT(refused.err, Not(HasSubstr("\x1b")));
 }
@@ -837,7 +845,7 @@ TEST_F(Hostile, NonFiniteInputsWarnOrFailWithCheckFinite) {
   auto strict = run_args(out_path());
   strict.push_back("--check-finite");
   expect_refused(run({strict}), {"input 'hidden_states'", "NaN"});
-  const Outcome warned = run({run_args(out_path())}, 30, /*files_may_change=*/true);
+  const Outcome warned = run({run_args(out_path())}, /*files_may_change=*/true);
   EXPECT_EQ(warned.exit_code, 0) << warned.err;
   EXPECT_THAT(warned.err, HasSubstr("warning: the sample has non-finite values"));
 }
@@ -851,7 +859,7 @@ TEST_F(Hostile, ComponentKeysThatArePathsAreRefused) {
     auto json = original;
     json[key] = {"diffusers", "AutoencoderKL"};
     write_text(index, json.dump());
-    const Outcome outcome = run({{"inspect", model_}}, 10);
+    const Outcome outcome = run({{"inspect", model_}});
     expect_refused(outcome, {index.string() + ": component \"" + key + "\" is not a folder name"});
   }
 }
@@ -860,7 +868,7 @@ TEST_F(Hostile, ComponentKeysThatArePathsAreRefused) {
 TEST_F(Hostile, SymbolicLinkLoopIsNamed) {
   const fs::path loop = fs::path(root_) / "loop";
   fs::create_symlink(loop, loop);
-  expect_refused(run({{"inspect", loop.string()}}, 10),
+  expect_refused(run({{"inspect", loop.string()}}),
                  {"shardit: error: " + loop.string() + ": Too many levels of symbolic links (a symbolic link loop)"});
 }
 
@@ -876,7 +884,7 @@ TEST_F(Hostile, IndexPointingOutsideTheFolderIsRefused) {
 }
 
 TEST_F(Hostile, InspectUnderSeveralRanksPrintsOnce) {
-  const Outcome outcome = run({{"--nproc-per-node", "2", "inspect", model_}}, 60);
+  const Outcome outcome = run({{"--nproc-per-node", "2", "inspect", model_}});
   EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
   size_t count = 0;
   for (size_t at = outcome.out.find("== pipeline at"); at != std::string::npos;
@@ -890,14 +898,14 @@ TEST_F(Hostile, DamagedBuiltinModelCacheIsRebuilt) {
   const fs::path tmp = fs::path(root_) / "tmp";
   fs::create_directories(tmp);
   const std::map<std::string, std::string> env = {{"TMPDIR", tmp.string()}};
-  ASSERT_EQ(run({{"inspect"}, env}, 60, true).exit_code, 0);
+  ASSERT_EQ(run({{"inspect"}, env}, true).exit_code, 0);
   fs::path shard;
   for (const auto& entry : fs::recursive_directory_iterator(tmp)) {
     if (entry.path().filename() == "diffusion_pytorch_model-00002-of-00002.safetensors") shard = entry.path();
   }
   ASSERT_FALSE(shard.empty());
   fs::resize_file(shard, fs::file_size(shard) / 2);
-  const Outcome outcome = run({{"run-transformer", "--out", out_path()}, env}, 60, true);
+  const Outcome outcome = run({{"run-transformer", "--out", out_path()}, env}, true);
   EXPECT_EQ(outcome.exit_code, 0) << outcome.err;
 }
 

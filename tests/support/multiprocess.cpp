@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -27,6 +28,8 @@ namespace shardit::testing {
 namespace {
 
 constexpr const char* kRecordDirVariable = "SHARDIT_TEST_RECORD_DIR";
+// run_on_ranks' folder, the one thing it passes to the ranks (RankContext::dir).
+constexpr const char* kSharedDirVariable = "SHARDIT_TEST_SHARED_DIR";
 
 // One line per event, appended to <record dir>/<pid>: "started <test>", then "skipped",
 // "passed" or "failed". A rank that dies inside the test leaves only the first line.
@@ -356,6 +359,19 @@ int run_ranks(int nproc, std::map<std::string, std::string> extra_env, int grace
   }
   record.expect_ran(nproc);
   return code;
+}
+
+RanksRun run_on_ranks(int nproc, const std::function<void(const RankContext&)>& on_rank, int grace_seconds) {
+  if (is_worker()) {
+    on_rank(RankContext{env_or(kSharedDirVariable)});
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::exit(::testing::Test::HasFailure() ? 1 : 0);
+  }
+  RanksRun run;
+  run.dir = make_temp_dir("ranks");
+  run.exit_code = run_ranks(nproc, {{kSharedDirVariable, run.dir}}, grace_seconds);
+  return run;
 }
 
 }  // namespace shardit::testing

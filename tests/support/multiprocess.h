@@ -2,7 +2,15 @@
 // Multi-process gtest cases: the test executable runs again as N ranks on this host (forked by the
 // rank forker, see start_rank_forker), each rank running only the current test.
 //
-//   TEST(DistThing, TwoRanks) {
+//   TEST(DistThing, TwoRanks) {              // run_on_ranks: the function runs on every rank
+//     const shardit::testing::RanksRun run = shardit::testing::run_on_ranks(2, [](const RankContext& ranks) {
+//       World& world = World::init();         // what a rank does is code here: world.rank() == 1, ...
+//       ... collectives, EXPECTs, files written under ranks.dir ...
+//     });
+//     EXPECT_EQ(run.exit_code, 0);            // then read what the ranks wrote under run.dir
+//   }
+//
+//   TEST(DistThing, TwoRanks) {              // the older form: the test body branches on is_worker()
 //     if (shardit::testing::is_worker()) {
 //       ... rank code: World::init(), collectives, EXPECTs ...
 //       return;
@@ -14,7 +22,8 @@
 // started the test (and whether it then skipped it); the parent fails the test unless each of the N
 // workers started it and none skipped it. So a worker that runs no test, or skips, never passes.
 // A worker's failed EXPECT makes it exit non-zero, which makes run_ranks return non-zero. Results
-// that the parent must inspect can go through files in a folder passed with `extra_env`.
+// that the parent must inspect go through files in run_on_ranks' folder (RankContext::dir).
+#include <functional>
 #include <map>
 #include <string>
 
@@ -64,6 +73,29 @@ class WorkerRecord {
 /// launcher's default) is how long the other ranks may run on after one fails before the launcher
 /// kills them.
 int run_ranks(int nproc, std::map<std::string, std::string> extra_env = {}, int grace_seconds = 0);
+
+/// What run_on_ranks' function gets on each rank.
+struct RankContext {
+  /// A folder made for this run, shared by the ranks and the test process: what the test should
+  /// inspect afterwards is written here.
+  std::string dir;
+};
+
+/// The end of a run_on_ranks in the test process.
+struct RanksRun {
+  int exit_code = 0;  ///< the launcher's: 0 when every rank passed
+  std::string dir;    ///< RankContext::dir
+};
+
+/// Runs `on_rank` on `nproc` local ranks, as c10d's multi-process tests run a test method on each
+/// rank: the test executable runs again as the ranks (run_ranks), each filtered to the running test,
+/// which reaches this same call and there runs `on_rank`, then exits (1 when one of its EXPECTs
+/// failed, 0 otherwise), so that the call never returns on a rank. What each rank does is written in
+/// `on_rank` (it branches on its rank), so no instruction travels through environment variables;
+/// only the folder does, set by this fixture. In the test process it returns once every rank has
+/// exited. Code before the call runs on the ranks too: keep it free of side effects.
+/// `grace_seconds`: as run_ranks'.
+RanksRun run_on_ranks(int nproc, const std::function<void(const RankContext&)>& on_rank, int grace_seconds = 0);
 
 /// The value of an environment variable, or `fallback` when unset.
 std::string env_or(const std::string& name, const std::string& fallback = "");

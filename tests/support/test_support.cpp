@@ -8,6 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <sstream>
+#include <thread>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -162,6 +163,16 @@ std::string error_of(const std::function<void()>& fn) {
   }
   ADD_FAILURE() << "expected a c10::Error, none was thrown";
   return "";
+}
+
+bool poll_until(const std::function<bool()>& ready, std::chrono::milliseconds period,
+                std::chrono::steady_clock::duration limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!ready()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(period);
+  }
+  return true;
 }
 
 int run_command(const std::string& command_line, std::string* output) {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -55,6 +56,15 @@ std::string make_temp_dir(const std::string& tag);
 /// The message (without backtrace) of the c10::Error that `fn` throws; a test failure, and "",
 /// when it throws none.
 std::string error_of(const std::function<void()>& fn);
+
+/// How long a test waits for an event (a line, a status, a process's exit) before it calls the case
+/// hung: minutes, so that a slow machine never ends a wait, only a hang does.
+inline constexpr std::chrono::minutes kHangDeadline{3};
+
+/// Calls `ready` every `period` until it returns true (then true), or until `limit` has passed
+/// (then false: the case hung). The period only paces the polling; `ready` decides.
+bool poll_until(const std::function<bool()>& ready, std::chrono::milliseconds period = std::chrono::milliseconds(10),
+                std::chrono::steady_clock::duration limit = kHangDeadline);
 
 /// Runs a shell command line, returns its exit status and fills `output` with stdout+stderr.
 int run_command(const std::string& command_line, std::string* output);
