@@ -33,31 +33,18 @@ struct ServeCommandOptions {
 
 // `--lora NAME=FILE[:W]`: the name requests give in "lora"; without NAME= (or when the whole
 // argument is an existing file, whose name may hold '='), the file's name without extension.
-std::pair<std::string, models::LoraRequest> parse_named_lora(const std::string& argument) {
+models::LoraRequest parse_named_lora(const std::string& argument) {
   static const std::regex name_re("^([A-Za-z0-9._-]{1,128})=(.+)$");
   std::smatch match;
+  models::LoraRequest request;
   if (std::regex_match(argument, match, name_re) && !fs::exists(parse_lora_request(argument).path)) {
-    return {match[1].str(), parse_lora_request(match[2].str())};
+    request = parse_lora_request(match[2].str());
+    request.name = match[1].str();
+  } else {
+    request = parse_lora_request(argument);
+    request.name = models::lora_adapter_name(request.path);
   }
-  models::LoraRequest request = parse_lora_request(argument);
-  return {models::lora_adapter_name(request.path), request};
-}
-
-// Opens and names every --lora file for the transformer (no weight read yet): a bad file or a
-// name given twice fails here, before the long load.
-std::vector<models::LoraFile> open_named_lora(const LoraCliOptions& options, parallel::TensorParallelModule& model) {
-  std::vector<models::LoraFile> files;
-  for (const std::string& argument : options.files) {
-    const auto [name, request] = parse_named_lora(argument);
-    for (const auto& earlier : files) {
-      TORCH_CHECK(earlier.name != name, "serve: two --lora adapters are named '", name, "' (", earlier.file->path(),
-                  " and ", request.path, "); name them apart with --lora NAME=FILE[:WEIGHT]");
-    }
-    models::LoraFile file = std::move(models::open_lora_files({request}, model).at(0));
-    file.name = name;
-    files.push_back(std::move(file));
-  }
-  return files;
+  return request;
 }
 
 int serve(ServeCommandOptions options) {
@@ -101,9 +88,12 @@ int serve(ServeCommandOptions options) {
   auto load = pipeline_load_options(world, layout_options);
   // Each replica of the mesh serves requests of its own.
   load.independent_replicas = true;
-  load.lora.clear();  // the server loads them, named, once the weights are in (ServeOptions::lora)
+  // The adapters, named for the requests to choose them by: the pipeline opens and checks them now,
+  // before the long load, and loads them with its weights.
+  load.lora.clear();
+  for (const std::string& argument : pipeline_options.lora.files) load.lora.push_back(parse_named_lora(argument));
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
-  serve.lora = open_named_lora(pipeline_options.lora, *pipeline->transformer());
+  serve.lora = load.lora;
   serve.lora_scale = pipeline_options.lora.scale;
   serve.fuse_lora = pipeline_options.lora.fuse;
   serve.limits.size_multiple = 2 * pipeline->vae_scale_factor();

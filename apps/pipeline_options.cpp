@@ -105,14 +105,14 @@ void add_weights_dtype_option(CLI::App* command, std::string& weights_dtype, boo
 }
 
 models::LoraRequest parse_lora_request(const std::string& argument) {
-  models::LoraRequest request{argument, 1.0};
+  models::LoraRequest request{argument, 1.0, ""};
   const size_t colon = argument.rfind(':');
   if (colon == std::string::npos || colon == 0) return request;
   const std::string tail = argument.substr(colon + 1);
   try {
     size_t used = 0;
     const double weight = std::stod(tail, &used);
-    if (used == tail.size() && std::isfinite(weight)) return {argument.substr(0, colon), weight};
+    if (used == tail.size() && std::isfinite(weight)) return {argument.substr(0, colon), weight, ""};
   } catch (const std::exception&) {
   }
   return request;

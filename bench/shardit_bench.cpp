@@ -532,8 +532,8 @@ int run_forward(const BenchOptions& options) {
   std::unique_ptr<shardit::parallel::LoraAdapters> adapters;
   nlohmann::json lora_result;
   if (options.lora_rank > 0) {
-    std::vector<shardit::models::LoraRequest> requests = {{bench_adapter(options, config, 1, world), 0.8},
-                                                          {bench_adapter(options, config, 2, world), 0.5}};
+    std::vector<shardit::models::LoraRequest> requests = {{bench_adapter(options, config, 1, world), 0.8, ""},
+                                                          {bench_adapter(options, config, 2, world), 0.5, ""}};
     adapters = std::make_unique<shardit::parallel::LoraAdapters>(*model);
     const auto load_start = Clock::now();
     shardit::models::load_lora_files(*adapters, shardit::models::open_lora_files(requests, *model), 1.0, false);

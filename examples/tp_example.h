@@ -15,6 +15,7 @@
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/nn/program_start.h"
+#include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/gemm.h"
 #include "shardit/parallel/parallel_dims.h"
@@ -89,7 +90,7 @@ inline int run_tp_example(int argc, char** argv, const TpExample& example) {
     const pipelines::GenerateResult result = pipe->generate(request);
 
     if (world.rank() == 0) {
-      for (const auto& path : pipelines::save_images(result.image, out)) std::printf("wrote %s\n", path.c_str());
+      for (const auto& path : io::save_images(result.image, out)) std::printf("wrote %s\n", path.c_str());
     }
     return 0;
   } catch (const std::exception& e) {

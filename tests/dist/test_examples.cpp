@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "shardit/dist/launcher.h"
+#include "shardit/io/png.h"
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
 
@@ -42,7 +43,7 @@ TEST_P(Examples, GoldenTp2WritesDiffusersImage) {
     options.nproc = 2;
     ASSERT_EQ(shardit::dist::launch_local(argv, options), 0) << GetParam().program;
     shardit::testing::expect_pngs_match(
-        golden, shardit::pipelines::image_paths(out, golden.batch),
+        golden, shardit::io::image_paths(out, golden.batch),
         GetParam().program + (in_memory ? " (enable_parallelism)" : " (sharded on load)"));
   }
 }

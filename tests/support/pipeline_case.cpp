@@ -197,7 +197,7 @@ GenerateCliRun run_generate_cli(const PipelineCase& golden, const std::string& g
   run.latents = tensors->read("latents");
   if (tensors->contains("cache.computed")) run.cache_computed = tensors->read("cache.computed");
   if (tensors->contains("cache.ratio")) run.cache_ratio = tensors->read("cache.ratio");
-  run.pngs = pipelines::image_paths(dir + "/out.png", golden.batch);
+  run.pngs = io::image_paths(dir + "/out.png", golden.batch);
   return run;
 }
 

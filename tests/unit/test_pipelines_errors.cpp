@@ -128,7 +128,7 @@ TEST(PipelineErrors, PngRoundTripWithParameters) {
                                    11)),
             std::string::npos);
   EXPECT_NE(bytes.find("iTXtprompt"), std::string::npos);
-  EXPECT_EQ(shardit::pipelines::image_paths("x/out.png", 2), (std::vector<std::string>{"x/out_0.png", "x/out_1.png"}));
+  EXPECT_EQ(shardit::io::image_paths("x/out.png", 2), (std::vector<std::string>{"x/out_0.png", "x/out_1.png"}));
 }
 
 TEST(PipelineErrors, CliRefusesAnUnwritableOutputBeforeLoading) {

@@ -4,6 +4,7 @@
 
 #include <csetjmp>
 #include <cstring>
+#include <filesystem>
 
 #include "shardit/io/file.h"
 
@@ -188,6 +189,28 @@ at::Tensor read_png(const std::string& path) {
 
 std::pair<int64_t, int64_t> png_size(const std::string& path) {
   return decode_png(read_regular_file(path, kMaxPngFileBytes), path, nullptr);
+}
+
+std::vector<std::string> image_paths(const std::string& out, int64_t count) {
+  if (count == 1) return {out};
+  const std::filesystem::path path(out);
+  std::vector<std::string> paths;
+  for (int64_t i = 0; i < count; ++i) {
+    paths.push_back(
+        (path.parent_path() / (path.stem().string() + "_" + std::to_string(i) + path.extension().string())).string());
+  }
+  return paths;
+}
+
+std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
+                                     const std::vector<std::pair<std::string, std::string>>& text) {
+  TORCH_CHECK(image.defined() && image.dim() == 4,
+              "save_images: no decoded image on this rank (only ranks with a "
+              "VAE decode; by default world rank 0)");
+  const std::vector<std::string> paths = image_paths(out, image.size(0));
+  for (size_t i = 0; i < paths.size(); ++i)
+    write_png(paths[i], to_uint8_pixels(image[static_cast<int64_t>(i)]), text);
+  return paths;
 }
 
 }  // namespace shardit::io

@@ -24,6 +24,14 @@ void write_png(const std::string& path, const at::Tensor& pixels,
 std::string encode_png(const at::Tensor& pixels, const std::vector<std::pair<std::string, std::string>>& text = {},
                        const std::string& what = "image");
 
+/// The PNG files for `count` images: `out` for one; out_0.png, out_1.png ... (stem_i.ext) for several.
+std::vector<std::string> image_paths(const std::string& out, int64_t count);
+
+/// Writes each image of `image` (float32 [B, H, W, 3] in [0, 1], a pipeline's output) to
+/// image_paths(out, B) as 8-bit PNG with `text` chunks; returns the paths.
+std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
+                                     const std::vector<std::pair<std::string, std::string>>& text = {});
+
 /// The largest side a PNG may declare to be read: shardit writes none larger (the pipelines'
 /// kMaxImageSide), and a small file can declare a huge image.
 constexpr int64_t kMaxPngSide = 16384;

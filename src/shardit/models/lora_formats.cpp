@@ -440,10 +440,11 @@ std::vector<LoraFile> open_lora_files(const std::vector<LoraRequest>& requests, 
     TORCH_CHECK(std::isfinite(request.weight), request.path, ": the adapter weight ", request.weight,
                 " is not a finite number");
     LoraFile opened;
-    opened.name = lora_adapter_name(request.path);
+    opened.name = request.name.empty() ? lora_adapter_name(request.path) : request.name;
     for (const LoraFile& earlier : files) {
       TORCH_CHECK(earlier.name != opened.name, request.path, ": an adapter named '", opened.name, "' (from ",
-                  earlier.spec.path, ") is already given; adapters are named after their files");
+                  earlier.spec.path, ") is already given; name each adapter apart (adapters without a name are "
+                  "named after their files; serve takes --lora NAME=FILE[:WEIGHT])");
     }
     opened.weight = request.weight;
     opened.file = io::SafetensorsFile::open(request.path);

@@ -35,6 +35,9 @@ std::string lora_adapter_name(const std::string& path);
 struct LoraRequest {
   std::string path;
   double weight = 1.0;
+  /// The adapter's name (what set_adapters and a served request choose it by); empty: the file's
+  /// name, lora_adapter_name(path).
+  std::string name;
 };
 
 /// An adapter file opened once and converted for a model, no weight read yet.
@@ -45,8 +48,8 @@ struct LoraFile {
   parallel::LoraAdapterSpec spec;
 };
 
-/// Opens and converts every requested file for `model` (loaded or not), refusing two files of the
-/// same adapter name. Reads no weight: call it before loading the model to fail early.
+/// Opens and converts every requested file for `model` (loaded or not), refusing two adapters of
+/// the same name. Reads no weight: call it before loading the model to fail early.
 std::vector<LoraFile> open_lora_files(const std::vector<LoraRequest>& requests, parallel::TensorParallelModule& model);
 
 /// Loads `files` into `adapters` (whose model is loaded), then makes exactly them active at their

@@ -120,28 +120,6 @@ std::vector<std::string> negative_prompts_for(const std::vector<std::string>& ne
   return negative;
 }
 
-std::vector<std::string> image_paths(const std::string& out, int64_t count) {
-  if (count == 1) return {out};
-  const std::filesystem::path path(out);
-  std::vector<std::string> paths;
-  for (int64_t i = 0; i < count; ++i) {
-    paths.push_back(
-        (path.parent_path() / (path.stem().string() + "_" + std::to_string(i) + path.extension().string())).string());
-  }
-  return paths;
-}
-
-std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
-                                     const std::vector<std::pair<std::string, std::string>>& text) {
-  TORCH_CHECK(image.defined() && image.dim() == 4,
-              "save_images: no decoded image on this rank (only ranks with a "
-              "VAE decode; by default world rank 0)");
-  const std::vector<std::string> paths = image_paths(out, image.size(0));
-  for (size_t i = 0; i < paths.size(); ++i)
-    io::write_png(paths[i], io::to_uint8_pixels(image[static_cast<int64_t>(i)]), text);
-  return paths;
-}
-
 namespace {
 
 void check_range(const char* what, int64_t value, int64_t low, int64_t high) {
@@ -170,23 +148,6 @@ void check_finite_embeds(const std::optional<PromptEmbeds>& embeds, const std::s
 }
 
 }  // namespace
-
-std::string cache_summary(const GenerateResult& result) {
-  if (!result.cache || !result.cache_computed.defined()) return "";
-  const at::Tensor computed = result.cache_computed;  // [steps, contexts]
-  const int64_t steps = computed.size(0);
-  std::vector<std::string> per_context;
-  for (int64_t c = 0; c < computed.size(1); ++c) {
-    per_context.push_back(fmt::format("{} of {} ({})", computed.select(1, c).sum().item<int64_t>(), steps,
-                                      result.cache_contexts.at(static_cast<size_t>(c))));
-  }
-  const int64_t calls = computed.numel();
-  const int64_t skipped = calls - computed.sum().item<int64_t>();
-  return fmt::format("step cache {}: the whole stack ran in {} steps; {} of {} transformer calls skipped; {} of cache "
-                     "state per rank",
-                     result.cache->to_string(), fmt::join(per_context, ", "), skipped, calls,
-                     human_bytes(result.cache_state_bytes));
-}
 
 void check_request(const GenerateRequest& request) {
   if (request.num_inference_steps) {
@@ -259,6 +220,8 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
   transformer_ = models::create_transformer(transformer_folder);
   TORCH_INTERNAL_ASSERT(dynamic_cast<models::JointTransformer2DModel*>(transformer_.get()) != nullptr, pipeline_class,
                         ": ", transformer_class, " is not a joint-stream transformer");
+  // The adapter files are opened and checked against the transformer before any weight is read.
+  adapter_files_ = models::open_lora_files(options_.lora, *transformer_);
 
   const parallel::ParallelLayout& layout = options_.parallel;
   TORCH_CHECK(layout.mesh || layout.dims.product() == 1, pipeline_class, ": PipelineLoadOptions::parallel has the "
@@ -339,8 +302,6 @@ void DiffusionPipeline::load() {
   load.int8_compute = options_.int8_compute;
   // Refused before the text encoders load, not after them.
   if (load.int8_compute) nn::check_int8_compute(load.weights, load.device);
-  // The adapter files are opened and checked against the transformer before any weight is read.
-  const std::vector<models::LoraFile> adapter_files = models::open_lora_files(options_.lora, *transformer_);
   // The text encoders first: their degree (--text-encoder-tp) is checked before any weight is read,
   // rather than after the (larger) transformer has loaded.
   if (!prompt_encoder_ && options_.load_text_encoders && has_prompt_encoder_components(folder_, prompt_encoding())) {
@@ -354,8 +315,9 @@ void DiffusionPipeline::load() {
   }
   transformer_->load(transformer_weights_, load);
   lora_ = std::make_unique<parallel::LoraAdapters>(*transformer_);
-  if (!adapter_files.empty()) {
-    models::load_lora_files(*lora_, adapter_files, options_.lora_scale, options_.fuse_lora);
+  if (!adapter_files_.empty()) {
+    models::load_lora_files(*lora_, adapter_files_, options_.lora_scale, options_.fuse_lora);
+    adapter_files_.clear();  // read: the files need not stay mapped
   }
   if (options_.parallel.dims.ulysses > 1 || options_.parallel.dims.ring > 1) {
     // The transformer's sequence is split over the mesh's "ulysses" and "ring" dimensions.
@@ -526,125 +488,6 @@ void DiffusionPipeline::report_cache(const models::StepCache& cache, const Prepa
   result.cache_computed = computed;
   if (cache.first_block()) result.cache_ratio = ratio;
   result.cache_state_bytes = cache.state_bytes();
-}
-
-namespace {
-
-/// Thrown from a batch's progress callback to leave its denoising loop (caught by generate_batch).
-struct BatchStopped {};
-
-/// Whether two optional embeddings could be one batch: the same shapes, and Qwen-Image's mask
-/// either absent or all ones on both (a full mask is dropped, a partial one is applied).
-bool same_embeds_layout(const std::optional<PromptEmbeds>& a, const std::optional<PromptEmbeds>& b) {
-  if (a.has_value() != b.has_value()) return false;
-  if (!a) return true;
-  const auto mask_kind = [](const PromptEmbeds& e) {
-    if (!e.prompt_embeds_mask) return 0;
-    return e.prompt_embeds_mask->ne(0).all().item<bool>() ? 1 : 2;
-  };
-  // [B, L, D]: the rows (prompts x images) may differ, the token count and width may not.
-  return a->prompt_embeds.sizes().slice(1) == b->prompt_embeds.sizes().slice(1) &&
-         a->pooled_prompt_embeds.has_value() == b->pooled_prompt_embeds.has_value() && mask_kind(*a) == mask_kind(*b);
-}
-
-/// Whether two prepared calls can share one denoising loop.
-bool batchable(const PreparedRequest& a, const PreparedRequest& b) {
-  return a.height == b.height && a.width == b.width && a.num_inference_steps == b.num_inference_steps &&
-         a.guidance_scale == b.guidance_scale && a.true_cfg_scale == b.true_cfg_scale && a.do_cfg == b.do_cfg &&
-         !a.references.defined() && !b.references.defined() && same_embeds_layout(a.cond, b.cond) &&
-         same_embeds_layout(a.uncond, b.uncond);
-}
-
-/// The members' embeddings one after the other along the batch.
-PromptEmbeds concat_prompt_embeds(const std::vector<const PromptEmbeds*>& parts) {
-  const auto cat = [&](auto&& get) {
-    std::vector<at::Tensor> tensors;
-    for (const PromptEmbeds* part : parts) tensors.push_back(get(*part));
-    return at::cat(tensors, 0);
-  };
-  PromptEmbeds out;
-  out.prompt_embeds = cat([](const PromptEmbeds& e) { return e.prompt_embeds; });
-  if (parts.front()->pooled_prompt_embeds) {
-    out.pooled_prompt_embeds = cat([](const PromptEmbeds& e) { return *e.pooled_prompt_embeds; });
-  }
-  if (parts.front()->prompt_embeds_mask) {
-    out.prompt_embeds_mask = cat([](const PromptEmbeds& e) { return *e.prompt_embeds_mask; });
-  }
-  return out;
-}
-
-}  // namespace
-
-std::vector<std::optional<GenerateResult>> DiffusionPipeline::generate_batch(const std::vector<GenerateRequest>& requests,
-                                                                             const BatchProgress& progress) {
-  TORCH_CHECK(loaded_, class_name(), ": load() the weights before generate_batch()");
-  TORCH_CHECK(joint_transformer().step_cache() == nullptr, class_name(),
-              ": generate_batch() with a step cache enabled on the transformer: its decision to skip a step is "
-              "taken for the whole batch, so a request would not get its own image; disable the cache or run "
-              "the requests with generate()");
-  nn::SamplewiseProducts samplewise;
-  std::vector<PreparedRequest> calls;
-  calls.reserve(requests.size());
-  std::vector<std::vector<std::string>> request_notes;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const GenerateRequest& request = requests[i];
-    TORCH_CHECK(!request.cache && request.image.empty() && !request.on_progress && !request.callback_on_step_end,
-                class_name(), ": generate_batch() request ", i, " has a step cache, reference images or callbacks; "
-                "run it with generate()");
-    check(request);
-    NoteCollector notes;
-    calls.push_back(prepare(request));
-    request_notes.push_back(notes.notes());
-  }
-  // Each request joins the first batch whose first member it can share a loop with.
-  std::vector<std::vector<size_t>> batches;
-  for (size_t i = 0; i < calls.size(); ++i) {
-    auto batch = std::find_if(batches.begin(), batches.end(),
-                              [&](const std::vector<size_t>& b) { return batchable(calls[b.front()], calls[i]); });
-    if (batch == batches.end()) {
-      batches.push_back({i});
-    } else {
-      batch->push_back(i);
-    }
-  }
-  std::vector<std::optional<GenerateResult>> results(requests.size());
-  for (const std::vector<size_t>& members : batches) {
-    PreparedRequest call = std::move(calls[members.front()]);
-    std::vector<const PromptEmbeds*> cond, uncond;
-    std::vector<at::Tensor> latents;
-    std::vector<int64_t> sizes;
-    for (const size_t i : members) {
-      const PreparedRequest& member = i == members.front() ? call : calls[i];
-      cond.push_back(&member.cond);
-      if (member.uncond) uncond.push_back(&*member.uncond);
-      latents.push_back(member.latents);
-      sizes.push_back(member.batch);
-    }
-    call.cond = concat_prompt_embeds(cond);
-    if (call.do_cfg) call.uncond = concat_prompt_embeds(uncond);
-    call.latents = at::cat(latents, 0);  // [sum B_i, N, C4]
-    call.batch = call.latents.size(0);
-    GenerateRequest shared = requests[members.front()];
-    shared.on_progress = [&](int64_t done, int64_t total) {
-      if (progress && progress(members, done, total)) throw BatchStopped{};
-    };
-    GenerateResult all;
-    try {
-      all = generate_prepared(call, shared);
-    } catch (const BatchStopped&) {
-      continue;
-    }
-    int64_t offset = 0;
-    for (size_t k = 0; k < members.size(); ++k) {
-      GenerateResult own = all;
-      own.latents = all.latents.narrow(0, offset, sizes[k]);
-      if (all.image.defined()) own.image = all.image.narrow(0, offset, sizes[k]);
-      own.notes = request_notes[members[k]];
-      results[members[k]] = std::move(own);
-      offset += sizes[k];
-    }
-  }
-  return results;
 }
 
 PreparedRequest DiffusionPipeline::prepare(const GenerateRequest& request) const {

@@ -193,7 +193,8 @@ struct PipelineLoadOptions {
   /// heads allow (a note is printed when it differs from the transformer's).
   std::optional<int> text_encoder_tp;
   /// LoRA adapters load() puts on the transformer after its weights (diffusers'
-  /// load_lora_weights): each named after its file and active at its weight, in this order.
+  /// load_lora_weights): each named as its request says (by default after its file) and active at
+  /// its weight, in this order. The files are opened and checked by open(), before any weight.
   std::vector<models::LoraRequest> lora;
   /// The runtime scale multiplying every adapter (diffusers' `scale` attention kwarg); with
   /// fuse_lora, the lora_scale of the merge.
@@ -257,7 +258,7 @@ class DiffusionPipeline {
   /// requests) of the batch that runs, the steps done and in all. Returns whether to stop that
   /// batch now; it must return the same on every rank (a server broadcasts its decision).
   using BatchProgress = std::function<bool(const std::vector<size_t>& members, int64_t done, int64_t total)>;
-  /// Runs several requests together where they can share one denoising loop (no diffusers
+  /// Runs several requests together where they can share one denoising loop (batched_generation.cpp; no diffusers
   /// counterpart: a server's batching of its clients' requests), each request's image bit for bit
   /// the one generate(request) gives under nn::SamplewiseProducts (which this call holds):
   /// prompts are encoded and noise drawn per request, the transformer and the VAE compute each
@@ -431,6 +432,8 @@ class DiffusionPipeline {
   std::shared_ptr<models::AutoencoderModel> vae_model_;  ///< built from the config, loaded by load()
   io::Checkpoint transformer_weights_;
   io::Checkpoint vae_weights_;
+  /// options.lora opened and checked against the transformer by the constructor; load() reads them.
+  std::vector<models::LoraFile> adapter_files_;
   bool loaded_ = false;
   std::shared_ptr<PromptEncoder> prompt_encoder_;
   int64_t vae_scale_factor_ = 8;
@@ -476,19 +479,6 @@ inline bool has_negative_prompt(const GenerateRequest& request) {
 
 /// The negative prompts for `num_prompts` prompts: none, one for all, or one each.
 std::vector<std::string> negative_prompts_for(const std::vector<std::string>& negative, int64_t num_prompts);
-
-/// The PNG files for `count` images: `out` for one; out_0.png, out_1.png ... (stem_i.ext) for several.
-std::vector<std::string> image_paths(const std::string& out, int64_t count);
-
-/// Writes each image of `image` (float32 [B, H, W, 3] in [0, 1]) to image_paths(out, B) as 8-bit
-/// PNG with `text` chunks; returns the paths.
-std::vector<std::string> save_images(const at::Tensor& image, const std::string& out,
-                                     const std::vector<std::pair<std::string, std::string>>& text = {});
-
-/// One line on what a call's step cache did, for people: "step cache first_block_cache:threshold=0.12:
-/// the whole stack ran in 7 of 10 (cond), 6 of 10 (uncond) steps; 7 of 20 transformer calls
-/// skipped; 96 MiB of cache state per rank". Empty without a cache.
-std::string cache_summary(const GenerateResult& result);
 
 /// The bounds of a request, checked before anything is allocated, for the command line and the
 /// server alike: far above any real use (FLUX.1 and Qwen-Image generate up to 2048 pixels a side

@@ -54,12 +54,11 @@ ReplicaGenerations::ReplicaGenerations(const ServeOptions& options, Metrics& met
                                        pipelines::DiffusionPipeline& pipeline, ControlPlane& plane)
     : options_(options), metrics_(metrics), pipeline_(pipeline), plane_(plane) {}
 
-void ReplicaGenerations::load_lora() {
+void ReplicaGenerations::adopt_loaded_lora() {
   if (options_.lora.empty()) return;
-  models::load_lora_files(pipeline_.lora_adapters(), options_.lora, options_.lora_scale, options_.fuse_lora);
   const auto count = static_cast<int64_t>(options_.lora.size());
   metrics_.count_lora_loads(count, options_.fuse_lora ? 0 : count);
-  active_lora_ = lora_json(options_.limits.lora).dump();  // load_lora_files made exactly them active
+  active_lora_ = lora_json(options_.limits.lora).dump();  // the pipeline's load made exactly them active
 }
 
 std::vector<JobOutcome> ReplicaGenerations::run(const std::vector<ImageRequest>& requests,

@@ -47,9 +47,9 @@ class ReplicaGenerations {
   ReplicaGenerations(const ServeOptions& options, Metrics& metrics, pipelines::DiffusionPipeline& pipeline,
                      ControlPlane& plane);
 
-  /// Reads the LoRA adapters of ServeOptions::lora (each rank its slices; collective over the
-  /// world), from then on only switched per request.
-  void load_lora();
+  /// Takes the LoRA adapters of ServeOptions::lora as the pipeline's load() left them (loaded and
+  /// active at their weights, or fused) as the adapters active now, and counts them in the metrics.
+  void adopt_loaded_lora();
 
   /// The replica's first rank: one generation (alone, or as a batch) of `requests`, each with its
   /// link, after the control message that makes the other ranks run it too, then every rank's

@@ -160,7 +160,7 @@ Server::Server(ServeOptions options) {
               "serve: --batch-wait-ms must be 0 to 1000, got ", options.batch_wait.count());
   options.limits.url_output = !options.output_dir.empty();
   options.limits.lora.clear();
-  for (const auto& file : options.lora) options.limits.lora.push_back({file.name, file.weight});
+  for (const auto& adapter : options.lora) options.limits.lora.push_back({adapter.name, adapter.weight});
   options.limits.lora_fused = options.fuse_lora;
   state_ = std::make_unique<State>(std::move(options));
 }
@@ -217,9 +217,10 @@ int Server::run(pipelines::DiffusionPipeline& pipeline) {
   std::optional<nn::SamplewiseProducts> samplewise;
   if (s.options.max_batch > 1) samplewise.emplace();
 
-  // The adapters, read once by every rank (each its slices) and then only switched per request.
+  // The adapters, read once by every rank (each its slices) with the pipeline's weights, and then
+  // only switched per request.
   ReplicaGenerations generations(s.options, s.metrics, pipeline, plane);
-  generations.load_lora();
+  generations.adopt_loaded_lora();
 
   if (replica_group->rank() != 0) return generations.follow();
   if (replica != 0) return serve_replica(generations, plane, s.options.tick, replica);

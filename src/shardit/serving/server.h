@@ -29,10 +29,11 @@ struct ServeOptions {
   std::chrono::milliseconds tick{1000};
   /// How long /health reports a lost rank before the server exits.
   std::chrono::milliseconds linger{1000};
-  /// LoRA adapters every rank loads once at start (opened and named by the caller, see
-  /// models::open_lora_files), unfused: each request chooses among them (ImageRequest::lora)
-  /// without reloading; a request without "lora" gets all of them at their weights.
-  std::vector<models::LoraFile> lora;
+  /// The LoRA adapters of the pipeline (PipelineLoadOptions::lora, each named: the pipeline loads
+  /// them, every rank its slices, once), unfused: each request chooses among them by name
+  /// (ImageRequest::lora) without reloading; a request without "lora" gets all of them at their
+  /// weights.
+  std::vector<models::LoraRequest> lora;
   double lora_scale = 1.0;  ///< the runtime scale multiplying every adapter (--lora-scale)
   bool fuse_lora = false;   ///< merge them into the weights instead: no request may choose
   /// The most time from a generation request's arrival to its answer (queue wait included); a
