@@ -19,6 +19,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/module.h"
 #include "shardit/nn/spatial_parallel_layer.h"
 
 namespace shardit::apps {
@@ -57,27 +58,35 @@ int run_vae(const RunVaeOptions& options) {
   vae->enable_parallel_decode(world.group());
 
   std::vector<std::pair<std::string, at::Tensor>> recorded;
-  const models::IntermediateRecorder record = [&recorded](const std::string& name, const at::Tensor& value) {
-    recorded.emplace_back(name, value.to(at::kCPU, at::kFloat).contiguous().clone());
+  const auto record = [&recorded](const std::string& path, const std::string& name, const at::Tensor& value) {
+    const std::string golden_name = models::vae_intermediate_name(path, name);
+    recorded.emplace_back(golden_name, value.to(at::kCPU, at::kFloat).contiguous().clone());
   };
   const auto read_input = [&](const std::string& name) { return inputs->read(name, dtype).to(world.device()); };
 
   const auto start = std::chrono::steady_clock::now();
   at::Tensor z;
-  if (inputs->contains("latents_patchified")) {
-    z = vae->denormalize_latents(read_input("latents_patchified"), record);
-  } else if (inputs->contains("latents")) {
-    z = vae->denormalize_latents(read_input("latents"), record);
-  } else {
-    TORCH_CHECK(inputs->contains("z"), inputs_path, ": holds none of 'latents', 'latents_patchified' or 'z'");
-    z = read_input("z");
+  {
+    const nn::ObserveForward observe(record);
+    if (inputs->contains("latents_patchified")) {
+      z = vae->denormalize_latents(read_input("latents_patchified"));
+    } else if (inputs->contains("latents")) {
+      z = vae->denormalize_latents(read_input("latents"));
+    } else {
+      TORCH_CHECK(inputs->contains("z"), inputs_path, ": holds none of 'latents', 'latents_patchified' or 'z'");
+      z = read_input("z");
+    }
   }
-  // Under a parallel decode the decoder's intermediates arrive as bands: gathered in order.
-  const models::IntermediateRecorder record_decode =
-      world.size() == 1 ? record : [&](const std::string& name, const at::Tensor& band) {
-        record(name, nn::gather_rows(band, -2, *world.group()));
-      };
-  const at::Tensor sample = vae->decode(z, record_decode);
+  at::Tensor sample;
+  {
+    // Under a parallel decode the decoder's intermediates arrive as bands: gathered in order.
+    const auto record_band = [&](const std::string& path, const std::string& name, const at::Tensor& band) {
+      record(path, name, nn::gather_rows(band, -2, *world.group()));
+    };
+    const nn::ObserveForward observe(world.size() == 1 ? nn::ForwardObserver(record)
+                                                       : nn::ForwardObserver(record_band));
+    sample = vae->decode(z);
+  }
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {

@@ -24,6 +24,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/module.h"
 #include "shardit/nn/spatial_parallel_layer.h"
 #include "shardit/parallel/spatial_parallel.h"
 #include "shardit/pipelines/pipeline.h"
@@ -203,9 +204,12 @@ TEST(SpatialParallelGoldenMemory, EachRankHoldsAboutItsShareOfTheActivations) {
       const int64_t before = counter.reset_peak();
       *largest = 0;
       const auto start = std::chrono::steady_clock::now();
-      vae->decode(z, [&](const std::string&, const at::Tensor& value) {
-        *largest = std::max<int64_t>(*largest, value.numel());
-      });
+      {
+        const shardit::nn::ObserveForward observe([&](const std::string&, const std::string&, const at::Tensor& value) {
+          *largest = std::max<int64_t>(*largest, value.numel());
+        });
+        vae->decode(z);
+      }
       std::cout << "rank " << world.rank() << ": decode on " << vae->parallel_decode_degree() << " rank(s) took "
                 << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s\n";
       return counter.peak() - before;

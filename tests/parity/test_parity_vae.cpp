@@ -19,6 +19,7 @@
 #include "shardit/models/vae/autoencoder_kl_flux2.h"
 #include "shardit/models/vae/autoencoder_kl_qwenimage.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/nn/module.h"
 #include "support/test_support.h"
 #include "support/tiled_reference.h"
 
@@ -47,13 +48,16 @@ TEST_P(VaeParity, SampleAndEveryIntermediateMatchDiffusers) {
   const auto inputs = io::SafetensorsFile::open(dir + "/inputs.safetensors");
 
   std::map<std::string, at::Tensor> recorded;
-  const models::IntermediateRecorder record = [&](const std::string& name, const at::Tensor& value) {
-    EXPECT_EQ(recorded.count(name), 0u) << "intermediate '" << name << "' recorded twice";
-    recorded[name] = value.clone();
-  };
   const std::string latents_name = inputs->contains("latents_patchified") ? "latents_patchified" : "latents";
-  const at::Tensor z = vae->denormalize_latents(inputs->read(latents_name), record);
-  recorded["sample"] = vae->decode(z, record);
+  {
+    const nn::ObserveForward observe([&](const std::string& path, const std::string& emitted, const at::Tensor& value) {
+      const std::string name = models::vae_intermediate_name(path, emitted);
+      EXPECT_EQ(recorded.count(name), 0u) << "intermediate '" << name << "' recorded twice";
+      recorded[name] = value.clone();
+    });
+    const at::Tensor z = vae->denormalize_latents(inputs->read(latents_name));
+    recorded["sample"] = vae->decode(z);
+  }
 
   std::vector<std::string> compared;
   // The pipeline's de-normalisation, against the z (and z_patchified) the reference decoded.
@@ -213,9 +217,10 @@ TEST(VaeTiling, QwenImageMatchesDiffusersTileLoopAndSkipsTheClamp) {
   std::map<std::string, at::Tensor> recorded;
   const auto decode_tile = [&](const at::Tensor& tile) {
     at::Tensor before_clamp;
-    vae->decode(tile, [&](const std::string& name, const at::Tensor& value) {
-      if (name == "decoder_out_before_clamp") before_clamp = value.clone();
+    const nn::ObserveForward observe([&](const std::string& path, const std::string& name, const at::Tensor& value) {
+      if (models::vae_intermediate_name(path, name) == "decoder_out_before_clamp") before_clamp = value.clone();
     });
+    vae->decode(tile);
     return before_clamp;
   };
   const at::Tensor expected = reference_tiled_decode(z, qwen->tile_grid(19, 15), decode_tile);

@@ -4,6 +4,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
 #include "support/test_support.h"
 
@@ -50,6 +54,38 @@ TEST(SchedulerErrors, RejectsWrongValueTypeAndOtherClasses) {
   config["_class_name"] = "EulerDiscreteScheduler";
   message = error_of([&] { FlowMatchEulerDiscreteSchedulerConfig::from_json(config, "s.json"); });
   EXPECT_NE(message.find("EulerDiscreteScheduler"), std::string::npos) << message;
+}
+
+// The config is read strictly: a value out of range, of the wrong type, or null where diffusers
+// does not declare the key Optional is refused naming the file and the key.
+TEST(SchedulerErrors, ConfigValuesOutOfRangeOrOfTheWrongTypeNameTheFileAndTheKey) {
+  const std::vector<std::pair<const char*, nlohmann::json>> values = {
+      {"num_train_timesteps", 0},     {"num_train_timesteps", 1000.5}, {"base_image_seq_len", -256},
+      {"max_image_seq_len", "4096"},  {"max_shift", "1.15"},           {"base_shift", true},
+      {"shift_terminal", "0.02"},     {"use_dynamic_shifting", 1},     {"invert_sigmas", nullptr},
+      {"use_karras_sigmas", "false"}, {"stochastic_sampling", nullptr}, {"time_shift_type", 1}};
+  for (const auto& [key, value] : values) {
+    auto config = flux_config();
+    config[key] = value;
+    const std::string message = error_of([&] { FlowMatchEulerDiscreteSchedulerConfig::from_json(config, "s.json"); });
+    EXPECT_NE(message.find(std::string("s.json: key '") + key + "'"), std::string::npos) << key << ": " << message;
+  }
+}
+
+// Keys diffusers declares Optional may be null (as released configs write shift_terminal): the
+// default.
+TEST(SchedulerErrors, OptionalConfigKeysMayBeNull) {
+  auto config = flux_config();
+  for (const char* key : {"base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len", "shift_terminal",
+                          "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"}) {
+    config[key] = nullptr;
+  }
+  const auto parsed = FlowMatchEulerDiscreteSchedulerConfig::from_json(config, "s.json");
+  EXPECT_EQ(parsed.base_shift, 0.5);
+  EXPECT_EQ(parsed.max_shift, 1.15);
+  EXPECT_EQ(parsed.base_image_seq_len, 256);
+  EXPECT_EQ(parsed.max_image_seq_len, 4096);
+  EXPECT_FALSE(parsed.shift_terminal.has_value());
 }
 
 TEST(SchedulerErrors, BadCallsAreNamed) {

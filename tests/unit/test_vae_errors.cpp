@@ -5,11 +5,15 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/autoencoder_kl.h"
+#include "shardit/models/vae/autoencoder_kl_flux2.h"
 #include "shardit/models/vae/autoencoder_kl_qwenimage.h"
 #include "support/test_support.h"
 
@@ -89,6 +93,69 @@ TEST(VaeErrors, BadConfigsNameTheKey) {
   qwen["temperal_downsample"] = {false, true};
   message = error_of([&] { models::create_vae(io::open_component(write_component(qwen), "vae")); });
   EXPECT_NE(message.find("temperal_downsample"), std::string::npos) << message;
+}
+
+/// The error of creating the VAE of `config` from a component folder; `*file` gets its config.json.
+std::string config_error(const nlohmann::json& config, std::string* file) {
+  const std::string dir = write_component(config);
+  *file = dir + "/config.json";
+  return error_of([&] { models::create_vae(io::open_component(dir, "vae")); });
+}
+
+// Every VAE config is read strictly: a value out of range, of the wrong type, or null where
+// diffusers does not declare the key Optional is refused naming the file and the key.
+TEST(VaeErrors, ConfigValuesOutOfRangeOrOfTheWrongTypeNameTheFileAndTheKey) {
+  const std::vector<std::pair<const char*, nlohmann::json>> kl_values = {
+      {"latent_channels", -4},
+      {"block_out_channels", {32, 0}},
+      {"norm_num_groups", int64_t{1} << 40},
+      {"layers_per_block", 1.5},
+      {"sample_size", nullptr},
+      {"scaling_factor", "0.3611"},
+      {"shift_factor", "0.1159"},
+      {"use_post_quant_conv", 0},
+      {"up_block_types", {"UpDecoderBlock2D", 2}},
+      {"act_fn", false}};
+  auto flux2 = kl_config();
+  flux2["_class_name"] = "AutoencoderKLFlux2";
+  flux2.erase("scaling_factor");
+  flux2.erase("shift_factor");
+  const std::vector<std::pair<const char*, nlohmann::json>> flux2_values = {
+      {"batch_norm_eps", -1e-4}, {"patch_size", {2, "2"}}, {"decoder_block_out_channels", {32, -32}}};
+  const std::vector<std::pair<const char*, nlohmann::json>> qwen_values = {
+      {"z_dim", 0},
+      {"dim_mult", {1, 2.0}},
+      {"num_res_blocks", -1},
+      {"temperal_downsample", {"false"}},
+      {"latents_std", {1.0, 1.0, "1.0", 1.0}},
+      {"latents_mean", nullptr}};
+  for (const auto& [base, values] : {std::make_pair(kl_config(), kl_values), std::make_pair(flux2, flux2_values),
+                                     std::make_pair(qwen_config(), qwen_values)}) {
+    for (const auto& [key, value] : values) {
+      auto config = base;
+      config[key] = value;
+      std::string file;
+      const std::string message = config_error(config, &file);
+      EXPECT_NE(message.find(file + ": key '" + key + "'"), std::string::npos) << key << ": " << message;
+    }
+  }
+  // base_dim x dim_mult is a channel count: bounded like one.
+  auto qwen = qwen_config();
+  qwen["base_dim"] = int64_t{1} << 20;
+  std::string file;
+  const std::string message = config_error(qwen, &file);
+  EXPECT_NE(message.find(file + ": 'base_dim' x 'dim_mult'"), std::string::npos) << message;
+}
+
+// Keys diffusers declares Optional may be null (as released configs write them): the default.
+TEST(VaeErrors, OptionalConfigKeysMayBeNull) {
+  auto config = kl_config();
+  config["shift_factor"] = nullptr;
+  EXPECT_FALSE(models::AutoencoderKLConfig::from_json(config, "config.json").shift_factor.has_value());
+  config = kl_config();
+  config["_class_name"] = "AutoencoderKLFlux2";
+  config["decoder_block_out_channels"] = nullptr;
+  EXPECT_TRUE(models::AutoencoderKLFlux2Config::from_json(config, "config.json").decoder_block_out_channels.empty());
 }
 
 TEST(VaeErrors, UnknownClassListsTheSupportedOnes) {

@@ -147,6 +147,36 @@ int64_t checked_integer(const nlohmann::json& value, const std::string& source, 
   return value.get<int64_t>();
 }
 
+// A finite JSON number within [min, max]; `what` names it in errors. Bounds of kAnyFiniteNumber
+// read as "a finite number".
+double checked_number(const nlohmann::json& value, const std::string& source, const std::string& what, double min,
+                      double max) {
+  const bool any_finite = min == -kAnyFiniteNumber && max == kAnyFiniteNumber;
+  if (any_finite) {
+    TORCH_CHECK(value.is_number() && std::isfinite(value.get<double>()), source, ": ", what, " is ", brief(value),
+                ", expected a finite number");
+    return value.get<double>();
+  }
+  TORCH_CHECK(value.is_number(), source, ": ", what, " is ", brief(value), ", expected a number in [", min, ", ", max,
+              "]");
+  const double number = value.get<double>();
+  TORCH_CHECK(std::isfinite(number) && number >= min && number <= max, source, ": ", what, " is ", brief(value),
+              ", out of the accepted range [", min, ", ", max, "]");
+  return number;
+}
+
+bool checked_boolean(const nlohmann::json& value, const std::string& source, const std::string& what) {
+  TORCH_CHECK(value.is_boolean(), source, ": ", what, " is ", brief(value), ", expected true or false");
+  return value.get<bool>();
+}
+
+std::string checked_string(const nlohmann::json& value, const std::string& source, const std::string& what) {
+  TORCH_CHECK(value.is_string(), source, ": ", what, " is ", brief(value), ", expected a string");
+  return value.get<std::string>();
+}
+
+std::string key_name(const char* key) { return std::string("key '") + key + "'"; }
+
 }  // namespace
 
 ConfigReader::ConfigReader(const nlohmann::json& config, std::string source)
@@ -162,54 +192,103 @@ const nlohmann::json* ConfigReader::find(const char* key, const char* expected) 
   return &*it;
 }
 
+const nlohmann::json* ConfigReader::find_optional(const char* key) const {
+  const auto it = config_.find(key);
+  return it == config_.end() || it->is_null() ? nullptr : &*it;
+}
+
+template <class T, class Entry>
+std::vector<T> ConfigReader::read_list(const char* key, const nlohmann::json& value, const char* expected,
+                                       size_t max_count, Entry entry) const {
+  TORCH_CHECK(value.is_array() && value.size() <= max_count, source_, ": key '", key, "' is ", brief(value),
+              ", expected a list of at most ", max_count, " ", expected);
+  std::vector<T> out;
+  for (size_t i = 0; i < value.size(); ++i) {
+    out.push_back(entry(value[i], key_name(key) + " entry " + std::to_string(i)));
+  }
+  return out;
+}
+
 int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min, int64_t max) const {
   const nlohmann::json* value = find(key, "an integer");
-  return value ? checked_integer(*value, source_, std::string("key '") + key + "'", min, max) : fallback;
+  return value ? checked_integer(*value, source_, key_name(key), min, max) : fallback;
 }
 
 std::optional<int64_t> ConfigReader::optional_integer(const char* key, int64_t min, int64_t max) const {
-  const auto it = config_.find(key);
-  if (it == config_.end() || it->is_null()) return std::nullopt;
-  return checked_integer(*it, source_, std::string("key '") + key + "'", min, max);
+  const nlohmann::json* value = find_optional(key);
+  if (value == nullptr) return std::nullopt;
+  return checked_integer(*value, source_, key_name(key), min, max);
 }
 
 double ConfigReader::number(const char* key, double fallback, double min, double max) const {
   const nlohmann::json* value = find(key, "a number");
-  if (value == nullptr) return fallback;
-  TORCH_CHECK(value->is_number(), source_, ": key '", key, "' is ", brief(*value), ", expected a number in [", min,
-              ", ", max, "]");
-  const double number = value->get<double>();
-  TORCH_CHECK(std::isfinite(number) && number >= min && number <= max, source_, ": key '", key, "' is ",
-              brief(*value), ", out of the accepted range [", min, ", ", max, "]");
-  return number;
+  return value ? checked_number(*value, source_, key_name(key), min, max) : fallback;
+}
+
+std::optional<double> ConfigReader::optional_number(const char* key, double min, double max) const {
+  const nlohmann::json* value = find_optional(key);
+  if (value == nullptr) return std::nullopt;
+  return checked_number(*value, source_, key_name(key), min, max);
 }
 
 bool ConfigReader::boolean(const char* key, bool fallback) const {
   const nlohmann::json* value = find(key, "true or false");
-  if (value == nullptr) return fallback;
-  TORCH_CHECK(value->is_boolean(), source_, ": key '", key, "' is ", brief(*value), ", expected true or false");
-  return value->get<bool>();
+  return value ? checked_boolean(*value, source_, key_name(key)) : fallback;
+}
+
+std::optional<bool> ConfigReader::optional_boolean(const char* key) const {
+  const nlohmann::json* value = find_optional(key);
+  if (value == nullptr) return std::nullopt;
+  return checked_boolean(*value, source_, key_name(key));
 }
 
 std::string ConfigReader::string(const char* key, std::string fallback) const {
   const nlohmann::json* value = find(key, "a string");
-  if (value == nullptr) return fallback;
-  TORCH_CHECK(value->is_string(), source_, ": key '", key, "' is ", brief(*value), ", expected a string");
-  return value->get<std::string>();
+  return value ? checked_string(*value, source_, key_name(key)) : fallback;
 }
 
 std::vector<int64_t> ConfigReader::integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,
                                             size_t max_count) const {
   const nlohmann::json* value = find(key, "a list of integers");
   if (value == nullptr) return fallback;
-  TORCH_CHECK(value->is_array() && value->size() <= max_count, source_, ": key '", key, "' is ", brief(*value),
-              ", expected a list of at most ", max_count, " integers");
-  std::vector<int64_t> out;
-  for (size_t i = 0; i < value->size(); ++i) {
-    out.push_back(checked_integer((*value)[i], source_, std::string("key '") + key + "' entry " + std::to_string(i),
-                                  min, max));
-  }
-  return out;
+  return read_list<int64_t>(key, *value, "integers", max_count,
+                            [&](const nlohmann::json& entry, const std::string& what) {
+                              return checked_integer(entry, source_, what, min, max);
+                            });
+}
+
+std::optional<std::vector<int64_t>> ConfigReader::optional_integers(const char* key, int64_t min, int64_t max,
+                                                                    size_t max_count) const {
+  if (find_optional(key) == nullptr) return std::nullopt;
+  return integers(key, {}, min, max, max_count);
+}
+
+std::vector<double> ConfigReader::numbers(const char* key, std::vector<double> fallback, double min, double max,
+                                          size_t max_count) const {
+  const nlohmann::json* value = find(key, "a list of numbers");
+  if (value == nullptr) return fallback;
+  return read_list<double>(key, *value, "numbers", max_count,
+                           [&](const nlohmann::json& entry, const std::string& what) {
+                             return checked_number(entry, source_, what, min, max);
+                           });
+}
+
+std::vector<bool> ConfigReader::booleans(const char* key, std::vector<bool> fallback, size_t max_count) const {
+  const nlohmann::json* value = find(key, "a list of booleans");
+  if (value == nullptr) return fallback;
+  return read_list<bool>(key, *value, "booleans", max_count, [&](const nlohmann::json& entry, const std::string& what) {
+    return checked_boolean(entry, source_, what);
+  });
+}
+
+std::vector<std::string> ConfigReader::strings(const char* key, std::vector<std::string> fallback,
+                                               size_t max_count) const {
+  const nlohmann::json* value = find(key, "a list of strings");
+  if (value == nullptr) return fallback;
+  return read_list<std::string>(key, *value, "strings", max_count,
+                           [&](const nlohmann::json& entry, const std::string& what) {
+                             return checked_string(entry, source_, what);
+                           });
 }
 
 std::vector<int64_t> ConfigReader::rope_axes(const char* key, std::vector<int64_t> fallback, const char* sum_key,

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,7 +61,7 @@ constexpr int64_t kMaxConfigDim = int64_t{1} << 20;  ///< any width, head count 
 
 /// `config[key]` as a T, or `fallback` when the key is absent or null. A value of the wrong type
 /// is an error naming `source`, the key and the value. Lenient next to ConfigReader (no ranges):
-/// the VAE and scheduler configs still read through it; prefer ConfigReader for new configs.
+/// only the memory planner's VAE activation estimate still reads through it; use ConfigReader.
 template <class T>
 T config_value(const nlohmann::json& config, const char* key, T fallback, const std::string& source) {
   if (!config.contains(key) || config.at(key).is_null()) return fallback;
@@ -70,6 +71,10 @@ T config_value(const nlohmann::json& config, const char* key, T fallback, const 
     TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", config.at(key).dump(), "): ", e.what());
   }
 }
+
+/// Pass [-kAnyFiniteNumber, kAnyFiniteNumber] to ConfigReader::number for a value that may be any
+/// finite number (a VAE's scaling factor, a scheduler's shift); errors then say "a finite number".
+constexpr double kAnyFiniteNumber = std::numeric_limits<double>::max();
 
 /// The strict reader of a config.json object, used by every model config. Each value is checked
 /// for type and range, and errors name the file and the key: 2.5 for an integer, "3" for a
@@ -90,12 +95,27 @@ class ConfigReader {
   std::optional<int64_t> optional_integer(const char* key, int64_t min, int64_t max) const;
   /// A finite number (integer or not) in [min, max].
   double number(const char* key, double fallback, double min, double max) const;
+  /// A finite number in [min, max], or nullopt when the key is absent or null (`Optional[float]`
+  /// keys).
+  std::optional<double> optional_number(const char* key, double min, double max) const;
   bool boolean(const char* key, bool fallback) const;
+  /// true or false, or nullopt when the key is absent or null (`Optional[bool]` keys).
+  std::optional<bool> optional_boolean(const char* key) const;
   /// A string (an activation name, a projection kind).
   std::string string(const char* key, std::string fallback) const;
   /// A list of at most `max_count` integers, each in [min, max].
   std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback, int64_t min, int64_t max,
                                 size_t max_count) const;
+  /// integers(), or nullopt when the key is absent or null (`Optional[tuple[int, ...]]` keys).
+  std::optional<std::vector<int64_t>> optional_integers(const char* key, int64_t min, int64_t max,
+                                                        size_t max_count) const;
+  /// A list of at most `max_count` finite numbers, each in [min, max].
+  std::vector<double> numbers(const char* key, std::vector<double> fallback, double min, double max,
+                              size_t max_count) const;
+  /// A list of at most `max_count` booleans.
+  std::vector<bool> booleans(const char* key, std::vector<bool> fallback, size_t max_count) const;
+  /// A list of at most `max_count` strings (block types).
+  std::vector<std::string> strings(const char* key, std::vector<std::string> fallback, size_t max_count) const;
 
   /// A list of positive even integers summing to `sum` (RoPE axes splitting a head dim), of
   /// exactly `count` entries when `count` > 0.
@@ -115,6 +135,12 @@ class ConfigReader {
  private:
   /// The value of `key`; nullptr when absent. null is refused naming the key.
   const nlohmann::json* find(const char* key, const char* expected) const;
+  /// The value of `key`; nullptr when absent or null (the keys diffusers declares Optional).
+  const nlohmann::json* find_optional(const char* key) const;
+  /// The entries of the list at `value` (of `key`), at most `max_count`, each read by `entry`.
+  template <class T, class Entry>
+  std::vector<T> read_list(const char* key, const nlohmann::json& value, const char* expected, size_t max_count,
+                           Entry entry) const;
   const nlohmann::json& config_;
   std::string source_;
 };

@@ -42,36 +42,32 @@ std::vector<T> shift_schedule(const FlowMatchEulerDiscreteSchedulerConfig& confi
   return t;
 }
 
-bool flag(const nlohmann::json& config, const char* key, const std::string& source) {
-  return io::config_value<bool>(config, key, false, source);
-}
-
 }  // namespace
 
 FlowMatchEulerDiscreteSchedulerConfig FlowMatchEulerDiscreteSchedulerConfig::from_json(const nlohmann::json& config,
                                                                                      const std::string& source) {
-  TORCH_CHECK(config.is_object(), source, ": expected a JSON object, got ", config.type_name());
+  const io::ConfigReader reader(config, source);
   if (config.contains("_class_name") && config.at("_class_name").is_string()) {
     const std::string class_name = config.at("_class_name").get<std::string>();
     TORCH_CHECK(class_name == "FlowMatchEulerDiscreteScheduler", source, ": scheduler class '", class_name,
                 "' is not supported; supported: FlowMatchEulerDiscreteScheduler");
   }
+  const double any = io::kAnyFiniteNumber;
   FlowMatchEulerDiscreteSchedulerConfig out;
-  out.num_train_timesteps = io::config_value<int64_t>(config, "num_train_timesteps", out.num_train_timesteps, source);
-  out.shift = io::config_value<double>(config, "shift", out.shift, source);
-  out.use_dynamic_shifting = io::config_value<bool>(config, "use_dynamic_shifting", out.use_dynamic_shifting, source);
-  out.base_shift = io::config_value<double>(config, "base_shift", out.base_shift, source);
-  out.max_shift = io::config_value<double>(config, "max_shift", out.max_shift, source);
-  out.base_image_seq_len = io::config_value<int64_t>(config, "base_image_seq_len", out.base_image_seq_len, source);
-  out.max_image_seq_len = io::config_value<int64_t>(config, "max_image_seq_len", out.max_image_seq_len, source);
-  out.invert_sigmas = io::config_value<bool>(config, "invert_sigmas", out.invert_sigmas, source);
-  if (config.contains("shift_terminal") && !config.at("shift_terminal").is_null()) {
-    out.shift_terminal = io::config_value<double>(config, "shift_terminal", 0.0, source);
-  }
-  out.time_shift_type = io::config_value<std::string>(config, "time_shift_type", out.time_shift_type, source);
+  out.num_train_timesteps = reader.integer("num_train_timesteps", out.num_train_timesteps, 1, io::kMaxConfigDim);
+  out.shift = reader.number("shift", out.shift, -any, any);
+  out.use_dynamic_shifting = reader.boolean("use_dynamic_shifting", out.use_dynamic_shifting);
+  // diffusers declares these four Optional; null keeps the default, as the pipelines' calls do.
+  out.base_shift = reader.optional_number("base_shift", -any, any).value_or(out.base_shift);
+  out.max_shift = reader.optional_number("max_shift", -any, any).value_or(out.max_shift);
+  out.base_image_seq_len =
+      reader.optional_integer("base_image_seq_len", 1, io::kMaxConfigDim).value_or(out.base_image_seq_len);
+  out.max_image_seq_len =
+      reader.optional_integer("max_image_seq_len", 1, io::kMaxConfigDim).value_or(out.max_image_seq_len);
+  out.invert_sigmas = reader.boolean("invert_sigmas", out.invert_sigmas);
+  out.shift_terminal = reader.optional_number("shift_terminal", -any, any);
+  out.time_shift_type = reader.string("time_shift_type", out.time_shift_type);
 
-  TORCH_CHECK(out.num_train_timesteps > 0, source, ": num_train_timesteps must be positive, got ",
-              out.num_train_timesteps);
   TORCH_CHECK(out.time_shift_type == "exponential" || out.time_shift_type == "linear", source,
               ": time_shift_type must be \"exponential\" or \"linear\", got \"", out.time_shift_type, "\"");
   // shift 0 makes the first sigma 0 / 0; a negative one makes sigmas negative.
@@ -79,8 +75,15 @@ FlowMatchEulerDiscreteSchedulerConfig FlowMatchEulerDiscreteSchedulerConfig::fro
   if (out.shift_terminal.has_value()) {
     TORCH_CHECK(*out.shift_terminal < 1.0, source, ": shift_terminal must be below 1, got ", *out.shift_terminal);
   }
-  for (const char* key : {"use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "stochastic_sampling"}) {
-    TORCH_CHECK(!flag(config, key, source), source, ": '", key,
+  // Options this scheduler does not implement. The use_*_sigmas are Optional[bool] in diffusers
+  // (null: off); stochastic_sampling is a bool.
+  const std::pair<const char*, bool> unsupported[] = {
+      {"use_karras_sigmas", reader.optional_boolean("use_karras_sigmas").value_or(false)},
+      {"use_exponential_sigmas", reader.optional_boolean("use_exponential_sigmas").value_or(false)},
+      {"use_beta_sigmas", reader.optional_boolean("use_beta_sigmas").value_or(false)},
+      {"stochastic_sampling", reader.boolean("stochastic_sampling", false)}};
+  for (const auto& [key, on] : unsupported) {
+    TORCH_CHECK(!on, source, ": '", key,
                 "': true is not supported by this FlowMatchEulerDiscreteScheduler (the FLUX and Qwen-Image "
                 "pipelines use false); set it to false");
   }

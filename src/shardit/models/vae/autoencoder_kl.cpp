@@ -5,13 +5,13 @@
 namespace shardit::models {
 
 AutoencoderKLConfig AutoencoderKLConfig::from_json(const nlohmann::json& config, const std::string& source) {
+  const io::ConfigReader reader(config, source);
   AutoencoderKLConfig out;
-  read_autoencoder_kl_keys(out, config, source);
-  out.scaling_factor = io::config_value<double>(config, "scaling_factor", out.scaling_factor, source);
-  if (config.contains("shift_factor") && !config.at("shift_factor").is_null()) {
-    out.shift_factor = io::config_value<double>(config, "shift_factor", 0.0, source);
-  }
-  TORCH_CHECK(out.scaling_factor != 0.0, source, ": scaling_factor must not be 0");
+  read_autoencoder_kl_keys(out, reader);
+  // Any finite factors: the pipelines divide by scaling_factor, so only 0 is refused.
+  out.scaling_factor = reader.number("scaling_factor", out.scaling_factor, -io::kAnyFiniteNumber, io::kAnyFiniteNumber);
+  out.shift_factor = reader.optional_number("shift_factor", -io::kAnyFiniteNumber, io::kAnyFiniteNumber);
+  reader.require(out.scaling_factor != 0.0, "scaling_factor must not be 0");
   return out;
 }
 
@@ -36,22 +36,22 @@ AutoencoderKL::AutoencoderKL(const AutoencoderKLConfig& config, const std::strin
 
 int64_t AutoencoderKL::vae_scale_factor() const { return int64_t{1} << (config_.block_out_channels.size() - 1); }
 
-at::Tensor AutoencoderKL::denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record) const {
+at::Tensor AutoencoderKL::denormalize_latents(const at::Tensor& latents) const {
   check_latents(type_name(), latents, 4, config_.latent_channels, "[B, C, h, w]");
   at::Tensor z = latents / config_.scaling_factor;
   if (config_.shift_factor.has_value()) z = z + *config_.shift_factor;
-  if (record) record("z", z);
+  emit("z", z);
   return z;
 }
 
-at::Tensor AutoencoderKL::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKL::_decode(const at::Tensor& z) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
-  return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
+  return decode_2d(*this, post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr);
 }
 
-at::Tensor AutoencoderKL::_encode(const at::Tensor& image, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKL::_encode(const at::Tensor& image) {
   check_image(type_name(), image, config_.in_channels, vae_scale_factor());
-  return encode_2d(*encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr, record);
+  return encode_2d(*this, *encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr);
 }
 
 at::Tensor AutoencoderKL::normalize_latents(const at::Tensor& z) const {

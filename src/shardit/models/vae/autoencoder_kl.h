@@ -46,7 +46,7 @@ class AutoencoderKL : public AutoencoderModel {
   int64_t latent_channels() const override { return config_.latent_channels; }
   int64_t vae_scale_factor() const override;
   /// [B, C, h, w]: latents / scaling_factor (+ shift_factor) (FluxPipeline).
-  at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  at::Tensor denormalize_latents(const at::Tensor& latents) const override;
   bool has_encoder() const override { return true; }
   /// [B, C, h, w]: (z - shift_factor) * scaling_factor (FluxKontextPipeline._encode_vae_image).
   at::Tensor normalize_latents(const at::Tensor& z) const override;
@@ -62,11 +62,11 @@ class AutoencoderKL : public AutoencoderModel {
 
  protected:
   /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W]; tiled when tiling is on
-  /// and z is larger than a tile. `record` gets post_quant_conv and decoder.*.
-  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
+  /// and z is larger than a tile. Emits post_quant_conv and decoder.* (untiled).
+  at::Tensor _decode(const at::Tensor& z) override;
   /// image [B, in_channels, H, W] -> the posterior mean [B, latent_channels, H / f, W / f];
   /// tiled when tiling is on and the image is larger than a tile.
-  at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record) override;
+  at::Tensor _encode(const at::Tensor& image) override;
 
  private:
   AutoencoderKLConfig config_;
@@ -75,24 +75,23 @@ class AutoencoderKL : public AutoencoderModel {
 /// Reads the config keys AutoencoderKL and AutoencoderKLFlux2 share into either config struct
 /// (absent keys keep the struct's defaults).
 template <class Config>
-void read_autoencoder_kl_keys(Config& out, const nlohmann::json& config, const std::string& source) {
-  TORCH_CHECK(config.is_object(), source, ": expected a JSON object, got ", config.type_name());
-  out.in_channels = io::config_value<int64_t>(config, "in_channels", out.in_channels, source);
-  out.out_channels = io::config_value<int64_t>(config, "out_channels", out.out_channels, source);
-  out.down_block_types = io::config_value(config, "down_block_types", out.down_block_types, source);
-  out.up_block_types = io::config_value(config, "up_block_types", out.up_block_types, source);
-  out.block_out_channels = io::config_value(config, "block_out_channels", out.block_out_channels, source);
-  out.layers_per_block = io::config_value<int64_t>(config, "layers_per_block", out.layers_per_block, source);
-  out.act_fn = io::config_value(config, "act_fn", out.act_fn, source);
-  out.latent_channels = io::config_value<int64_t>(config, "latent_channels", out.latent_channels, source);
-  out.norm_num_groups = io::config_value<int64_t>(config, "norm_num_groups", out.norm_num_groups, source);
-  out.sample_size = io::config_value<int64_t>(config, "sample_size", out.sample_size, source);
-  out.use_quant_conv = io::config_value<bool>(config, "use_quant_conv", out.use_quant_conv, source);
-  out.use_post_quant_conv = io::config_value<bool>(config, "use_post_quant_conv", out.use_post_quant_conv, source);
-  out.mid_block_add_attention =
-      io::config_value<bool>(config, "mid_block_add_attention", out.mid_block_add_attention, source);
-  TORCH_CHECK(out.latent_channels > 0, source, ": latent_channels must be positive, got ", out.latent_channels);
-  TORCH_CHECK(!out.block_out_channels.empty(), source, ": block_out_channels is empty");
+void read_autoencoder_kl_keys(Config& out, const io::ConfigReader& reader) {
+  const int64_t max_dim = io::kMaxConfigDim;
+  const int64_t max_blocks = io::kMaxConfigLayers;
+  out.in_channels = reader.integer("in_channels", out.in_channels, 1, max_dim);
+  out.out_channels = reader.integer("out_channels", out.out_channels, 1, max_dim);
+  out.down_block_types = reader.strings("down_block_types", out.down_block_types, max_blocks);
+  out.up_block_types = reader.strings("up_block_types", out.up_block_types, max_blocks);
+  out.block_out_channels = reader.integers("block_out_channels", out.block_out_channels, 1, max_dim, max_blocks);
+  out.layers_per_block = reader.integer("layers_per_block", out.layers_per_block, 1, io::kMaxConfigLayers);
+  out.act_fn = reader.string("act_fn", out.act_fn);
+  out.latent_channels = reader.integer("latent_channels", out.latent_channels, 1, max_dim);
+  out.norm_num_groups = reader.integer("norm_num_groups", out.norm_num_groups, 1, max_dim);
+  out.sample_size = reader.integer("sample_size", out.sample_size, 1, max_dim);
+  out.use_quant_conv = reader.boolean("use_quant_conv", out.use_quant_conv);
+  out.use_post_quant_conv = reader.boolean("use_post_quant_conv", out.use_post_quant_conv);
+  out.mid_block_add_attention = reader.boolean("mid_block_add_attention", out.mid_block_add_attention);
+  reader.require(!out.block_out_channels.empty(), "block_out_channels is empty");
 }
 
 /// The Decoder of either config, with the decoder's `block_out_channels`.

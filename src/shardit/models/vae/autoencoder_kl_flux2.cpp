@@ -5,14 +5,17 @@
 namespace shardit::models {
 
 AutoencoderKLFlux2Config AutoencoderKLFlux2Config::from_json(const nlohmann::json& config, const std::string& source) {
+  const io::ConfigReader reader(config, source);
   AutoencoderKLFlux2Config out;
-  read_autoencoder_kl_keys(out, config, source);
+  read_autoencoder_kl_keys(out, reader);
   out.decoder_block_out_channels =
-      io::config_value(config, "decoder_block_out_channels", out.decoder_block_out_channels, source);
-  out.batch_norm_eps = io::config_value<double>(config, "batch_norm_eps", out.batch_norm_eps, source);
-  out.patch_size = io::config_value(config, "patch_size", out.patch_size, source);
-  TORCH_CHECK(out.patch_size == std::vector<int64_t>({2, 2}), source, ": patch_size ", c10::IntArrayRef(out.patch_size),
-              " is not supported; the FLUX.2 pipelines pack 2x2 patches ([2, 2])");
+      reader.optional_integers("decoder_block_out_channels", 1, io::kMaxConfigDim, io::kMaxConfigLayers)
+          .value_or(std::vector<int64_t>{});
+  // Added to the running variance under a square root: never negative.
+  out.batch_norm_eps = reader.number("batch_norm_eps", out.batch_norm_eps, 0.0, 1.0);
+  out.patch_size = reader.integers("patch_size", out.patch_size, 1, io::kMaxConfigDim, io::kMaxConfigLayers);
+  reader.require(out.patch_size == std::vector<int64_t>({2, 2}), "patch_size ", c10::IntArrayRef(out.patch_size),
+                 " is not supported; the FLUX.2 pipelines pack 2x2 patches ([2, 2])");
   return out;
 }
 
@@ -68,26 +71,26 @@ at::Tensor unpatchify_latents(const at::Tensor& latents) {
   return latents.reshape({b, c / 4, 2, 2, h, w}).permute({0, 1, 4, 2, 5, 3}).reshape({b, c / 4, h * 2, w * 2});
 }
 
-at::Tensor AutoencoderKLFlux2::denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record) const {
+at::Tensor AutoencoderKLFlux2::denormalize_latents(const at::Tensor& latents) const {
   check_latents(type_name(), latents, 4, config_.latent_channels * 4, "patchified [B, 4C, h/2, w/2]");
   const at::Tensor mean = bn->running_mean.view({1, -1, 1, 1}).to(latents.device(), latents.scalar_type());
   const at::Tensor std = at::sqrt(bn->running_var.view({1, -1, 1, 1}) + config_.batch_norm_eps)
                              .to(latents.device(), latents.scalar_type());
   const at::Tensor z_patchified = latents * std + mean;
-  if (record) record("z_patchified", z_patchified);
+  emit("z_patchified", z_patchified);
   at::Tensor z = unpatchify_latents(z_patchified);
-  if (record) record("z", z);
+  emit("z", z);
   return z;
 }
 
-at::Tensor AutoencoderKLFlux2::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLFlux2::_decode(const at::Tensor& z) {
   check_latents(type_name(), z, 4, config_.latent_channels, "[B, C, h, w]");
-  return decode_2d(post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr, record);
+  return decode_2d(*this, post_quant_conv.get(), *decoder, z, use_tiling_ ? &tiling : nullptr);
 }
 
-at::Tensor AutoencoderKLFlux2::_encode(const at::Tensor& image, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLFlux2::_encode(const at::Tensor& image) {
   check_image(type_name(), image, config_.in_channels, vae_scale_factor());
-  return encode_2d(*encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr, record);
+  return encode_2d(*this, *encoder, quant_conv.get(), image, use_tiling_ ? &tiling : nullptr);
 }
 
 at::Tensor AutoencoderKLFlux2::normalize_latents(const at::Tensor& z) const {

@@ -64,9 +64,9 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
   int64_t latent_channels() const override { return config_.latent_channels; }
   int64_t vae_scale_factor() const override;
   /// Patchified latents [B, C * p * p, h / p, w / p] -> z [B, C, h, w]: latents *
-  /// sqrt(bn.running_var + batch_norm_eps) + bn.running_mean, then unpatchify. `record` gets
+  /// sqrt(bn.running_var + batch_norm_eps) + bn.running_mean, then unpatchify. Emits
   /// z_patchified and z.
-  at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  at::Tensor denormalize_latents(const at::Tensor& latents) const override;
   bool has_encoder() const override { return true; }
   /// z [B, C, h, w] -> [B, 4C, h / 2, w / 2]: patchified, then (x - bn.running_mean) /
   /// sqrt(bn.running_var + batch_norm_eps) (Flux2Pipeline._encode_vae_image).
@@ -83,9 +83,9 @@ class AutoencoderKLFlux2 : public AutoencoderModel {
 
  protected:
   /// z [B, latent_channels, h, w] -> sample [B, out_channels, H, W].
-  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
+  at::Tensor _decode(const at::Tensor& z) override;
   /// image [B, in_channels, H, W] -> the posterior mean [B, latent_channels, H / f, W / f].
-  at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record) override;
+  at::Tensor _encode(const at::Tensor& image) override;
 
  private:
   AutoencoderKLFlux2Config config_;

@@ -11,24 +11,25 @@ namespace shardit::models {
 
 AutoencoderKLQwenImageConfig AutoencoderKLQwenImageConfig::from_json(const nlohmann::json& config,
                                                                    const std::string& source) {
-  TORCH_CHECK(config.is_object(), source, ": expected a JSON object, got ", config.type_name());
+  const io::ConfigReader reader(config, source);
+  const int64_t max_dim = io::kMaxConfigDim;
+  const int64_t max_blocks = io::kMaxConfigLayers;
+  const double any = io::kAnyFiniteNumber;
   AutoencoderKLQwenImageConfig out;
-  out.base_dim = io::config_value<int64_t>(config, "base_dim", out.base_dim, source);
-  out.z_dim = io::config_value<int64_t>(config, "z_dim", out.z_dim, source);
-  out.dim_mult = io::config_value(config, "dim_mult", out.dim_mult, source);
-  out.num_res_blocks = io::config_value<int64_t>(config, "num_res_blocks", out.num_res_blocks, source);
-  out.attn_scales = io::config_value(config, "attn_scales", out.attn_scales, source);
-  out.temperal_downsample = io::config_value(config, "temperal_downsample", out.temperal_downsample, source);
-  out.input_channels = io::config_value<int64_t>(config, "input_channels", out.input_channels, source);
-  TORCH_CHECK(config.contains("latents_mean") && config.contains("latents_std"), source,
-              ": latents_mean and latents_std are required (the pipeline de-normalises with them)");
-  out.latents_mean = io::config_value(config, "latents_mean", out.latents_mean, source);
-  out.latents_std = io::config_value(config, "latents_std", out.latents_std, source);
+  out.base_dim = reader.integer("base_dim", out.base_dim, 1, max_dim);
+  out.z_dim = reader.integer("z_dim", out.z_dim, 1, max_dim);
+  out.dim_mult = reader.integers("dim_mult", out.dim_mult, 1, max_dim, max_blocks);
+  for (const int64_t mult : out.dim_mult) reader.width("base_dim", out.base_dim, "dim_mult", mult);
+  out.num_res_blocks = reader.integer("num_res_blocks", out.num_res_blocks, 0, max_blocks);
+  out.attn_scales = reader.numbers("attn_scales", out.attn_scales, -any, any, max_blocks);
+  out.temperal_downsample = reader.booleans("temperal_downsample", out.temperal_downsample, max_blocks);
+  out.input_channels = reader.integer("input_channels", out.input_channels, 1, max_dim);
+  reader.require(reader.contains("latents_mean") && reader.contains("latents_std"),
+                 "latents_mean and latents_std are required (the pipeline de-normalises with them)");
+  out.latents_mean = reader.numbers("latents_mean", out.latents_mean, -any, any, max_dim);
+  out.latents_std = reader.numbers("latents_std", out.latents_std, -any, any, max_dim);
 
-  TORCH_CHECK(out.base_dim > 0 && out.z_dim > 0 && out.num_res_blocks >= 0, source,
-              ": base_dim and z_dim must be positive and num_res_blocks >= 0 (got ", out.base_dim, ", ", out.z_dim,
-              ", ", out.num_res_blocks, ")");
-  TORCH_CHECK(out.dim_mult.size() >= 1, source, ": dim_mult is empty");
+  reader.require(!out.dim_mult.empty(), "dim_mult is empty");
   TORCH_CHECK(out.temperal_downsample.size() + 1 == out.dim_mult.size(), source, ": temperal_downsample has ",
               out.temperal_downsample.size(), " entries, expected len(dim_mult) - 1 = ", out.dim_mult.size() - 1);
   TORCH_CHECK(static_cast<int64_t>(out.latents_mean.size()) == out.z_dim &&
@@ -223,20 +224,20 @@ QwenImageDecoder3d::QwenImageDecoder3d(const AutoencoderKLQwenImageConfig& confi
                              std::make_shared<QwenImageCausalConv3d>(out_dim, config.input_channels, k3, p1));
 }
 
-at::Tensor QwenImageDecoder3d::forward(const at::Tensor& x, const IntermediateRecorder& record) {
+at::Tensor QwenImageDecoder3d::forward(const at::Tensor& x) {
   // [B, z_dim, 1, h, w]
   at::Tensor y = conv_in->forward(x);
-  if (record) record("conv_in", y);
+  emit("conv_in", y);
   y = mid_block->forward(y);
-  if (record) record("mid_block", y);
+  emit("mid_block", y);
   for (size_t i = 0; i < up_blocks->size(); ++i) {
     y = (*up_blocks)[i].forward(y);
-    if (record) record("up_blocks." + std::to_string(i), y);
+    emit("up_blocks." + std::to_string(i), y);
   }
   y = norm_out->forward(y);
-  if (record) record("norm_out", y);
+  emit("norm_out", y);
   y = conv_out->forward(at::silu(y));  // [B, 3, 1, H, W]
-  if (record) record("conv_out", y);
+  emit("conv_out", y);
   return y;
 }
 
@@ -253,8 +254,7 @@ int64_t AutoencoderKLQwenImage::vae_scale_factor() const {
   return int64_t{1} << config_.temperal_downsample.size();
 }
 
-at::Tensor AutoencoderKLQwenImage::denormalize_latents(const at::Tensor& latents,
-                                                       const IntermediateRecorder& record) const {
+at::Tensor AutoencoderKLQwenImage::denormalize_latents(const at::Tensor& latents) const {
   check_latents(type_name(), latents, 5, config_.z_dim, "[B, C, 1, h, w]");
   const auto options = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor mean =
@@ -263,17 +263,17 @@ at::Tensor AutoencoderKLQwenImage::denormalize_latents(const at::Tensor& latents
   const at::Tensor std_inverse = (1.0 / at::tensor(config_.latents_std, options).view({1, -1, 1, 1, 1}))
                                      .to(latents.device(), latents.scalar_type());
   at::Tensor z = latents / std_inverse + mean;
-  if (record) record("z", z);
+  emit("z", z);
   return z;
 }
 
-at::Tensor AutoencoderKLQwenImage::decode_frame(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLQwenImage::decode_frame(const at::Tensor& z) {
   const at::Tensor x = post_quant_conv->forward(z);
-  if (record) record("post_quant_conv", x);
-  return decoder->forward(x, prefixed_recorder(record, "decoder."));
+  emit("post_quant_conv", x);
+  return decoder->forward(x);
 }
 
-at::Tensor AutoencoderKLQwenImage::_decode(const at::Tensor& z, const IntermediateRecorder& record) {
+at::Tensor AutoencoderKLQwenImage::_decode(const at::Tensor& z) {
   check_latents(type_name(), z, 5, config_.z_dim, "[B, C, 1, h, w]");
   TORCH_CHECK(z.size(2) == 1, type_name(), ": latents have ", z.size(2),
               " frames; only single-frame (image) latents [B, C, 1, h, w] are decoded");
@@ -281,10 +281,10 @@ at::Tensor AutoencoderKLQwenImage::_decode(const at::Tensor& z, const Intermedia
   if (use_tiling_ && (z.size(4) > tile_sample_min_width / ratio || z.size(3) > tile_sample_min_height / ratio)) {
     // diffusers' tiled_decode does not clamp.
     return tiled_decode(z, tile_grid(z.size(3), z.size(4)),
-                        [this](const at::Tensor& tile) { return decode_frame(tile, {}); });
+                        [this](const at::Tensor& tile) { return decode_frame(tile); });
   }
-  const at::Tensor out = decode_frame(z, record);
-  if (record) record("decoder_out_before_clamp", out);
+  const at::Tensor out = decode_frame(z);
+  emit("decoder_out_before_clamp", out);
   return at::clamp(out, -1.0, 1.0);
 }
 

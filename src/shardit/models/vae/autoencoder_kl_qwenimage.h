@@ -142,9 +142,9 @@ class QwenImageDecoder3d : public nn::Module {
  public:
   explicit QwenImageDecoder3d(const AutoencoderKLQwenImageConfig& config);
   std::string type_name() const override { return "QwenImageDecoder3d"; }
-  /// One frame [B, z_dim, 1, h, w] -> [B, input_channels, 1, H, W]. `record` gets conv_in,
-  /// mid_block, up_blocks.{i}, norm_out (before the SiLU) and conv_out.
-  at::Tensor forward(const at::Tensor& x, const IntermediateRecorder& record = {});
+  /// One frame [B, z_dim, 1, h, w] -> [B, input_channels, 1, H, W]. Emits conv_in, mid_block,
+  /// up_blocks.{i}, norm_out (before the SiLU) and conv_out.
+  at::Tensor forward(const at::Tensor& x);
 
   std::shared_ptr<QwenImageCausalConv3d> conv_in;
   std::shared_ptr<QwenImageMidBlock> mid_block;
@@ -162,7 +162,7 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   /// 2^len(temperal_downsample) (the spatial compression ratio).
   int64_t vae_scale_factor() const override;
   /// [B, z_dim, 1, h, w]: latents / (1 / latents_std) + latents_mean (QwenImagePipeline).
-  at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const override;
+  at::Tensor denormalize_latents(const at::Tensor& latents) const override;
 
   /// diffusers' enable_tiling with its optional arguments (sample pixels; nullopt keeps the value).
   void enable_tiling(std::optional<int64_t> tile_sample_min_height, std::optional<int64_t> tile_sample_min_width,
@@ -182,12 +182,12 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   std::shared_ptr<QwenImageDecoder3d> decoder;
 
  protected:
-  /// z [B, z_dim, 1, h, w] -> sample [B, 3, 1, H, W], clamped to [-1, 1] unless tiled. `record`
-  /// gets post_quant_conv, decoder.* and decoder_out_before_clamp.
-  at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) override;
+  /// z [B, z_dim, 1, h, w] -> sample [B, 3, 1, H, W], clamped to [-1, 1] unless tiled. Emits
+  /// post_quant_conv, decoder.* and decoder_out_before_clamp (untiled).
+  at::Tensor _decode(const at::Tensor& z) override;
 
  private:
-  at::Tensor decode_frame(const at::Tensor& z, const IntermediateRecorder& record);
+  at::Tensor decode_frame(const at::Tensor& z);
   AutoencoderKLQwenImageConfig config_;
 };
 

@@ -98,20 +98,20 @@ Decoder::Decoder(const DecoderOptions& options, const std::string& source) {
                                                  .with_padding(1)));
 }
 
-at::Tensor Decoder::forward(const at::Tensor& sample, const IntermediateRecorder& record) {
+at::Tensor Decoder::forward(const at::Tensor& sample) {
   // [B, in, h, w]
   at::Tensor x = conv_in->forward(sample);
-  if (record) record("conv_in", x);
+  emit("conv_in", x);
   x = mid_block->forward(x);
-  if (record) record("mid_block", x);
+  emit("mid_block", x);
   for (size_t i = 0; i < up_blocks->size(); ++i) {
     x = (*up_blocks)[i].forward(x);
-    if (record) record("up_blocks." + std::to_string(i), x);
+    emit("up_blocks." + std::to_string(i), x);
   }
   x = conv_norm_out->forward(x);
-  if (record) record("conv_norm_out", x);
+  emit("conv_norm_out", x);
   x = conv_out->forward(at::silu(x));  // [B, out, H, W]
-  if (record) record("conv_out", x);
+  emit("conv_out", x);
   return x;
 }
 
@@ -146,21 +146,21 @@ Encoder::Encoder(const EncoderOptions& options, const std::string& source) {
       std::make_shared<nn::Conv2d>(nn::Conv2dOptions(widths.back(), conv_out_channels, 3).with_padding(1)));
 }
 
-at::Tensor Encoder::forward(const at::Tensor& sample, const IntermediateRecorder& record) {
+at::Tensor Encoder::forward(const at::Tensor& sample) {
   // [B, in, H, W]
   at::Tensor x = conv_in->forward(sample);
-  if (record) record("conv_in", x);
+  emit("conv_in", x);
   for (size_t i = 0; i < down_blocks->size(); ++i) {
     x = (*down_blocks)[i].forward(x);
-    if (record) record("down_blocks." + std::to_string(i), x);
+    emit("down_blocks." + std::to_string(i), x);
   }
   // [B, C, H / f, W / f]
   x = mid_block->forward(x);
-  if (record) record("mid_block", x);
+  emit("mid_block", x);
   x = conv_norm_out->forward(x);
-  if (record) record("conv_norm_out", x);
+  emit("conv_norm_out", x);
   x = conv_out->forward(at::silu(x));  // [B, 2 out, H / f, W / f]
-  if (record) record("conv_out", x);
+  emit("conv_out", x);
   return x;
 }
 
@@ -173,6 +173,7 @@ at::Tensor tiled_decode(const at::Tensor& z, const TileGrid& grid,
               "); check the tiling settings");
   const int64_t h_dim = z.dim() - 2;
   const int64_t w_dim = z.dim() - 1;
+  const nn::ObserveForward unobserved{nn::ForwardObserver{}};
   const int64_t height = z.size(h_dim);
   const int64_t width = z.size(w_dim);
   std::vector<at::Tensor> previous_row;  // the blended tiles of the row above
@@ -225,13 +226,13 @@ TileGrid AutoencoderKLTiling::encode_grid() const {
   return square_tile_grid(tile_sample_min_size, tile_latent_min_size, tile_overlap_factor);
 }
 
-at::Tensor encode_2d(Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
-                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record) {
-  const auto moments_of = [&](const at::Tensor& pixels, const IntermediateRecorder& recorder) {
-    at::Tensor moments = encoder.forward(pixels, prefixed_recorder(recorder, "encoder."));
+at::Tensor encode_2d(const nn::Module& vae, Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
+                     const AutoencoderKLTiling* tiling) {
+  const auto moments_of = [&](const at::Tensor& pixels) {
+    at::Tensor moments = encoder.forward(pixels);
     if (quant_conv != nullptr) {
       moments = quant_conv->forward(moments);
-      if (recorder) recorder("quant_conv", moments);
+      vae.emit("quant_conv", moments);
     }
     return moments;  // [B, 2 latent, h, w]
   };
@@ -243,12 +244,12 @@ at::Tensor encode_2d(Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor&
                   tile.size(-1), " pixels at the edge of an image of ", image.size(-2), "x", image.size(-1),
                   " is smaller than the encoder's ", factor, "-pixel downsampling; change the tile size ",
                   "(tile_sample_min_size ", tiling->tile_sample_min_size, ") or disable tiling");
-      return moments_of(tile, {});
+      return moments_of(tile);
     });
   } else {
-    moments = moments_of(image, record);
+    moments = moments_of(image);
   }
-  if (record) record("moments", moments);
+  vae.emit("moments", moments);
   // DiagonalGaussianDistribution(moments).mode(): the mean, the first half of the channels.
   return moments.narrow(1, 0, moments.size(1) / 2).contiguous();
 }
@@ -264,41 +265,39 @@ void check_image(const std::string& model, const at::Tensor& image, int64_t chan
               " pixels (one latent pixel)");
 }
 
-at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
-                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record) {
-  const auto decode_untiled = [&](const at::Tensor& latents, const IntermediateRecorder& recorder) {
+at::Tensor decode_2d(const nn::Module& vae, nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
+                     const AutoencoderKLTiling* tiling) {
+  const auto decode_untiled = [&](const at::Tensor& latents) {
     at::Tensor x = latents;
     if (post_quant_conv != nullptr) {
       x = post_quant_conv->forward(x);
-      if (recorder) recorder("post_quant_conv", x);
+      vae.emit("post_quant_conv", x);
     }
-    return decoder.forward(x, prefixed_recorder(recorder, "decoder."));
+    return decoder.forward(x);
   };
-  if (tiling != nullptr && tiling->applies(z)) {
-    return tiled_decode(z, tiling->grid(), [&](const at::Tensor& tile) { return decode_untiled(tile, {}); });
-  }
-  return decode_untiled(z, record);
+  if (tiling != nullptr && tiling->applies(z)) return tiled_decode(z, tiling->grid(), decode_untiled);
+  return decode_untiled(z);
 }
 
-at::Tensor AutoencoderModel::decode(const at::Tensor& z, const IntermediateRecorder& record) {
-  if (spatial_.degree() == 1) return _decode(z, record);
+at::Tensor AutoencoderModel::decode(const at::Tensor& z) {
+  if (spatial_.degree() == 1) return _decode(z);
   TORCH_CHECK(!use_tiling_, type_name(), ": tiled decoding and a parallel decode over ", spatial_.degree(),
               " ranks do not combine; disable one (the parallel decode already splits the activations over the ranks)");
   TORCH_CHECK(z.defined() && z.dim() >= 4, type_name(), ": latents have shape ",
               z.defined() ? z.sizes() : c10::IntArrayRef{}, ", expected [B, C, (T,) h, w]");
   // Bands of latent rows -> bands of sample rows (the decoders only upsample).
   const at::Tensor band = spatial_.split(z, -2, type_name() + " parallel decode");
-  return spatial_.gather(_decode(band, record), -2);
+  return spatial_.gather(_decode(band), -2);
 }
 
-at::Tensor AutoencoderModel::encode(const at::Tensor& image, const IntermediateRecorder& record) {
+at::Tensor AutoencoderModel::encode(const at::Tensor& image) {
   TORCH_CHECK(has_encoder(), type_name(), " has no encoder in shardit: it cannot encode reference images");
   TORCH_CHECK(image.defined() && image.dim() == 4, type_name(), ": image has shape ",
               image.defined() ? image.sizes() : c10::IntArrayRef{}, ", expected [B, C, H, W]");
   // Checked on the whole image, so that every member of a parallel encode refuses it together.
   TORCH_CHECK(!at::isFloatingType(image.scalar_type()) || at::isfinite(image).all().item<bool>(), type_name(),
               ": image of shape ", image.sizes(), " holds non-finite values (NaN or infinity); expected pixels in [-1, 1]");
-  if (spatial_.degree() == 1) return _encode(image, record);
+  if (spatial_.degree() == 1) return _encode(image);
   TORCH_CHECK(!use_tiling_, type_name(), ": tiled encoding and a parallel encode over ", spatial_.degree(),
               " ranks do not combine; disable one (the parallel encode already splits the activations over the ranks)");
   // Bands of whole latent rows: every band starts at a multiple of the downsampling factor, so
@@ -315,10 +314,10 @@ at::Tensor AutoencoderModel::encode(const at::Tensor& image, const IntermediateR
   const auto [first, count] = nn::row_band(units, degree, rank);
   const int64_t length = count * factor + (rank + 1 == degree ? rows % factor : 0);
   const at::Tensor band = image.narrow(2, first * factor, length);
-  return spatial_.gather(_encode(band, record), -2);
+  return spatial_.gather(_encode(band), -2);
 }
 
-at::Tensor AutoencoderModel::_encode(const at::Tensor&, const IntermediateRecorder&) {
+at::Tensor AutoencoderModel::_encode(const at::Tensor&) {
   TORCH_CHECK(false, type_name(), " has no encoder in shardit: it cannot encode reference images");
 }
 
@@ -349,11 +348,8 @@ parallel::ModelTraits AutoencoderModel::traits() const {
   return traits;
 }
 
-IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix) {
-  if (!record) return {};
-  return [record, prefix = std::move(prefix)](const std::string& name, const at::Tensor& value) {
-    record(prefix + name, value);
-  };
+std::string vae_intermediate_name(const std::string& module_path, const std::string& name) {
+  return module_path.empty() ? name : module_path + "." + name;
 }
 
 void check_latents(const std::string& model, const at::Tensor& z, int64_t dims, int64_t channels, const char* layout) {

@@ -19,13 +19,11 @@
 
 namespace shardit::models {
 
-/// Receives the VAE decoder's named intermediates (parity tests compare them with the
-/// reference's); an empty recorder records nothing. (The transformers emit theirs through
-/// nn::Module::emit; the VAE decoders still take a recorder argument.)
-using IntermediateRecorder = std::function<void(const std::string& name, const at::Tensor& value)>;
-
-/// A recorder that prepends `prefix` to every name; empty when `record` is.
-IntermediateRecorder prefixed_recorder(const IntermediateRecorder& record, std::string prefix);
+/// The golden name of a tensor a VAE emits (nn::Module::emit) while it de-normalises, decodes or
+/// encodes, from what a ForwardObserver receives: the emitting module's path below the VAE, then
+/// the name ("decoder.conv_in", "encoder.down_blocks.0"); the VAE's own tensors by their name
+/// alone ("z", "post_quant_conv", "moments").
+std::string vae_intermediate_name(const std::string& module_path, const std::string& name);
 
 struct DecoderOptions {
   int64_t in_channels = 3;
@@ -45,9 +43,9 @@ class Decoder : public nn::Module {
   /// `source` names the config in errors.
   Decoder(const DecoderOptions& options, const std::string& source);
   std::string type_name() const override { return "Decoder"; }
-  /// [B, in, h, w] -> [B, out, h * 2^(blocks-1), w * 2^(blocks-1)]. `record` receives conv_in,
-  /// mid_block, up_blocks.{i}, conv_norm_out (before the SiLU) and conv_out.
-  at::Tensor forward(const at::Tensor& sample, const IntermediateRecorder& record = {});
+  /// [B, in, h, w] -> [B, out, h * 2^(blocks-1), w * 2^(blocks-1)]. Emits conv_in, mid_block,
+  /// up_blocks.{i}, conv_norm_out (before the SiLU) and conv_out.
+  at::Tensor forward(const at::Tensor& sample);
 
   std::shared_ptr<nn::Conv2d> conv_in;
   std::shared_ptr<UNetMidBlock2D> mid_block;
@@ -77,9 +75,9 @@ class Encoder : public nn::Module {
   Encoder(const EncoderOptions& options, const std::string& source);
   std::string type_name() const override { return "Encoder"; }
   /// [B, in, H, W] -> [B, out (x2), H / 2^(blocks-1), W / 2^(blocks-1)] (each downsampler
-  /// floors). `record` receives conv_in, down_blocks.{i}, mid_block, conv_norm_out (before the
-  /// SiLU) and conv_out.
-  at::Tensor forward(const at::Tensor& sample, const IntermediateRecorder& record = {});
+  /// floors). Emits conv_in, down_blocks.{i}, mid_block, conv_norm_out (before the SiLU) and
+  /// conv_out.
+  at::Tensor forward(const at::Tensor& sample);
 
   std::shared_ptr<nn::Conv2d> conv_in;
   std::shared_ptr<nn::ModuleList<DownEncoderBlock2D>> down_blocks;
@@ -106,7 +104,9 @@ struct TileGrid {
 /// diffusers' tiled_decode: tiles of the latents' last two dimensions decoded one at a time by
 /// `decode_tile`; each decoded tile is blended with the (already blended) tile above over
 /// blend_height rows and the one to the left over blend_width columns, cut to keep_height x
-/// keep_width and concatenated. Only two rows of decoded tiles are held at once.
+/// keep_width and concatenated. Only two rows of decoded tiles are held at once. The tiles decode
+/// unobserved: what they would emit are not intermediates of the whole (diffusers' golden data
+/// holds none for a tiled decode).
 at::Tensor tiled_decode(const at::Tensor& z, const TileGrid& grid,
                         const std::function<at::Tensor(const at::Tensor& tile)>& decode_tile);
 
@@ -132,17 +132,18 @@ struct AutoencoderKLTiling {
 };
 
 /// AutoencoderKL's and AutoencoderKLFlux2's _decode: post_quant_conv (when not null) and the
-/// decoder, in tiles when `tiling` is given and z is larger than a tile. `record` gets
-/// post_quant_conv and decoder.* (untiled only).
-at::Tensor decode_2d(nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
-                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
+/// decoder, in tiles when `tiling` is given and z is larger than a tile. `vae` (the model) emits
+/// post_quant_conv, the decoder its own (untiled only).
+at::Tensor decode_2d(const nn::Module& vae, nn::Conv2d* post_quant_conv, Decoder& decoder, const at::Tensor& z,
+                     const AutoencoderKLTiling* tiling);
 
 /// AutoencoderKL's and AutoencoderKLFlux2's _encode followed by the posterior's mode: the
 /// encoder and quant_conv (when not null), in tiles when `tiling` is given and the image is larger
 /// than a tile, then the mean half of the moments. image [B, in, H, W] -> [B, latent, h, w].
-/// `record` gets encoder.*, quant_conv and moments (untiled only).
-at::Tensor encode_2d(Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
-                     const AutoencoderKLTiling* tiling, const IntermediateRecorder& record);
+/// `vae` (the model) emits quant_conv (untiled only) and moments, the encoder its own (untiled
+/// only).
+at::Tensor encode_2d(const nn::Module& vae, Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
+                     const AutoencoderKLTiling* tiling);
 
 /// Checks an image for an encoder of `channels` input channels and `factor` pixels per latent
 /// pixel, naming `model`: float [B, channels, H, W], every size positive, H and W at least
@@ -162,8 +163,8 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// Image pixels per latent pixel along height and width (the pipelines' vae_scale_factor).
   virtual int64_t vae_scale_factor() const = 0;
   /// The pipeline's final latents, unpacked, to the decoder input z (the de-normalisation each
-  /// pipeline applies before vae.decode). `record` receives "z" (and model-specific steps).
-  virtual at::Tensor denormalize_latents(const at::Tensor& latents, const IntermediateRecorder& record = {}) const = 0;
+  /// pipeline applies before vae.decode). Emits "z" (and model-specific steps).
+  virtual at::Tensor denormalize_latents(const at::Tensor& latents) const = 0;
   /// Whether the model holds an encoder (built and loaded with the decoder): AutoencoderKL and
   /// AutoencoderKLFlux2 do.
   virtual bool has_encoder() const { return false; }
@@ -173,18 +174,20 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// tiled_encode) when use_tiling() and the image is larger than a tile. Under
   /// enable_parallel_decode, collective over its group like decode: every member passes the same
   /// image, encodes a band of its rows and gets the whole z. Errors name the model when it has no
-  /// encoder or the image's shape does not fit.
-  at::Tensor encode(const at::Tensor& image, const IntermediateRecorder& record = {});
+  /// encoder or the image's shape does not fit. Emits encoder.*, quant_conv (both not while
+  /// tiling) and moments; under a parallel encode, this member's band of each.
+  at::Tensor encode(const at::Tensor& image);
   /// The editing pipelines' normalisation of an encoded image z, the inverse of
   /// denormalize_latents: FLUX.1 (Kontext) (z - shift_factor) * scaling_factor, [B, C, h, w];
   /// FLUX.2 patchified then (x - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps),
   /// [B, 4C, h / 2, w / 2].
   virtual at::Tensor normalize_latents(const at::Tensor& z) const;
 
-  /// vae.decode(z).sample. `record` receives the golden intermediates (not while tiling; under
-  /// a parallel decode, this member's band of each). Under enable_parallel_decode, collective
-  /// over its group: every member passes the same z and gets the whole sample.
-  at::Tensor decode(const at::Tensor& z, const IntermediateRecorder& record = {});
+  /// vae.decode(z).sample. Emits the golden intermediates (not while tiling; under a parallel
+  /// decode, this member's band of each; see vae_intermediate_name). Under
+  /// enable_parallel_decode, collective over its group: every member passes the same z and gets
+  /// the whole sample.
+  at::Tensor decode(const at::Tensor& z);
 
   /// diffusers' enable_tiling / disable_tiling with the model's current tile settings.
   void enable_tiling() { use_tiling_ = true; }
@@ -203,10 +206,10 @@ class AutoencoderModel : public parallel::TensorParallelModule {
  protected:
   /// The model's own decode (diffusers' _decode) of z, or of a band of its rows under a parallel
   /// decode.
-  virtual at::Tensor _decode(const at::Tensor& z, const IntermediateRecorder& record) = 0;
+  virtual at::Tensor _decode(const at::Tensor& z) = 0;
   /// The model's own encode (diffusers' _encode, then the posterior's mean) of an image, or of a
   /// band of its rows under a parallel decode. By default: an error naming the model.
-  virtual at::Tensor _encode(const at::Tensor& image, const IntermediateRecorder& record);
+  virtual at::Tensor _encode(const at::Tensor& image);
 
   bool use_tiling_ = false;
 
