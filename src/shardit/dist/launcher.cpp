@@ -24,6 +24,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern char** environ;
@@ -118,26 +119,9 @@ int thread_count() {
   return count;
 }
 
-}  // namespace
-
-std::string current_executable() {
-  std::vector<char> buffer(4096);
-  const ssize_t n = ::readlink("/proc/self/exe", buffer.data(), buffer.size() - 1);
-  TORCH_CHECK(n > 0, "could not read /proc/self/exe: ", std::strerror(errno));
-  return std::string(buffer.data(), static_cast<size_t>(n));
-}
-
-int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptions& options) {
-  TORCH_CHECK(options.nproc >= 1 && options.nproc <= kMaxLocalRanks, "--nproc-per-node ", options.nproc,
-              " is out of range: the local launcher starts 1 to ", kMaxLocalRanks, " ranks");
-  TORCH_CHECK(!argv_in.empty(), "launch_local: no command to run");
-  std::vector<std::string> argv = argv_in;
-  if (argv[0].empty()) argv[0] = current_executable();
-  const int nproc = options.nproc;
-  const int port = free_port();
-
-  // Everything the children need is built before fork: between fork and exec only
-  // async-signal-safe calls are allowed.
+// The environment of every rank ("NAME=value"): this process's, with the rendezvous variables.
+// Built before any fork: between fork and exec only async-signal-safe calls are allowed.
+std::vector<std::vector<std::string>> rank_environments(int nproc, int port) {
   std::map<std::string, std::string> base_env;
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
     const std::string text = *entry;
@@ -155,32 +139,113 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
     env["LOCAL_RANK"] = std::to_string(r);
     for (const auto& [key, value] : env) env_strings[r].push_back(key + "=" + value);
   }
+  return env_strings;
+}
+
+// SIGINT, SIGTERM and SIGHUP remembered (for the supervision loop to forward) while it lives; the
+// previous handlers are restored after.
+class ForwardedSignals {
+ public:
+  ForwardedSignals() {
+    struct sigaction forward{};
+    forward.sa_handler = remember_signal;
+    sigemptyset(&forward.sa_mask);
+    g_forward_signal = 0;
+    ::sigaction(SIGINT, &forward, &old_int_);
+    ::sigaction(SIGTERM, &forward, &old_term_);
+    ::sigaction(SIGHUP, &forward, &old_hup_);
+  }
+  ~ForwardedSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGHUP, &old_hup_, nullptr);
+  }
+  ForwardedSignals(const ForwardedSignals&) = delete;
+  ForwardedSignals& operator=(const ForwardedSignals&) = delete;
+
+ private:
+  struct sigaction old_int_{}, old_term_{}, old_hup_{};
+};
+
+// What starting the ranks gave: the ranks started (pid -1 for those that were not), and why the
+// start stopped early ("" when every rank started).
+struct StartedRanks {
+  std::vector<Rank> ranks;
+  std::string spawn_error;
+  int interrupted_by = 0;  ///< the signal that stopped the start, 0 if none
+};
+
+// How every rank's process becomes the rank, settled before the first fork.
+struct RankCommand {
+  const std::vector<std::string>& argv;
+  std::vector<char*> child_argv;  ///< argv for exec, null-terminated
+  bool has_slash = false;         ///< argv[0] is a path (execve), else looked up on PATH (execvp)
+  bool fork_only = false;         ///< run options.run_rank in the forked child instead of exec
+  pid_t launcher_pid = 0;
+};
+
+// A rank's child side after fork: its own process group (so stopping a rank reaches the processes
+// it started), death with the launcher, default signal handling, the pipes, then exec (or, with
+// `fork_only`, the program's own entry point). Only async-signal-safe calls before exec.
+[[noreturn]] void become_rank(RankCommand& command, std::vector<std::string>& env, std::vector<char*>& envp,
+                              const LocalLaunchOptions& options, const int (&out_pipe)[2], const int (&err_pipe)[2]) {
+  ::setpgid(0, 0);
+  // Die with the launcher, also when it is SIGKILLed; if it died before this line, go now.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != command.launcher_pid) ::_exit(128 + SIGKILL);
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGTERM, SIG_DFL);
+  ::signal(SIGHUP, SIG_DFL);
+  if (options.prefix_output) {
+    ::dup2(out_pipe[1], 1);
+    ::dup2(err_pipe[1], 2);
+  }
+  if (command.fork_only) {
+    ::clearenv();
+    for (auto& entry : env) ::putenv(entry.data());
+    int code = 1;
+    try {
+      code = options.run_rank(command.argv);
+    } catch (...) {
+      // run_rank reports its own errors; one that escapes still fails the rank.
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::exit(code);
+  }
+  if (command.has_slash) {
+    ::execve(command.child_argv[0], command.child_argv.data(), envp.data());
+  } else {
+    environ = envp.data();
+    ::execvp(command.child_argv[0], command.child_argv.data());
+  }
+  const char message[] = "shardit: could not execute the rank's command\n";
+  (void)!::write(2, message, sizeof(message) - 1);
+  ::_exit(127);
+}
+
+// Starts the ranks one by one (fork+exec, fork alone, or the caller's spawn), each with its
+// output pipes when prefixed; a forwarded signal or a failed start stops the starting.
+StartedRanks start_ranks(std::vector<std::string>& argv, std::vector<std::vector<std::string>>& env_strings,
+                         const LocalLaunchOptions& options) {
+  const int nproc = options.nproc;
   std::vector<char*> child_argv;
   for (auto& arg : argv) child_argv.push_back(arg.data());
   child_argv.push_back(nullptr);
-  const bool has_slash = argv[0].find('/') != std::string::npos;
-
-  struct sigaction forward{}, old_int{}, old_term{}, old_hup{};
-  forward.sa_handler = remember_signal;
-  sigemptyset(&forward.sa_mask);
-  g_forward_signal = 0;
-  ::sigaction(SIGINT, &forward, &old_int);
-  ::sigaction(SIGTERM, &forward, &old_term);
-  ::sigaction(SIGHUP, &forward, &old_hup);
-  const pid_t launcher_pid = ::getpid();
   // Fork without exec only from a process with no other thread: a child of a threaded process
   // may only make async-signal-safe calls.
   const bool fork_only = options.run_rank && !options.spawn && thread_count() == 1;
+  RankCommand command{argv, std::move(child_argv), argv[0].find('/') != std::string::npos, fork_only, ::getpid()};
 
   std::fflush(stdout);
   std::fflush(stderr);
-  std::vector<Rank> ranks(nproc);
-  std::string spawn_error;
-  int interrupted_by = 0;
+  StartedRanks started;
+  started.ranks.resize(nproc);
+  std::string& spawn_error = started.spawn_error;
   for (int r = 0; r < nproc && spawn_error.empty(); ++r) {
     if (g_forward_signal != 0) {
-      interrupted_by = g_forward_signal;
-      // Stop starting ranks; the loop below forwards the signal to those already running.
+      started.interrupted_by = g_forward_signal;
+      // Stop starting ranks; the supervision forwards the signal to those already running.
       spawn_error = std::string("interrupted by ") + strsignal(g_forward_signal) + " after starting " +
                     std::to_string(r) + " of " + std::to_string(nproc) + " ranks";
       break;
@@ -214,143 +279,134 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
     } else {
       pid = ::fork();
     }
-    if (pid == 0) {
-      // Child: its own process group (so stopping a rank reaches the processes it started),
-      // default signal handling, the pipes, exec.
-      ::setpgid(0, 0);
-      // Die with the launcher, also when it is SIGKILLed; if it died before this line, go now.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::signal(SIGHUP, SIG_DFL);
-      if (options.prefix_output) {
-        ::dup2(out_pipe[1], 1);
-        ::dup2(err_pipe[1], 2);
-      }
-      if (fork_only) {
-        ::clearenv();
-        for (auto& entry : env_strings[r]) ::putenv(entry.data());
-        int code = 1;
-        try {
-          code = options.run_rank(argv);
-        } catch (...) {
-          // run_rank reports its own errors; one that escapes still fails the rank.
-        }
-        std::fflush(stdout);
-        std::fflush(stderr);
-        std::exit(code);
-      }
-      if (has_slash) {
-        ::execve(child_argv[0], child_argv.data(), envp.data());
-      } else {
-        environ = envp.data();
-        ::execvp(child_argv[0], child_argv.data());
-      }
-      const char message[] = "shardit: could not execute the rank's command\n";
-      (void)!::write(2, message, sizeof(message) - 1);
-      ::_exit(127);
-    }
+    if (pid == 0) become_rank(command, env_strings[r], envp, options, out_pipe, err_pipe);
     if (pid < 0) {  // fork() failed
       spawn_error = std::string("fork() failed: ") + std::strerror(errno);
       close_pipes();
       break;
     }
     ::setpgid(pid, pid);  // also here, so signals sent before the child's own call reach it
-    ranks[r].pid = pid;
-    ranks[r].running = true;
+    Rank& rank = started.ranks[r];
+    rank.pid = pid;
+    rank.running = true;
     if (options.prefix_output) {
       ::close(out_pipe[1]);
       ::close(err_pipe[1]);
-      ranks[r].out = Stream{out_pipe[0], 1, {}};
-      ranks[r].err = Stream{err_pipe[0], 2, {}};
+      rank.out = Stream{out_pipe[0], 1, {}};
+      rank.err = Stream{err_pipe[0], 2, {}};
+    }
+  }
+  return started;
+}
+
+// Watches the started ranks until every one has exited and its output is drained: the first
+// failure stops the others (SIGTERM, then SIGKILL after the grace period), forwarded signals reach
+// every rank (a second one kills them), and every output line goes out with its rank's prefix.
+class Supervisor {
+ public:
+  Supervisor(std::vector<Rank>& ranks, const LocalLaunchOptions& options, const std::string& spawn_error)
+      : ranks_(ranks), options_(options), stopping_(!spawn_error.empty()) {
+    if (stopping_) {
+      const std::string line = "shardit: launching the ranks failed: " + spawn_error + "\n";
+      write_all(2, line.data(), line.size());
+      signal_running(SIGTERM);
     }
   }
 
-  using Clock = std::chrono::steady_clock;
-  int failed_rank = -1;
-  int failed_status = 0;
-  bool stopping = !spawn_error.empty();
-  // Stopping because the user asked (a forwarded signal): the ranks take the time they need to
-  // finish (a server answers its running request), and a second signal kills them at once.
-  bool stop_asked = false;
-  bool killed = false;
-  Clock::time_point stop_since = Clock::now();
-  if (stopping) {
-    const std::string line = "shardit: launching the ranks failed: " + spawn_error + "\n";
-    write_all(2, line.data(), line.size());
+  void run() {
+    for (;;) {
+      const bool any_running = reap();
+      forward_signal(any_running);
+      if (stopping_ && !stop_asked_ && !killed_ && any_running &&
+          Clock::now() - stop_since_ > std::chrono::seconds(options_.grace_seconds)) {
+        signal_running(SIGKILL);
+        killed_ = true;
+      }
+      if (!pump_output(any_running)) break;
+    }
   }
-  auto signal_running = [&](int sig) {
-    for (auto& rank : ranks) {
+
+  /// The first rank that failed on its own (not after being told to stop), -1 if none.
+  int failed_rank() const { return failed_rank_; }
+  int failed_status() const { return failed_status_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void signal_running(int sig) {
+    for (auto& rank : ranks_) {
       if (!rank.running) continue;
       if (::kill(-rank.pid, sig) != 0) ::kill(rank.pid, sig);
     }
-  };
-  if (stopping) signal_running(SIGTERM);
+  }
 
-  for (;;) {
-    // Reap whatever exited.
+  // Reaps whatever exited; the first failure stops the others. Whether any rank still runs.
+  bool reap() {
     bool any_running = false;
-    for (int r = 0; r < nproc; ++r) {
-      Rank& rank = ranks[r];
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      Rank& rank = ranks_[r];
       if (!rank.running) continue;
       int status = 0;
       const pid_t done = ::waitpid(rank.pid, &status, WNOHANG);
-      if (done == rank.pid) {
-        rank.running = false;
-        rank.status = status;
-        if (failed(status) && failed_rank < 0 && !stopping) {
-          failed_rank = r;
-          failed_status = status;
-          const std::string line = "shardit: rank " + std::to_string(r) + " failed (" +
-                                   describe(status) + "); stopping the other ranks\n";
-          write_all(2, line.data(), line.size());
-          stopping = true;
-          stop_since = Clock::now();
-          signal_running(SIGTERM);
-        }
-      } else {
+      if (done != rank.pid) {
         any_running = true;
+        continue;
       }
-    }
-    if (g_forward_signal != 0) {
-      const int sig = g_forward_signal;
-      g_forward_signal = 0;
-      if (stop_asked && !killed && any_running) {
-        const std::string line = "shardit: a second signal: killing the ranks\n";
+      rank.running = false;
+      rank.status = status;
+      if (failed(status) && failed_rank_ < 0 && !stopping_) {
+        failed_rank_ = r;
+        failed_status_ = status;
+        const std::string line =
+            "shardit: rank " + std::to_string(r) + " failed (" + describe(status) + "); stopping the other ranks\n";
         write_all(2, line.data(), line.size());
-        signal_running(SIGKILL);
-        killed = true;
-      } else {
-        signal_running(sig);
-      }
-      if (!stopping) {
-        stopping = true;
-        stop_asked = true;
-        stop_since = Clock::now();
+        stopping_ = true;
+        stop_since_ = Clock::now();
+        signal_running(SIGTERM);
       }
     }
-    if (stopping && !stop_asked && !killed && any_running &&
-        Clock::now() - stop_since > std::chrono::seconds(options.grace_seconds)) {
-      signal_running(SIGKILL);
-      killed = true;
-    }
+    return any_running;
+  }
 
+  // Stopping because the user asked (a forwarded signal): the ranks take the time they need to
+  // finish (a server answers its running request), and a second signal kills them at once.
+  void forward_signal(bool any_running) {
+    if (g_forward_signal == 0) return;
+    const int sig = g_forward_signal;
+    g_forward_signal = 0;
+    if (stop_asked_ && !killed_ && any_running) {
+      const std::string line = "shardit: a second signal: killing the ranks\n";
+      write_all(2, line.data(), line.size());
+      signal_running(SIGKILL);
+      killed_ = true;
+    } else {
+      signal_running(sig);
+    }
+    if (!stopping_) {
+      stopping_ = true;
+      stop_asked_ = true;
+      stop_since_ = Clock::now();
+    }
+  }
+
+  // Copies what the ranks wrote, line by line with their prefix. False once there is nothing more
+  // to wait for.
+  bool pump_output(bool any_running) {
     std::vector<pollfd> fds;
     std::vector<Stream*> streams;
     std::vector<int> stream_ranks;
-    for (int r = 0; r < nproc; ++r) {
-      for (Stream* stream : {&ranks[r].out, &ranks[r].err}) {
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      for (Stream* stream : {&ranks_[r].out, &ranks_[r].err}) {
         if (stream->fd < 0) continue;
         fds.push_back(pollfd{stream->fd, POLLIN, 0});
         streams.push_back(stream);
         stream_ranks.push_back(r);
       }
     }
-    if (!any_running && fds.empty()) break;
+    if (!any_running && fds.empty()) return false;
     if (fds.empty()) {
       ::usleep(20000);
-      continue;
+      return true;
     }
     // Once every rank has exited, only drain what is already written: a process a rank left
     // behind may hold its pipe open indefinitely.
@@ -361,9 +417,9 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
         ::close(streams[i]->fd);
         streams[i]->fd = -1;
       }
-      break;
+      return false;
     }
-    if (ready <= 0) continue;  // timeout or EINTR (a signal to forward)
+    if (ready <= 0) return true;  // timeout or EINTR (a signal to forward)
     for (size_t i = 0; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
       Stream& stream = *streams[i];
@@ -379,23 +435,57 @@ int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptio
         stream.fd = -1;
       }
     }
+    return true;
   }
 
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  ::sigaction(SIGHUP, &old_hup, nullptr);
+  std::vector<Rank>& ranks_;
+  const LocalLaunchOptions& options_;
+  int failed_rank_ = -1;
+  int failed_status_ = 0;
+  bool stopping_ = false;
+  bool stop_asked_ = false;
+  bool killed_ = false;
+  Clock::time_point stop_since_ = Clock::now();
+};
 
-  if (interrupted_by != 0) return 128 + interrupted_by;
-  if (!spawn_error.empty()) return 1;
-  if (failed_rank >= 0) {
-    if (WIFSIGNALED(failed_status)) return 128 + WTERMSIG(failed_status);
-    return WEXITSTATUS(failed_status);
+// The launcher's exit code: the signal that stopped the start, 1 for a failed start, the first
+// failed rank's, or (stopped by a forwarded signal) the first failure among the ranks.
+int launch_exit_code(const StartedRanks& started, const Supervisor& supervisor) {
+  if (started.interrupted_by != 0) return 128 + started.interrupted_by;
+  if (!started.spawn_error.empty()) return 1;
+  if (supervisor.failed_rank() >= 0) {
+    const int status = supervisor.failed_status();
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return WEXITSTATUS(status);
   }
-  // Stopped by a forwarded signal, or every rank failed only after being told to stop.
-  for (const auto& rank : ranks) {
+  for (const auto& rank : started.ranks) {
     if (failed(rank.status)) return WIFSIGNALED(rank.status) ? 128 + WTERMSIG(rank.status) : WEXITSTATUS(rank.status);
   }
   return 0;
+}
+
+}  // namespace
+
+std::string current_executable() {
+  std::vector<char> buffer(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", buffer.data(), buffer.size() - 1);
+  TORCH_CHECK(n > 0, "could not read /proc/self/exe: ", std::strerror(errno));
+  return std::string(buffer.data(), static_cast<size_t>(n));
+}
+
+int launch_local(const std::vector<std::string>& argv_in, const LocalLaunchOptions& options) {
+  TORCH_CHECK(options.nproc >= 1 && options.nproc <= kMaxLocalRanks, "--nproc-per-node ", options.nproc,
+              " is out of range: the local launcher starts 1 to ", kMaxLocalRanks, " ranks");
+  TORCH_CHECK(!argv_in.empty(), "launch_local: no command to run");
+  std::vector<std::string> argv = argv_in;
+  if (argv[0].empty()) argv[0] = current_executable();
+  std::vector<std::vector<std::string>> env_strings = rank_environments(options.nproc, free_port());
+
+  const ForwardedSignals signals;
+  StartedRanks started = start_ranks(argv, env_strings, options);
+  Supervisor supervisor(started.ranks, options, started.spawn_error);
+  supervisor.run();
+  return launch_exit_code(started, supervisor);
 }
 
 }  // namespace shardit::dist
