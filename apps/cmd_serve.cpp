@@ -72,20 +72,8 @@ int serve(ServeCommandOptions options) {
   world.agree("serve arguments", fmt::format("{}|{}|{}|{}|{}", options.model, serve.limits.max_sequence_length,
                                             options.replicas, serve.max_batch, pipeline_options.agreement()));
 
-  PipelineCliOptions layout_options = pipeline_options;
-  if (options.replicas > 0) {
-    // --replicas R: the world as R copies of the mesh; an unset --tp takes what they leave.
-    const parallel::ParallelDims dims = pipeline_options.dims();
-    const int context = dims.cfg * dims.ulysses * dims.ring;
-    if (dims.tp == 0 && world.size() % (options.replicas * context) == 0) {
-      layout_options.tp = world.size() / (options.replicas * context);
-    }
-    TORCH_CHECK(layout_options.tp >= 1 && layout_options.dims().product() * options.replicas == world.size(),
-                "serve: --replicas ", options.replicas, " of ", layout_options.dims().to_string(), " do not make the ",
-                world.size(), " ranks; choose --replicas and --tp (--cfg-parallel, --ulysses, --ring) so that "
-                "replicas x cfg x ulysses x ring x tp = ", world.size());
-  }
-  auto load = pipeline_load_options(world, layout_options);
+  // --replicas R: the world as R copies of the mesh (ParallelDims::replicas; an unset --tp takes what they leave).
+  auto load = pipeline_load_options(world, pipeline_options, options.replicas);
   // Each replica of the mesh serves requests of its own.
   load.independent_replicas = true;
   // The adapters, named for the requests to choose them by: the pipeline opens and checks them now,

@@ -114,13 +114,33 @@ struct PipelineCliOptions {
 };
 
 /// The load options of `options`: the dtype on the world's device, the transformer on the
-/// cfg x ulysses x ring x tp mesh (built over the world: collective), the text encoders' degree,
-/// the VAE tiled or decoding in parallel, the LoRA adapters.
-pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options);
+/// cfg x ulysses x ring x tp mesh (built over the world: collective) in `replicas` copies (serve's
+/// --replicas; 0: what the world leaves), the text encoders' degree, the VAE tiled or decoding in
+/// parallel, the LoRA adapters.
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options,
+                                                     int replicas = 0);
 
 /// Adds --pipeline, --dtype, --weights-dtype, --tp, --ulysses, --ring, --cfg-parallel, --text-encoder-tp,
 /// --tiled-vae, --vae-parallel, --cache and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
+/// Adds --dtype (the compute dtype: core's parse_compute_dtype).
+void add_dtype_option(CLI::App* command, std::string& dtype);
+/// Adds the mesh degrees: --tp, --ulysses, --ring and --cfg-parallel (PipelineCliOptions::dims()).
+void add_parallel_options(CLI::App* command, PipelineCliOptions& options);
+/// Adds --cache (a step cache, PipelineCliOptions::cache_config()).
+void add_cache_option(CLI::App* command, std::string& cache);
+
+/// `--attention-backend NAME` and `--gemm-backend NAME`: the kernels every command computes with.
+struct BackendCliOptions {
+  std::string attention;  ///< empty: SHARDIT_ATTENTION_BACKEND, else auto
+  std::string gemm;       ///< empty: SHARDIT_GEMM_BACKEND, else auto
+  /// Selects the backends given (a bad name fails here, naming the choices), and reads the GEMM
+  /// backend's environment variable now when none is given, so a bad value fails before any
+  /// weight is read.
+  void apply() const;
+};
+/// Adds --attention-backend and --gemm-backend (the attention names from the registry of this build).
+void add_backend_options(CLI::App* app, BackendCliOptions& options);
 
 /// The last component of a model folder's path ("FLUX.1-dev" for "models/FLUX.1-dev/"): the
 /// model's name in PNG metadata and in the served API.

@@ -18,8 +18,6 @@
 #include "shardit/dist/launch_env.h"
 #include "shardit/dist/launcher.h"
 #include "shardit/dist/world.h"
-#include "shardit/nn/attention/backends.h"
-#include "shardit/nn/gemm.h"
 #include "shardit/nn/program_start.h"
 
 namespace {
@@ -110,19 +108,8 @@ int run_cli(int argc, char** argv) {
                  "seconds to wait for another rank (rendezvous, agreement, each collective) before failing; "
                  "default 120, or SHARDIT_DIST_TIMEOUT_MS")
       ->check(shardit::apps::number_in(0.001, 86400.0));
-  std::string attention_backend;
-  // The names come from the registry, so the help lists exactly the backends of this build.
-  app.add_option("--attention-backend", attention_backend,
-                 "attention backend: auto (the device's default, the first that takes each call) or one of " +
-                     fmt::format("{}", fmt::join(shardit::nn::attention_backend_names(), ", ")) +
-                     " (amx and avx512_bf16 on CPUs with them, sdpa where LibTorch has it); default auto, or "
-                     "SHARDIT_ATTENTION_BACKEND");
-  std::string gemm_backend;
-  app.add_option("--gemm-backend", gemm_backend,
-                 "kernel of the matrix products on CPU: auto (from what the CPU is: fp32 on oneDNN for large products "
-                 "where the BLAS library's core is older than the CPU's vector set, else BLAS; large bf16 Linears on "
-                 "shardit's AMX kernel where the CPU has AMX-BF16), blas, onednn, or amx (every bf16 Linear it "
-                 "takes); default auto, or SHARDIT_GEMM_BACKEND");
+  shardit::apps::BackendCliOptions backends;
+  shardit::apps::add_backend_options(&app, backends);
 
   shardit::apps::CommandBody body;
   shardit::apps::register_generate(app, body);
@@ -157,14 +144,7 @@ int run_cli(int argc, char** argv) {
       const long ms = std::max(1L, static_cast<long>(timeout_seconds * 1000.0));
       ::setenv("SHARDIT_DIST_TIMEOUT_MS", std::to_string(ms).c_str(), 1);
     }
-    if (!attention_backend.empty()) shardit::nn::set_attention_backend(attention_backend);
-    // Without the option the selection comes from SHARDIT_GEMM_BACKEND: read it now, so that a bad
-    // value fails here and not at the first large product, after the weights are loaded.
-    if (gemm_backend.empty()) {
-      shardit::nn::gemm_backend_selection();
-    } else {
-      shardit::nn::set_gemm_backend(shardit::nn::parse_gemm_backend(gemm_backend));
-    }
+    backends.apply();
     if (nproc_per_node > 1) {
       const auto env = shardit::dist::LaunchEnv::from_environment();
       TORCH_CHECK(env.world_size == 1, "--nproc-per-node ", nproc_per_node, " inside a job that ",

@@ -4,7 +4,8 @@
 //     -> ParallelLayout {dims, mesh}  ->  PipelineLoadOptions::parallel (generate, serve)
 //                                     ->  parallel::LoadOptions::tensor_parallel (run-*, check-backends)
 //
-// and the options generate, serve and run-transformer share (dtype, mesh, VAE, LoRA).
+// and the options generate, serve and run-transformer share (dtype, mesh, VAE, LoRA), which the
+// benchmark (bench/shardit_bench.cpp) reuses: the dtype, the mesh, the step cache and the backends.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -15,6 +16,8 @@
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
 #include "shardit/dist/mesh.h"
+#include "shardit/nn/attention/backends.h"
+#include "shardit/nn/gemm.h"
 
 namespace shardit::apps {
 
@@ -27,18 +30,20 @@ parallel::LoadOptions command_load_options(dist::World& world, at::ScalarType dt
   options.dtype = dtype;
   options.device = world.device();
   // A model command has only a tp dimension (0: the whole world); the rest of the world holds replicas.
-  const parallel::ParallelLayout layout = parallel::ParallelDims{1, 1, 1, tp}.build(world);
-  if (layout.mesh) options.tensor_parallel = parallel::TensorParallelConfig(*layout.mesh, "tp");
+  options.tensor_parallel = parallel::ParallelDims{1, 1, 1, tp}.build(world).tensor_parallel();
   return options;
 }
 
-pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options) {
+pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const PipelineCliOptions& options,
+                                                     int replicas) {
   pipelines::PipelineLoadOptions load;
   load.dtype = parse_compute_dtype(options.dtype);
   load.device = world.device();
   load.vae_tiling = options.tiled_vae;
   load.vae_parallel = options.vae_parallel;
-  load.parallel = options.dims().build(world);  // wrong degrees fail here, naming the flags
+  parallel::ParallelDims dims = options.dims();
+  dims.replicas = replicas;
+  load.parallel = dims.build(world);  // wrong degrees fail here, naming the flags
   if (options.text_encoder_tp > 0) load.text_encoder_tp = options.text_encoder_tp;
   load.lora = lora_requests(options.lora);
   load.lora_scale = options.lora.scale;
@@ -49,12 +54,11 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
   return load;
 }
 
-void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
-  command->add_option("--pipeline", options.pipeline_class,
-                      "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
-                      "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
-  command->add_option("--dtype", options.dtype, "compute dtype: f32 or bf16");
-  add_weights_dtype_option(command, options.weights_dtype, options.int8_compute);
+void add_dtype_option(CLI::App* command, std::string& dtype) {
+  command->add_option("--dtype", dtype, "compute dtype: f32 or bf16");
+}
+
+void add_parallel_options(CLI::App* command, PipelineCliOptions& options) {
   command
       ->add_option("--tp", options.tp,
                    "transformer tensor-parallel degree (default: the ranks --cfg-parallel, --ulysses and --ring "
@@ -65,6 +69,22 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
   command->add_option("--ring", options.ring, "ring-attention context-parallel degree")->check(integer_in(1, kMaxParallelDegree));
   command->add_flag("--cfg-parallel", options.cfg_parallel,
                     "run the conditional and unconditional CFG branches on the two halves of the ranks");
+}
+
+void add_cache_option(CLI::App* command, std::string& cache) {
+  command->add_option("--cache", cache,
+                      "step caching, diffusers' configs: first_block_cache:threshold=0.12, or "
+                      "taylorseer_lite:cache_interval=5,disable_cache_before_step=3,max_order=1"
+                      "[,disable_cache_after_step=N] (see docs/step_caching.md)");
+}
+
+void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
+  command->add_option("--pipeline", options.pipeline_class,
+                      "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
+                      "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
+  add_dtype_option(command, options.dtype);
+  add_weights_dtype_option(command, options.weights_dtype, options.int8_compute);
+  add_parallel_options(command, options);
   command
       ->add_option("--text-encoder-tp", options.text_encoder_tp,
                    "text encoders' tensor-parallel degree, dividing the number of ranks (default: the largest "
@@ -73,11 +93,33 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
   command->add_flag("--tiled-vae", options.tiled_vae, "decode in tiles (diffusers' vae.enable_tiling())");
   command->add_flag("--vae-parallel", options.vae_parallel, "decode on all ranks together, each a band of the image's rows")
       ->excludes("--tiled-vae");
-  command->add_option("--cache", options.cache,
-                      "step caching, diffusers' configs: first_block_cache:threshold=0.12, or "
-                      "taylorseer_lite:cache_interval=5,disable_cache_before_step=3,max_order=1"
-                      "[,disable_cache_after_step=N] (see docs/step_caching.md)");
+  add_cache_option(command, options.cache);
   add_lora_options(command, options.lora);
+}
+
+void add_backend_options(CLI::App* app, BackendCliOptions& options) {
+  // The names come from the registry, so the help lists exactly the backends of this build.
+  app->add_option("--attention-backend", options.attention,
+                  "attention backend: auto (the device's default, the first that takes each call) or one of " +
+                      fmt::format("{}", fmt::join(nn::attention_backend_names(), ", ")) +
+                      " (amx and avx512_bf16 on CPUs with them, sdpa where LibTorch has it); default auto, or "
+                      "SHARDIT_ATTENTION_BACKEND");
+  app->add_option("--gemm-backend", options.gemm,
+                  "kernel of the matrix products on CPU: auto (from what the CPU is: fp32 on oneDNN for large products "
+                  "where the BLAS library's core is older than the CPU's vector set, else BLAS; large bf16 Linears on "
+                  "shardit's AMX kernel where the CPU has AMX-BF16), blas, onednn, or amx (every bf16 Linear it "
+                  "takes); default auto, or SHARDIT_GEMM_BACKEND");
+}
+
+void BackendCliOptions::apply() const {
+  if (!attention.empty()) nn::set_attention_backend(attention);
+  // Without the option the selection comes from SHARDIT_GEMM_BACKEND: read it now, so that a bad
+  // value fails here and not at the first large product, after the weights are loaded.
+  if (gemm.empty()) {
+    nn::gemm_backend_selection();
+  } else {
+    nn::set_gemm_backend(nn::parse_gemm_backend(gemm));
+  }
 }
 
 std::string PipelineCliOptions::agreement() const {

@@ -67,9 +67,7 @@ inline int run_tp_example(int argc, char** argv, const TpExample& example) {
     TORCH_CHECK(pipe->class_name() == example.pipeline_class, model, "/model_index.json names a ",
                 pipe->class_name(), "; ", example.program, " runs a ", example.pipeline_class);
     pipe->load();
-    if (enable_parallelism && layout.mesh) {
-      pipe->transformer()->enable_parallelism(parallel::TensorParallelConfig(*layout.mesh, "tp"));
-    }
+    if (enable_parallelism && layout.mesh) pipe->transformer()->enable_parallelism(*layout.tensor_parallel());
 
     pipelines::GenerateRequest request;
     request.prompt_embeds = pipelines::read_prompt_embeds(embeds);

@@ -30,6 +30,7 @@
 #include "shardit/pipelines/pipeline.h"
 #include "shardit/pipelines/auto_pipeline.h"
 #include "shardit/pipelines/prompt_encoders.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
 #include "support/test_support.h"
@@ -37,7 +38,7 @@
 namespace test_pipelines {
 namespace {
 
-using shardit::parallel::TensorParallelConfig;
+using shardit::parallel::ParallelDims;
 using shardit::testing::env_or;
 using shardit::testing::is_worker;
 using shardit::testing::run_ranks;
@@ -55,7 +56,7 @@ void api_worker() {
   if (path == "shard-on-load") options.parallel = shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world);
   const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
   if (path == "enable-parallelism") {
-    pipeline->transformer()->enable_parallelism(TensorParallelConfig::from_degree(world, world.size()));
+    pipeline->transformer()->enable_parallelism(ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value());
   }
   ASSERT_EQ(pipeline->transformer()->tp_degree(), world.size());
   EXPECT_EQ(pipeline->vae() != nullptr, world.rank() == 0) << "only rank 0 loads the VAE and decodes";

@@ -21,6 +21,7 @@
 #include "shardit/nn/attention/bf16_kernels.h"
 #include "shardit/nn/cpu/bf16_attention.h"
 #include "shardit/nn/attention/backends.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
 #include "support/multiprocess.h"
@@ -44,7 +45,7 @@ at::Tensor golden_forward(const std::string& dir, bool sharded) {
   shardit::parallel::LoadOptions options;
   if (sharded) {
     auto& world = shardit::dist::World::get();
-    options.tensor_parallel = shardit::parallel::TensorParallelConfig::from_degree(world, world.size());
+    options.tensor_parallel = shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel();
   }
   model->load(folder.weights(), options);
   const auto inputs = shardit::io::SafetensorsFile::open(dir + "/inputs.safetensors");

@@ -19,6 +19,7 @@
 #include "shardit/io/json.h"
 #include "shardit/models/mistral/modeling_mistral3.h"
 #include "shardit/models/registry.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/encoder_case.h"
 #include "support/multiprocess.h"
@@ -27,8 +28,8 @@
 namespace test_tp_encoders {
 namespace {
 
+using shardit::parallel::ParallelDims;
 using shardit::parallel::LoadOptions;
-using shardit::parallel::TensorParallelConfig;
 using shardit::parallel::TensorParallelModule;
 using shardit::testing::env_or;
 using shardit::testing::golden_path;
@@ -48,11 +49,11 @@ std::shared_ptr<TensorParallelModule> load(const std::string& dir, const std::st
   auto model = shardit::models::create_text_encoder(folder);
   LoadOptions options;
   if (path == "shard-on-load") {
-    options.tensor_parallel = TensorParallelConfig::from_degree(shardit::dist::World::get(), shardit::dist::World::get().size());
+    options.tensor_parallel = ParallelDims{1, 1, 1, 0}.build(shardit::dist::World::get()).tensor_parallel();
   }
   model->load(folder.weights(), options);
   if (path == "enable-parallelism") {
-    model->enable_parallelism(TensorParallelConfig::from_degree(shardit::dist::World::get(), shardit::dist::World::get().size()));
+    model->enable_parallelism(ParallelDims{1, 1, 1, 0}.build(shardit::dist::World::get()).tensor_parallel().value());
   }
   return model;
 }

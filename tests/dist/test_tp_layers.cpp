@@ -22,6 +22,7 @@
 #include "shardit/nn/attention.h"
 #include "shardit/nn/embedding.h"
 #include "shardit/nn/linear.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
 #include "support/multiprocess.h"
@@ -33,6 +34,7 @@ namespace {
 using shardit::nn::Embedding;
 using shardit::nn::Linear;
 using shardit::nn::LinearOptions;
+using shardit::parallel::ParallelDims;
 using shardit::parallel::LoadOptions;
 using shardit::parallel::ModelTraits;
 using shardit::parallel::ShardStyle;
@@ -165,7 +167,7 @@ void worker() {
   const auto data = shardit::io::SafetensorsFile::open(dir + "/case.safetensors");
   const at::Tensor input = data->read("input");
   const at::Tensor expected = data->read("output");
-  const TensorParallelConfig tp = TensorParallelConfig::from_degree(world, world.size());
+  const TensorParallelConfig tp = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
 
   auto sharded = make_model(kind);
   LoadOptions options;
@@ -240,11 +242,11 @@ TEST(TpLayers, VocabParallelRangesCoverTheVocabularyUnevenly) {
 TEST(TpLayers, BuiltinModelTp2InsideFourRanks) {
   if (is_worker()) {
     auto& world = shardit::dist::World::init();
-    const TensorParallelConfig tp = TensorParallelConfig::from_degree(world, 2);
+    const TensorParallelConfig tp = ParallelDims{1, 1, 1, 2}.build(world).tensor_parallel().value();
     EXPECT_EQ(tp.tp_degree(), 2);
     EXPECT_EQ(tp.tp_rank(), world.rank() % 2);
     ASSERT_NE(tp.mesh, nullptr);
-    EXPECT_EQ(tp.mesh->to_string(), "replica=2 x tp=2");
+    EXPECT_EQ(tp.mesh->to_string(), "replica=2 x cfg=1 x ulysses=1 x ring=1 x tp=2");
     const auto folder = shardit::io::open_component(env_or("TP_LAYERS_MODEL"), "transformer");
     auto model = shardit::models::create_transformer(folder);
     LoadOptions options;

@@ -19,6 +19,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/linear.h"
 #include "shardit/nn/module.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/test_support.h"
@@ -30,6 +31,7 @@ using shardit::nn::Linear;
 using shardit::nn::LinearOptions;
 using shardit::nn::Module;
 using shardit::nn::ModuleList;
+using shardit::parallel::ParallelDims;
 using shardit::parallel::LoadOptions;
 using shardit::parallel::ShardStyle;
 using shardit::parallel::TensorParallelConfig;
@@ -315,9 +317,10 @@ void run_worker() {
   auto& world = shardit::dist::World::init();
   const ToyConfig config = config_from_env();
   const std::string dir = env_or("TP_TOY_DIR");
-  // The three ways to name the TP group; the mesh makes its own (new) group.
+  // The three ways to name the TP group: the world's, the "tp" dimension of the layout
+  // ParallelDims::build makes, and a mesh's (both meshes make their own, new groups).
   const TensorParallelConfig tp(world.group());
-  const TensorParallelConfig tp_from_degree = TensorParallelConfig::from_degree(world, world.size());
+  const TensorParallelConfig tp_from_degree = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
   const shardit::dist::DeviceMesh mesh = shardit::dist::DeviceMesh::one_d(world, "tp");
   const TensorParallelConfig tp_from_mesh(mesh, "tp");
   const int degree = tp.tp_degree();
@@ -327,11 +330,11 @@ void run_worker() {
   EXPECT_EQ(tp_from_mesh.tp_degree(), degree);
   EXPECT_EQ(tp_from_mesh.tp_rank(), rank);
   try {
-    TensorParallelConfig::from_degree(world, degree + 1);
-    ADD_FAILURE() << "from_degree with a degree that does not divide the world size should fail";
+    ParallelDims{1, 1, 1, degree + 1}.build(world);
+    ADD_FAILURE() << "a tp degree that does not divide the world size should fail";
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.msg(), HasSubstr("tp_degree " + std::to_string(degree + 1) + " does not divide the world size " +
-                                   std::to_string(degree)));
+    EXPECT_THAT(e.msg(), HasSubstr("tp " + std::to_string(degree + 1) + " (--tp) = " + std::to_string(degree + 1) +
+                                   " does not divide the " + std::to_string(degree) + " ranks launched"));
   }
 
   const auto reference = shardit::io::Checkpoint::open(dir + "/reference.safetensors");

@@ -17,6 +17,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
 #include "shardit/models/vae/vae.h"
+#include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/transformer_case.h"
 
@@ -42,14 +43,14 @@ std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::stri
   options.int8_compute = int8_compute;
   if (path == "shard-on-load") {
     auto& world = dist::World::get();
-    options.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, world.size());
+    options.tensor_parallel = parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
   } else if (path != "whole" && path != "enable-parallelism") {
     throw std::invalid_argument("load_transformer: unknown load path '" + path + "'");
   }
   model->load(folder.weights(), options);
   if (path == "enable-parallelism") {
     auto& world = dist::World::get();
-    model->enable_parallelism(parallel::TensorParallelConfig::from_degree(world, world.size()), kind);
+    model->enable_parallelism(parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value(), kind);
   }
   return model;
 }

@@ -32,8 +32,8 @@ TEST(ParallelDims, MeshDimsRowMajorTpFastestReplicasFirst) {
             (Dims{{"replica", 2}, {"cfg", 1}, {"ulysses", 1}, {"ring", 1}, {"tp", 1}}));
   EXPECT_EQ((ParallelDims{2, 1, 1, 1}.mesh_dims(6)),
             (Dims{{"replica", 3}, {"cfg", 2}, {"ulysses", 1}, {"ring", 1}, {"tp", 1}}));
-  EXPECT_EQ((ParallelDims{1, 1, 1, 1}.replicas(3)), 3);
-  EXPECT_EQ((ParallelDims{2, 2, 1, 0}.replicas(8)), 1);
+  EXPECT_EQ((ParallelDims{1, 1, 1, 1}.replicas_in(3)), 3);
+  EXPECT_EQ((ParallelDims{2, 2, 1, 0}.replicas_in(8)), 1);
 }
 
 TEST(ParallelDims, FittingListsEveryMeshOfTheWorld) {
@@ -78,6 +78,26 @@ TEST(ParallelDims, RefusesCfgDegreeOtherThanOneOrTwo) {
   EXPECT_EQ(error_of([] { ParallelDims{0, 1, 1, 0}.resolved(2); }),
             "--cfg-parallel degree 0: classifier-free guidance has two branches (conditional and unconditional), so "
             "the cfg degree is 1 or 2");
+}
+
+// serve's --replicas R: the world as R copies of the mesh; an unset tp takes what they leave.
+TEST(ParallelDims, ReplicasLeaveTheRestToTp) {
+  using Dims = std::vector<std::pair<std::string, int>>;
+  EXPECT_EQ((ParallelDims{1, 1, 1, 0, 2}.resolved(4)), (ParallelDims{1, 1, 1, 2, 2}));
+  EXPECT_EQ((ParallelDims{2, 1, 1, 0, 2}.resolved(8)), (ParallelDims{2, 1, 1, 2, 2}));
+  EXPECT_EQ((ParallelDims{1, 1, 1, 1, 4}.resolved(4)), (ParallelDims{1, 1, 1, 1, 4}));
+  EXPECT_EQ((ParallelDims{1, 1, 1, 0, 2}.mesh_dims(4)),
+            (Dims{{"replica", 2}, {"cfg", 1}, {"ulysses", 1}, {"ring", 1}, {"tp", 2}}));
+  EXPECT_EQ((ParallelDims{1, 1, 1, 0, 2}.replicas_in(4)), 2);
+}
+
+TEST(ParallelDims, RefusesReplicasThatDoNotMakeTheWorld) {
+  EXPECT_EQ(error_of([] { ParallelDims{1, 1, 1, 0, 3}.resolved(4); }),
+            "serve: --replicas 3 of cfg=1 x ulysses=1 x ring=1 x tp=auto do not make the 4 ranks; choose --replicas "
+            "and --tp (--cfg-parallel, --ulysses, --ring) so that replicas x cfg x ulysses x ring x tp = 4");
+  EXPECT_EQ(error_of([] { ParallelDims{1, 1, 1, 1, 2}.resolved(4); }),
+            "serve: --replicas 2 of cfg=1 x ulysses=1 x ring=1 x tp=1 do not make the 4 ranks; choose --replicas "
+            "and --tp (--cfg-parallel, --ulysses, --ring) so that replicas x cfg x ulysses x ring x tp = 4");
 }
 
 TEST(ParallelDims, RefusesDegreesBelowOne) {

@@ -2,11 +2,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 
 #include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
-#include "shardit/parallel/tensor_parallel.h"
 
 namespace shardit::parallel {
 
@@ -32,6 +32,18 @@ std::string fitting_list(int world_size) {
   return out;
 }
 
+/// `dims` (with replicas set) checked against `world_size`: the world as that many copies of the
+/// mesh, an unset tp taking what they leave. Only serve has --replicas, so the error says so.
+ParallelDims with_replicas(const ParallelDims& dims, int world_size) {
+  ParallelDims out = dims;
+  const int context = dims.cfg * dims.ulysses * dims.ring;
+  if (dims.tp == 0 && world_size % (dims.replicas * context) == 0) out.tp = world_size / (dims.replicas * context);
+  TORCH_CHECK(out.tp >= 1 && out.product() * dims.replicas == world_size, "serve: --replicas ", dims.replicas, " of ",
+              out.to_string(), " do not make the ", world_size, " ranks; choose --replicas and --tp (--cfg-parallel, "
+              "--ulysses, --ring) so that replicas x cfg x ulysses x ring x tp = ", world_size);
+  return out;
+}
+
 }  // namespace
 
 int ParallelDims::product() const { return cfg * ulysses * ring * (tp > 0 ? tp : 1); }
@@ -44,6 +56,8 @@ ParallelDims ParallelDims::resolved(int world_size) const {
   TORCH_CHECK(cfg == 1 || cfg == 2, "--cfg-parallel degree ", cfg,
               ": classifier-free guidance has two branches (conditional and unconditional), so the cfg degree "
               "is 1 or 2");
+  TORCH_CHECK(replicas >= 0, "--replicas is ", replicas, "; expected at least 1 (or unset: what the mesh leaves)");
+  if (replicas > 0) return with_replicas(*this, world_size);
   ParallelDims out = *this;
   const int fixed = product();
   if (tp == 0) {
@@ -80,6 +94,11 @@ ParallelLayout ParallelDims::build(dist::World& world) const {
   world.agree("parallel mesh (--cfg-parallel, --ulysses, --ring, --tp)", layout.dims.to_string());
   layout.mesh = std::make_shared<const dist::DeviceMesh>(world, mesh_dims(world.size()));
   return layout;
+}
+
+std::optional<TensorParallelConfig> ParallelLayout::tensor_parallel() const {
+  if (!mesh) return std::nullopt;
+  return TensorParallelConfig(*mesh, "tp");
 }
 
 std::string ParallelDims::to_string() const {

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "shardit/dist/mesh.h"
-#include "shardit/dist/world.h"
 #include "shardit/parallel/plan_resolution.h"
 
 namespace shardit::parallel {
@@ -25,18 +24,6 @@ TensorParallelConfig::TensorParallelConfig(const dist::DeviceMesh& mesh, const s
     : TensorParallelConfig(mesh.group(dim)) {
   this->mesh = std::make_shared<const dist::DeviceMesh>(mesh);
   mesh_dim = dim;
-}
-
-TensorParallelConfig TensorParallelConfig::from_degree(dist::World& world, int tp_degree) {
-  TORCH_CHECK(tp_degree >= 1 && tp_degree <= world.size() && world.size() % tp_degree == 0, "tp_degree ",
-              tp_degree, " does not divide the world size ", world.size(),
-              ": choose a degree that divides it (each group of tp_degree ranks holds one sharded copy), or "
-              "launch a multiple of ", tp_degree, " ranks");
-  if (tp_degree == world.size()) {
-    return TensorParallelConfig(dist::DeviceMesh(world, {{"tp", tp_degree}}), "tp");
-  }
-  return TensorParallelConfig(dist::DeviceMesh(world, {{"replica", world.size() / tp_degree}, {"tp", tp_degree}}),
-                              "tp");
 }
 
 int TensorParallelConfig::tp_degree() const { return group->size(); }

@@ -21,7 +21,6 @@
 
 namespace shardit::dist {
 class DeviceMesh;
-class World;
 }
 
 namespace shardit::parallel {
@@ -38,12 +37,10 @@ struct TensorParallelConfig {
   std::string mesh_dim;
 
   explicit TensorParallelConfig(std::shared_ptr<dist::Group> group);
-  /// The `dim` dimension of a (possibly N-D) mesh; the mesh is kept (it is cheap to copy).
+  /// The `dim` dimension of a (possibly N-D) mesh; the mesh is kept (it is cheap to copy). A
+  /// degree over the world is laid out by parallel::ParallelDims::build (ParallelLayout::
+  /// tensor_parallel gives its "tp" dimension).
   explicit TensorParallelConfig(const dist::DeviceMesh& mesh, const std::string& dim = "tp");
-  /// TP over `tp_degree` consecutive ranks; `tp_degree` must divide the world size, and the world
-  /// is laid out as a ("replica" = world / tp_degree) x ("tp" = tp_degree) mesh: each replica holds
-  /// one sharded copy. Collective over the world.
-  static TensorParallelConfig from_degree(dist::World& world, int tp_degree);
 
   int tp_degree() const;
   int tp_rank() const;

@@ -226,10 +226,8 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
   const parallel::ParallelLayout& layout = options_.parallel;
   TORCH_CHECK(layout.mesh || layout.dims.product() == 1, pipeline_class, ": PipelineLoadOptions::parallel has the "
               "degrees ", layout.dims.to_string(), " but no mesh; make it with ParallelDims::build(world)");
-  if (layout.mesh) {
-    transformer_parallel_ = parallel::TensorParallelConfig(*layout.mesh, "tp");
-    if (layout.dims.cfg == 2) cfg_group_ = layout.mesh->group("cfg");
-  }
+  transformer_parallel_ = layout.tensor_parallel();
+  if (layout.mesh && layout.dims.cfg == 2) cfg_group_ = layout.mesh->group("cfg");
 }
 
 models::JointTransformer2DModel& DiffusionPipeline::joint_transformer() const {

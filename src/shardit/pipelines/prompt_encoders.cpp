@@ -7,6 +7,7 @@
 
 #include "shardit/dist/world.h"
 #include "shardit/models/registry.h"
+#include "shardit/parallel/parallel_dims.h"
 
 namespace shardit::pipelines {
 namespace {
@@ -111,7 +112,9 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   parallel::LoadOptions load;
   load.dtype = options.dtype;
   load.device = options.device;
-  if (world.size() > 1 || degree != 1) load.tensor_parallel = parallel::TensorParallelConfig::from_degree(world, degree);
+  // The one path from a degree to ranks: blocks of `degree` consecutive ranks (a world of one rank
+  // has no mesh and loads the encoders whole).
+  load.tensor_parallel = parallel::ParallelDims{1, 1, 1, degree}.build(world).tensor_parallel();
   for (size_t i = 0; i < encoders.size(); ++i) encoders[i]->load(components[i].weights(), load);
 
   return recipe.make(std::move(tokenizers), std::move(encoders));
