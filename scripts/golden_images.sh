@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: golden_images.sh OUT_DIR}
 CLI=${SHARDIT_BUILD_DIR:-build}/apps/shardit
-G=tests/golden
+G=${SHARDIT_BUILD_DIR:-build}/tests/golden  # the build's view of tests/golden: its packed files unpacked
 mkdir -p "$OUT"
 KLEIN_PROMPT=$'Poster with the text "FLUX & Qwen" in bold, 2 lines:\nline one\nline two \U0001F600'
 CAT="A cat holding a sign that says hello world"

@@ -10,8 +10,8 @@
 set -euo pipefail
 
 packages=(
-  # toolchain
-  build-essential g++ cmake ninja-build ccache pkg-config git
+  # toolchain; xz unpacks the golden data's packed files (tests/golden/README.md)
+  build-essential g++ cmake ninja-build ccache pkg-config git xz-utils
   # tensors and collectives: LibTorch (CPU, with c10d + Gloo) and Gloo's headers
   libtorch-dev libgloo-dev
   # fast BLAS for LibTorch; without it Debian's reference BLAS is ~40x slower

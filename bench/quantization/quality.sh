@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 cli=${SHARDIT_CLI:-build/apps/shardit}
 out=${1:-${TMPDIR:-/tmp}/shardit-quantization-quality}
 mkdir -p "$out"
-golden=tests/golden
+golden=build/tests/golden  # the build's view of tests/golden: its packed files unpacked
 variants=("f32 checkpoint" "bf16 checkpoint" "f32 fp8" "f32 int8" "bf16 fp8" "bf16 int8" "f32 int8 int8-compute"
           "bf16 int8 int8-compute")
 
