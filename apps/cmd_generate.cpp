@@ -125,23 +125,9 @@ void compare_with(const std::string& reference_path, const at::Tensor& image) {
              reference_path, differing, difference.numel());
 }
 
-int generate(const GenerateOptions& given) {
-  dist::World& world = dist::World::get();
-  GenerateOptions options = given;
-  if (options.model.empty()) {
-    const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
-    options.model = builtin.pipeline;
-    if (options.prompt.empty() && options.prompt_embeds.empty()) options.prompt = {kBuiltinPrompt};
-    if (world.rank() == 0) {
-      fmt::print(
-          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights, text encoders "
-          "included; the image is noise{})\n",
-          given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
-    }
-  }
-  parse_compute_dtype(options.pipeline.dtype);  // a wrong --dtype fails before anything is read
-
-  // Everything the command reads or writes is checked before anything is loaded.
+/// The request `options` describe, every input file read and checked (prompt embeddings, latents,
+/// reference images).
+pipelines::GenerateRequest request_of(const GenerateOptions& options) {
   pipelines::GenerateRequest request;
   request.prompt = options.prompt;
   request.negative_prompt = options.negative_prompt;
@@ -168,6 +154,51 @@ int generate(const GenerateOptions& given) {
                 ": holds no 'latents' tensor (tensors: ", fmt::format("{}", fmt::join(file->names(), ", ")), ")");
     request.latents = file->read("latents");
   }
+  return request;
+}
+
+/// The PNGs' text chunks: the generation parameters as image tools read them ("parameters"), and
+/// each on its own.
+std::vector<std::pair<std::string, std::string>> png_text(const GenerateOptions& options,
+                                                          const pipelines::GenerateResult& result,
+                                                          const std::string& pipeline_class) {
+  const std::string prompt_text = options.prompt.empty() ? "(prompt embeddings from " + options.prompt_embeds + ")"
+                                                         : fmt::format("{}", fmt::join(options.prompt, " | "));
+  const std::string seed_text =
+      options.latents.empty() ? std::to_string(options.seed) : "(latents from " + options.latents + ")";
+  const std::string model_name = model_folder_name(options.model);
+  return {{"parameters",
+           fmt::format("{}\nNegative prompt: {}\nSteps: {}, Seed: {}, Size: {}x{}, Guidance: {}, Model: {}, "
+                       "Pipeline: {}",
+                       prompt_text, fmt::join(options.negative_prompt, " | "), result.num_inference_steps, seed_text,
+                       result.width, result.height, result.guidance, model_name, pipeline_class)},
+          {"prompt", prompt_text},
+          {"negative_prompt", fmt::format("{}", fmt::join(options.negative_prompt, " | "))},
+          {"seed", seed_text},
+          {"steps", std::to_string(result.num_inference_steps)},
+          {"guidance", fmt::format("{}", result.guidance)},
+          {"model", model_name},
+          {"Software", "shardit"}};
+}
+
+int generate(const GenerateOptions& given) {
+  dist::World& world = dist::World::get();
+  GenerateOptions options = given;
+  if (options.model.empty()) {
+    const auto builtin = models::write_builtin_model(models::default_builtin_model_root());
+    options.model = builtin.pipeline;
+    if (options.prompt.empty() && options.prompt_embeds.empty()) options.prompt = {kBuiltinPrompt};
+    if (world.rank() == 0) {
+      fmt::print(
+          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights, text encoders "
+          "included; the image is noise{})\n",
+          given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
+    }
+  }
+  parse_compute_dtype(options.pipeline.dtype);  // a wrong --dtype fails before anything is read
+
+  // Everything the command reads or writes is checked before anything is loaded.
+  pipelines::GenerateRequest request = request_of(options);
   std::vector<std::pair<std::string, at::Tensor>> step_latents;
   if (options.save_steps) {
     TORCH_CHECK(!options.out_tensors.empty(), "generate: --save-steps writes into --out-tensors; give that too");
@@ -215,25 +246,7 @@ int generate(const GenerateOptions& given) {
   const auto end = std::chrono::steady_clock::now();
 
   if (world.rank() == 0) {
-    const std::string prompt_text = options.prompt.empty() ? "(prompt embeddings from " + options.prompt_embeds + ")"
-                                                           : fmt::format("{}", fmt::join(options.prompt, " | "));
-    const std::string seed_text =
-        options.latents.empty() ? std::to_string(options.seed) : "(latents from " + options.latents + ")";
-    const std::string model_name = model_folder_name(options.model);
-    const std::vector<std::pair<std::string, std::string>> text = {
-        {"parameters",
-         fmt::format("{}\nNegative prompt: {}\nSteps: {}, Seed: {}, Size: {}x{}, Guidance: {}, Model: {}, "
-                     "Pipeline: {}",
-                     prompt_text, fmt::join(options.negative_prompt, " | "), result.num_inference_steps, seed_text,
-                     result.width, result.height, result.guidance, model_name, pipeline->class_name())},
-        {"prompt", prompt_text},
-        {"negative_prompt", fmt::format("{}", fmt::join(options.negative_prompt, " | "))},
-        {"seed", seed_text},
-        {"steps", std::to_string(result.num_inference_steps)},
-        {"guidance", fmt::format("{}", result.guidance)},
-        {"model", model_name},
-        {"Software", "shardit"}};
-    io::save_images(result.image, options.out, text);
+    io::save_images(result.image, options.out, png_text(options, result, pipeline->class_name()));
     if (!options.compare_to.empty()) compare_with(options.compare_to, result.image);
     if (!options.out_tensors.empty()) {
       std::vector<std::pair<std::string, at::Tensor>> tensors = {{"image", result.image}, {"latents", result.latents}};

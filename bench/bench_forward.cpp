@@ -276,8 +276,8 @@ nlohmann::json time_lora_switching(const BenchOptions& options, shardit::dist::W
                                    std::unique_ptr<shardit::parallel::LoraAdapters>& adapters) {
   if (options.lora_rank <= 0) return nullptr;
   FluxTransformer2DModel& model = *bench.model;
-  std::vector<shardit::models::LoraRequest> requests = {{bench_adapter(options, model.config, 1, world), 0.8},
-                                                        {bench_adapter(options, model.config, 2, world), 0.5}};
+  std::vector<shardit::models::LoraRequest> requests = {{bench_adapter(options, model.config, 1, world), 0.8, ""},
+                                                        {bench_adapter(options, model.config, 2, world), 0.5, ""}};
   adapters = std::make_unique<shardit::parallel::LoraAdapters>(model);
   const auto load_start = Clock::now();
   shardit::models::load_lora_files(*adapters, shardit::models::open_lora_files(requests, model), 1.0, false);

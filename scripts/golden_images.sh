@@ -5,12 +5,16 @@
 # Qwen-Image) at TP 1 and 2, in f32 and bf16, each from its case's prompt(s) and stored latents.
 #   usage: bash scripts/golden_images.sh OUT_DIR     (writes OUT_DIR/<run>.png and .safetensors)
 #   SHARDIT_BUILD_DIR  the build folder (default build)
+#   SHARDIT_CLI        the shardit program to run (default: the build's), e.g. an earlier build's copy
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: golden_images.sh OUT_DIR}
-CLI=${SHARDIT_BUILD_DIR:-build}/apps/shardit
-G=${SHARDIT_BUILD_DIR:-build}/tests/golden  # the build's view of tests/golden: its packed files unpacked
-mkdir -p "$OUT"
+OUT=$(mkdir -p "${1:?usage: golden_images.sh OUT_DIR}" && cd "$1" && pwd)
+BUILD=$(cd "${SHARDIT_BUILD_DIR:-build}" && pwd)
+CLI=${SHARDIT_CLI:-$BUILD/apps/shardit}
+# The build's view of tests/golden (its packed files unpacked). The paths below are relative to it,
+# so that the PNGs' text chunks, which name the latents file, do not depend on the build folder.
+cd "$BUILD/tests/golden"
+G=.
 KLEIN_PROMPT=$'Poster with the text "FLUX & Qwen" in bold, 2 lines:\nline one\nline two \U0001F600'
 CAT="A cat holding a sign that says hello world"
 

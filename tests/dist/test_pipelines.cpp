@@ -56,7 +56,7 @@ void api_worker() {
   if (path == "shard-on-load") options.parallel = shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world);
   const auto pipeline = shardit::pipelines::DiffusionPipeline::from_pretrained(golden.dir, options);
   if (path == "enable-parallelism") {
-    pipeline->transformer()->enable_parallelism(ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value());
+    pipeline->transformer()->enable_parallelism(shardit::testing::world_tensor_parallel());
   }
   ASSERT_EQ(pipeline->transformer()->tp_degree(), world.size());
   EXPECT_EQ(pipeline->vae() != nullptr, world.rank() == 0) << "only rank 0 loads the VAE and decodes";

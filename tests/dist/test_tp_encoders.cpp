@@ -53,7 +53,7 @@ std::shared_ptr<TensorParallelModule> load(const std::string& dir, const std::st
   }
   model->load(folder.weights(), options);
   if (path == "enable-parallelism") {
-    model->enable_parallelism(ParallelDims{1, 1, 1, 0}.build(shardit::dist::World::get()).tensor_parallel().value());
+    model->enable_parallelism(shardit::testing::world_tensor_parallel());
   }
   return model;
 }

@@ -167,7 +167,7 @@ void worker() {
   const auto data = shardit::io::SafetensorsFile::open(dir + "/case.safetensors");
   const at::Tensor input = data->read("input");
   const at::Tensor expected = data->read("output");
-  const TensorParallelConfig tp = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
+  const TensorParallelConfig tp = shardit::testing::world_tensor_parallel();
 
   auto sharded = make_model(kind);
   LoadOptions options;

@@ -253,7 +253,7 @@ void int8_layers_worker() {
   const at::Tensor x = at::randn({2, 9, Int8Mlp::kDim});
   const at::Tensor hidden_whole = model.up->forward(x);                // [2, 9, 4D]
   const at::Tensor out_whole = model.down->forward(at::gelu(hidden_whole));  // [2, 9, D]
-  model.enable_parallelism(shardit::parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value());
+  model.enable_parallelism(shardit::testing::world_tensor_parallel());
   ASSERT_TRUE(model.up->int8_compute() && model.down->int8_compute());
   const at::Tensor hidden = model.up->forward(x);  // [2, 9, 4D / N]
   const int64_t width = hidden.size(-1);

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "shardit/dist/mesh.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -30,6 +31,12 @@ std::shared_ptr<models::AutoencoderModel> load_golden_vae(const std::string& cas
   return vae;
 }
 
+parallel::TensorParallelConfig world_tensor_parallel() {
+  dist::World& world = dist::World::get();
+  if (world.size() == 1) return parallel::TensorParallelConfig(dist::DeviceMesh(world, {{"tp", 1}}), "tp");
+  return parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
+}
+
 std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::string& model_dir,
                                                                  const std::string& path, parallel::TpPlanKind kind,
                                                                  nn::WeightsDtype weights, bool quantize_kept,
@@ -42,15 +49,13 @@ std::shared_ptr<parallel::TensorParallelModule> load_transformer(const std::stri
   options.quantize_kept_layers = quantize_kept;
   options.int8_compute = int8_compute;
   if (path == "shard-on-load") {
-    auto& world = dist::World::get();
-    options.tensor_parallel = parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
+    options.tensor_parallel = world_tensor_parallel();
   } else if (path != "whole" && path != "enable-parallelism") {
     throw std::invalid_argument("load_transformer: unknown load path '" + path + "'");
   }
   model->load(folder.weights(), options);
   if (path == "enable-parallelism") {
-    auto& world = dist::World::get();
-    model->enable_parallelism(parallel::ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value(), kind);
+    model->enable_parallelism(world_tensor_parallel(), kind);
   }
   return model;
 }

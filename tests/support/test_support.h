@@ -15,12 +15,18 @@
 
 namespace shardit::parallel {
 class TensorParallelModule;
+struct TensorParallelConfig;
 }
 namespace shardit::models {
 class AutoencoderModel;
 }
 
 namespace shardit::testing {
+
+/// The whole world as one tensor-parallel group (ParallelDims{1, 1, 1, 0}.build's "tp" dimension),
+/// and on one rank a group of one: the TP tests run their load paths' sharding at every degree,
+/// degree 1 included, where a pipeline on one rank loads its model whole.
+parallel::TensorParallelConfig world_tensor_parallel();
 
 /// Loads the transformer of `model_dir` through `path`: "whole", "shard-on-load" (TP over the
 /// whole world, each rank reading its slices) or "enable-parallelism" (load whole, then shard).

@@ -59,19 +59,6 @@ ComponentFolder open_component(const std::string& path, const std::string& name)
 constexpr int64_t kMaxConfigLayers = 1024;       ///< per stack of blocks (FLUX.1: 19 + 38, Qwen-Image: 60)
 constexpr int64_t kMaxConfigDim = int64_t{1} << 20;  ///< any width, head count or channel count
 
-/// `config[key]` as a T, or `fallback` when the key is absent or null. A value of the wrong type
-/// is an error naming `source`, the key and the value. Lenient next to ConfigReader (no ranges):
-/// only the memory planner's VAE activation estimate still reads through it; use ConfigReader.
-template <class T>
-T config_value(const nlohmann::json& config, const char* key, T fallback, const std::string& source) {
-  if (!config.contains(key) || config.at(key).is_null()) return fallback;
-  try {
-    return config.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, source, ": key '", key, "' has an unexpected type (", config.at(key).dump(), "): ", e.what());
-  }
-}
-
 /// Pass [-kAnyFiniteNumber, kAnyFiniteNumber] to ConfigReader::number for a value that may be any
 /// finite number (a VAE's scaling factor, a scheduler's shift); errors then say "a finite number".
 constexpr double kAnyFiniteNumber = std::numeric_limits<double>::max();

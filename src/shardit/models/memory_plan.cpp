@@ -91,11 +91,14 @@ int64_t vae_decode_activation_bytes(const nlohmann::json& config, const std::str
                                     const StepShape& shape) {
   // AutoencoderKL / AutoencoderKLFlux2 name the widths block_out_channels; AutoencoderKLQwenImage
   // base_dim * dim_mult.
-  std::vector<int64_t> widths = io::config_value<std::vector<int64_t>>(config, "block_out_channels", {}, source);
+  const io::ConfigReader reader(config, source);
+  std::vector<int64_t> widths =
+      reader.integers("block_out_channels", {}, 1, io::kMaxConfigDim, static_cast<size_t>(io::kMaxConfigLayers));
   if (widths.empty()) {
-    const int64_t base = io::config_value<int64_t>(config, "base_dim", 96, source);
-    for (int64_t mult : io::config_value<std::vector<int64_t>>(config, "dim_mult", {1, 2, 4, 4}, source)) {
-      widths.push_back(base * mult);
+    const int64_t base = reader.integer("base_dim", 96, 1, io::kMaxConfigDim);
+    for (const int64_t mult :
+         reader.integers("dim_mult", {1, 2, 4, 4}, 1, io::kMaxConfigDim, static_cast<size_t>(io::kMaxConfigLayers))) {
+      widths.push_back(reader.width("base_dim", base, "dim_mult", mult));
     }
   }
   TORCH_CHECK(widths.size() >= 2, source, ": expected at least two decoder widths, got ", widths.size());
