@@ -320,13 +320,13 @@ void run_worker() {
   // The three ways to name the TP group: the world's, the "tp" dimension of the layout
   // ParallelDims::build makes, and a mesh's (both meshes make their own, new groups).
   const TensorParallelConfig tp(world.group());
-  const TensorParallelConfig tp_from_degree = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
+  const TensorParallelConfig tp_of_world = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel().value();
   const shardit::dist::DeviceMesh mesh = shardit::dist::DeviceMesh::one_d(world, "tp");
   const TensorParallelConfig tp_from_mesh(mesh, "tp");
   const int degree = tp.tp_degree();
   const int rank = tp.tp_rank();
   ASSERT_EQ(degree, world.size());
-  EXPECT_EQ(tp_from_degree.tp_degree(), degree);
+  EXPECT_EQ(tp_of_world.tp_degree(), degree);
   EXPECT_EQ(tp_from_mesh.tp_degree(), degree);
   EXPECT_EQ(tp_from_mesh.tp_rank(), rank);
   try {
@@ -357,7 +357,7 @@ void run_worker() {
   ToyTransformer sharded(config);
   const auto checkpoint2 = shardit::io::Checkpoint::open(dir + "/model.safetensors");
   LoadOptions options;
-  options.tensor_parallel = tp_from_degree;
+  options.tensor_parallel = tp_of_world;
   sharded.load(checkpoint2, options);
   EXPECT_EQ(sharded.tp_degree(), degree);
 
@@ -381,7 +381,7 @@ void run_worker() {
   }
 
   const std::pair<ToyTransformer*, const TensorParallelConfig*> runs[] = {{&in_memory, &tp_from_mesh},
-                                                                          {&sharded, &tp_from_degree}};
+                                                                          {&sharded, &tp_of_world}};
   for (const auto& [model, model_tp] : runs) {
     auto& stats = model_tp->group->stats();
     stats.reset();
