@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "shardit/io/image.h"
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/serving/base64.h"
@@ -386,6 +387,26 @@ TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
   EXPECT_THAT(metrics->body, HasSubstr("shardit_rank_resident_memory_bytes{rank=\"1\"}"));
   EXPECT_THAT(metrics->body, HasSubstr("shardit_denoising_steps_total 6"));
 
+  // Every field of OpenAI's request schema: answered, a warning for each without a meaning here;
+  // output_format "jpeg" written as a .jpg file and served as image/jpeg.
+  json every = as_url;
+  every.update(json{{"quality", "standard"}, {"style", "vivid"}, {"user", "u1"}, {"background", "auto"},
+                    {"moderation", "auto"}, {"output_format", "jpeg"}, {"output_compression", 90},
+                    {"partial_images", 0}, {"stream", false}, {"input_fidelity", "low"}});
+  auto every_answer = post(port, every.dump());
+  ASSERT_TRUE(every_answer);
+  ASSERT_EQ(every_answer->status, 200) << every_answer->body;
+  const json every_body = json::parse(every_answer->body);
+  EXPECT_EQ(every_body["warnings"].size(), 6u) << every_body["warnings"].dump();
+  const std::string jpeg_url = every_body["data"][0]["url"];
+  ASSERT_EQ(jpeg_url.compare(jpeg_url.size() - 4, 4, ".jpg"), 0) << jpeg_url;
+  auto jpeg = client(port)->Get(jpeg_url.substr(prefix.size()).c_str());
+  ASSERT_TRUE(jpeg);
+  ASSERT_EQ(jpeg->status, 200);
+  EXPECT_EQ(jpeg->get_header_value("Content-Type"), "image/jpeg");
+  EXPECT_EQ(shardit::io::sniff_image_format(jpeg->body.substr(0, 8)), "jpeg");
+  EXPECT_EQ(shardit::io::decode_image(jpeg->body).sizes(), expected.sizes());
+
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
@@ -558,7 +579,8 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   };
   const std::string fields =
       "prompt, model, n, size, response_format, seed, negative_prompt, num_inference_steps, guidance_scale, "
-      "true_cfg_scale, cache, lora, user";
+      "true_cfg_scale, cache, lora, user, background, moderation, output_compression, output_format, "
+      "partial_images, quality, stream, style, input_fidelity";
   const std::vector<BadRequest> cases = {
       {"{not json", 400, "the request body is not valid JSON: ...", ""},
       {R"({"prompt": "a", "prompt": "b"})", 400, "the request body is not valid JSON: ...", ""},
@@ -601,7 +623,18 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
        "unknown LoRA adapters \"style\", \"ink\" in 'lora' (this server loaded: none, start it with --lora "
        "NAME=FILE; GET /v1/models lists them)",
        "lora"},
-      {with({{"quality", "hd"}}), 400, "unknown field \"quality\" (fields: " + fields + ")", "quality"},
+      {with({{"steps", 4}}), 400, "unknown field \"steps\" (fields: " + fields + ")", "steps"},
+      {with({{"stream", true}}), 400,
+       "'stream' true is not supported: this server answers with the finished images only (no server-sent events "
+       "or partial images); leave 'stream' out or send false",
+       "stream"},
+      {with({{"background", "transparent"}}), 400,
+       "'background' \"transparent\" is not supported: this pipeline's images have no alpha channel; send "
+       "\"opaque\" or \"auto\"",
+       "background"},
+      {with({{"output_format", "webp"}}), 400, "'output_format' \"webp\" is not supported: send \"png\" or \"jpeg\"",
+       "output_format"},
+      {with({{"quality", 1}}), 400, "'quality' must be a string, got integer", "quality"},
       {"{\"prompt\": \"a cat \xff\xfe\", \"n\": 1}", 400, "'prompt' is not valid UTF-8; send text as UTF-8", "prompt"},
       {"{\"pro\xc3mpt\": \"a cat\"}", 400,
        "the request body is not valid UTF-8 (in a field name); send text as UTF-8", ""},

@@ -2,10 +2,13 @@
 // type and range check, the request as the other ranks receive it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "shardit/io/image.h"
+#include "shardit/io/png.h"
 #include "shardit/serving/api.h"
 #include "shardit/serving/base64.h"
 #include "shardit/serving/http_server.h"
@@ -224,6 +227,100 @@ TEST(ServingApi, InvalidUtf8IsNamedByItsField) {
   // The error body can always be written, whatever bytes its message quotes.
   const ApiError error(400, "bad \xff bytes", "\xfe");
   EXPECT_NO_THROW(error.body().dump());
+}
+
+}  // namespace
+}  // namespace test_serving_api
+
+namespace test_serving_api {
+namespace {
+
+// Every field of OpenAI's images request schema: accepted, each one without a meaning here noted
+// once; the two that cannot be served (stream, a transparent background) refused by name.
+TEST(ServingApi, OpenAiFieldsAreAcceptedWithWarningsOrRefusedByName) {
+  const std::string every = R"({"prompt": "a", "model": "tiny", "n": 1, "size": "auto", "response_format": "b64_json",
+      "quality": "standard", "style": "vivid", "user": "u1", "background": "opaque", "moderation": "low",
+      "output_format": "jpeg", "output_compression": 80, "partial_images": 0, "stream": false,
+      "input_fidelity": "high"})";
+  const ImageRequest request = parse_image_request(every, {}, "tiny");
+  EXPECT_EQ(request.output_format, "jpeg");
+  EXPECT_EQ(request.output_compression, 80);
+  EXPECT_EQ(request.file_extension(), "jpg");
+  ASSERT_EQ(request.warnings.size(), 6u);
+  for (const char* field : {"quality", "style", "moderation", "input_fidelity", "partial_images", "user"}) {
+    const std::string start = std::string("'") + field + "' was ignored: ";
+    EXPECT_EQ(std::count_if(request.warnings.begin(), request.warnings.end(),
+                            [&](const std::string& w) { return w.rfind(start, 0) == 0; }),
+              1)
+        << field;
+  }
+  // The answer's format travels to the replica that encodes it, and does not split batches.
+  const ImageRequest copy = ImageRequest::from_json(request.to_json());
+  EXPECT_EQ(copy.output_format, "jpeg");
+  EXPECT_EQ(copy.output_compression, 80);
+  EXPECT_TRUE(copy.warnings.empty());
+  EXPECT_EQ(copy.batch_key(), parse_image_request(R"({"prompt": "b", "size": "auto"})", {}, "tiny").batch_key());
+  // The mask of an edit is accepted and noted.
+  const std::string png = base64_encode(shardit::io::encode_png(at::zeros({16, 16, 3}, at::kByte)));
+  const ImageRequest edit = parse_image_request(R"({"prompt": "a", "image": ")" + png + R"(", "mask": ")" + png + "\"}",
+                                                {}, "tiny", shardit::serving::ImageEndpoint::Edits);
+  ASSERT_EQ(edit.warnings.size(), 1u);
+  EXPECT_EQ(edit.warnings[0].rfind("'mask' was ignored: ", 0), 0u);
+
+  // null stands for absent in OpenAI's optional fields; a plain request has no notes.
+  const ImageRequest nulls = parse_image_request(
+      R"({"prompt": "a", "quality": null, "stream": null, "output_format": null, "background": null})", {}, "tiny");
+  EXPECT_TRUE(nulls.warnings.empty());
+  EXPECT_EQ(nulls.output_format, "png");
+  EXPECT_EQ(nulls.file_extension(), "png");
+  const ImageRequest png_compressed = parse_image_request(R"({"prompt": "a", "output_compression": 50})", {}, "tiny");
+  ASSERT_EQ(png_compressed.warnings.size(), 1u);
+  EXPECT_FALSE(png_compressed.output_compression.has_value());
+  EXPECT_EQ(png_compressed.warnings[0],
+            "'output_compression' was ignored: it applies to output_format \"jpeg\" only (PNG is lossless)");
+
+  EXPECT_EQ(refusal(R"({"prompt": "a", "stream": true})"),
+            std::make_pair(400, std::string("'stream' true is not supported: this server answers with the finished "
+                                            "images only (no server-sent events or partial images); leave 'stream' "
+                                            "out or send false")));
+  EXPECT_EQ(refusal(R"({"prompt": "a", "stream": "yes"})").second, "'stream' must be a boolean, got string");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "background": "transparent"})").second,
+            "'background' \"transparent\" is not supported: this pipeline's images have no alpha channel; send "
+            "\"opaque\" or \"auto\"");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "background": "white"})").second,
+            "'background' must be \"transparent\", \"opaque\" or \"auto\", got \"white\"");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "webp"})").second,
+            "'output_format' \"webp\" is not supported: send \"png\" or \"jpeg\"");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "gif"})").second,
+            "'output_format' must be \"png\" or \"jpeg\", got \"gif\"");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "jpeg", "output_compression": 101})").second,
+            "'output_compression' must be between 0 and 100, got 101");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "output_compression": "high"})").second,
+            "'output_compression' must be an integer, got string");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "quality": 3})").second, "'quality' must be a string, got integer");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "partial_images": 4})").second,
+            "'partial_images' must be between 0 and 3, got 4");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "user": null})").second, "'user' must be a string, got null");
+  // mask is an edits field; what is not OpenAI's stays unknown.
+  EXPECT_EQ(refusal(R"({"prompt": "a", "mask": "x"})").second.rfind("unknown field \"mask\" (fields: ", 0), 0u);
+  EXPECT_EQ(refusal(R"({"prompt": "a", "steps": 4})").second.rfind("unknown field \"steps\" (fields: ", 0), 0u);
+}
+
+// output_format "jpeg": the answer's image is a JPEG (by its signature) of the same pixels, to
+// within JPEG's loss; "png" stays the lossless PNG.
+TEST(ServingApi, EncodesTheAnswersImageInItsOutputFormat) {
+  const at::Tensor pixels =
+      at::arange(32 * 48 * 3, at::kInt).remainder(251).to(at::kByte).reshape({32, 48, 3});
+  ImageRequest request;
+  EXPECT_TRUE(shardit::io::decode_image(request.encode_image(pixels, {})).equal(pixels));
+  request.output_format = "jpeg";
+  const std::string jpeg = request.encode_image(pixels, {{"prompt", "a"}});
+  EXPECT_EQ(shardit::io::sniff_image_format(jpeg.substr(0, 8)), "jpeg");
+  const at::Tensor decoded = shardit::io::decode_image(jpeg);
+  EXPECT_EQ(decoded.sizes(), pixels.sizes());
+  request.output_compression = 10;
+  EXPECT_LT(request.encode_image(pixels, {}).size(), jpeg.size());
+  EXPECT_THROW(shardit::io::encode_jpeg(at::zeros({4, 4}, at::kByte), 90), c10::Error);
 }
 
 }  // namespace

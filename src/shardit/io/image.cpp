@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <csetjmp>
+#include <cstdlib>
 #include <cstring>
 
 #include "shardit/io/file.h"
@@ -153,6 +154,30 @@ std::pair<int64_t, int64_t> decode_any(const std::string& bytes, const std::stri
   return checked_format(bytes, what) == "png" ? decode_png(bytes, what, pixels) : decode_jpeg(bytes, what, pixels);
 }
 
+/// libjpeg's part of an encode, with only plain locals across its setjmp; false on an error
+/// (errors->message says why). `*out` is malloc'ed by libjpeg, freed by the caller.
+bool encode_jpeg_rows(jpeg_compress_struct* cinfo, JpegErrors* errors, const at::Tensor* pixels, int quality,
+                      unsigned char** out, unsigned long* out_size) {
+  if (setjmp(errors->jump)) return false;
+  jpeg_create_compress(cinfo);
+  jpeg_mem_dest(cinfo, out, out_size);
+  cinfo->image_height = static_cast<JDIMENSION>(pixels->size(0));
+  cinfo->image_width = static_cast<JDIMENSION>(pixels->size(1));
+  cinfo->input_components = 3;
+  cinfo->in_color_space = JCS_RGB;
+  jpeg_set_defaults(cinfo);
+  jpeg_set_quality(cinfo, quality, TRUE);
+  jpeg_start_compress(cinfo, TRUE);
+  const auto* data = pixels->data_ptr<uint8_t>();
+  const size_t row_bytes = static_cast<size_t>(cinfo->image_width) * 3;
+  while (cinfo->next_scanline < cinfo->image_height) {
+    auto* row = const_cast<JSAMPLE*>(data + cinfo->next_scanline * row_bytes);
+    jpeg_write_scanlines(cinfo, &row, 1);
+  }
+  jpeg_finish_compress(cinfo);
+  return true;
+}
+
 }  // namespace
 
 std::string sniff_image_format(const std::string& head) {
@@ -176,6 +201,27 @@ at::Tensor read_image(const std::string& path) {
 
 std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what) {
   return decode_any(bytes, what, nullptr);
+}
+
+std::string encode_jpeg(const at::Tensor& pixels, int quality, const std::string& what) {
+  TORCH_CHECK(pixels.dim() == 3 && pixels.size(2) == 3 && pixels.scalar_type() == at::kByte, what,
+              ": a JPEG is written from uint8 [H, W, 3] pixels, got ", pixels.scalar_type(), " ", pixels.sizes());
+  TORCH_CHECK(quality >= 0 && quality <= 100, what, ": JPEG quality must be between 0 and 100, got ", quality);
+  const at::Tensor contiguous = pixels.contiguous();
+  jpeg_compress_struct cinfo;
+  JpegErrors errors;
+  std::memset(&cinfo, 0, sizeof(cinfo));
+  cinfo.err = jpeg_std_error(&errors.manager);
+  errors.manager.error_exit = on_jpeg_error;
+  errors.message[0] = '\0';
+  unsigned char* out = nullptr;
+  unsigned long out_size = 0;
+  const bool ok = encode_jpeg_rows(&cinfo, &errors, &contiguous, quality, &out, &out_size);
+  jpeg_destroy_compress(&cinfo);
+  std::string bytes = ok && out ? std::string(reinterpret_cast<const char*>(out), out_size) : std::string();
+  std::free(out);
+  TORCH_CHECK(ok, what, ": writing the JPEG failed: ", errors.message);
+  return bytes;
 }
 
 }  // namespace shardit::io

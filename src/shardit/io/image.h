@@ -2,7 +2,8 @@
 // Input images: PNG (libpng) and JPEG (libjpeg-turbo) files or bytes decoded to 8-bit RGB, as
 // Pillow's Image.open(...).convert("RGB") gives them (grey replicated, palettes expanded, alpha
 // dropped without compositing, 16-bit samples reduced to 8 bits). The declared size is checked
-// against kMaxImageSide from the header, before any pixel buffer is allocated.
+// against kMaxImageSide from the header, before any pixel buffer is allocated. Also JPEG output
+// (the server's output_format "jpeg").
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -32,5 +33,10 @@ constexpr int64_t kMaxInputImageFileBytes = int64_t{512} << 20;
 /// {height, width} from the header of a PNG or JPEG in `bytes`, checked as decode_image checks
 /// it, without decoding the pixels.
 std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what = "image");
+
+/// `pixels` (uint8 [H, W, 3]) encoded as a baseline JPEG in memory at libjpeg's `quality` (0 to
+/// 100, as Pillow's quality; 4:2:0 chroma subsampling, libjpeg's defaults). `what` names the
+/// image in errors. PNG output is io/png.h's encode_png.
+std::string encode_jpeg(const at::Tensor& pixels, int quality, const std::string& what = "image");
 
 }  // namespace shardit::io

@@ -12,6 +12,7 @@
 #include "shardit/core/error.h"
 #include "shardit/io/image.h"
 #include "shardit/io/json.h"
+#include "shardit/io/png.h"
 #include "shardit/serving/base64.h"
 #include "shardit/tokenizers/unicode.h"
 
@@ -195,6 +196,92 @@ std::vector<LoraChoice> lora_field(const json& value, const RequestLimits& limit
   return choices;
 }
 
+/// An OpenAI request field that changes nothing here: accepted when of OpenAI's type, answered
+/// with a warning saying why.
+struct IgnoredField {
+  const char* name;
+  const char* why;
+};
+
+const std::vector<IgnoredField>& ignored_fields() {
+  static const std::vector<IgnoredField> fields = {
+      {"quality", "the quality follows num_inference_steps and guidance_scale"},
+      {"style", "there is no style setting; describe the style in the prompt"},
+      {"moderation", "this server does not moderate"},
+      {"input_fidelity", "reference images are followed as the pipeline follows them"},
+      {"partial_images", "partial images are only sent while streaming, which is not served"},
+      {"mask", "masks are not supported; the whole image is edited"},
+      {"user", "end-user ids are not recorded"},
+  };
+  return fields;
+}
+
+/// OpenAI's optional fields take null for "not given"; shardit's own and `user` and `mask` do not.
+bool given(const json& document, const std::string& field) {
+  if (!document.contains(field)) return false;
+  const bool nullable = field != "user" && field != "mask";
+  return !(nullable && document[field].is_null());
+}
+
+/// OpenAI's fields beyond shardit's own: output_format and output_compression into `request`;
+/// stream and a transparent background refused (neither is served); the others type-checked
+/// and noted in request.warnings.
+void read_openai_fields(const json& document, ImageRequest& request) {
+  if (given(document, "stream") && !document["stream"].is_boolean()) {
+    throw bad_type("stream", "a boolean", document["stream"]);
+  }
+  if (given(document, "stream") && document["stream"].get<bool>()) {
+    throw ApiError(400,
+                   "'stream' true is not supported: this server answers with the finished images only (no "
+                   "server-sent events or partial images); leave 'stream' out or send false",
+                   "stream");
+  }
+  if (given(document, "background")) {
+    const std::string background = string_field(document["background"], "background");
+    if (background == "transparent") {
+      throw ApiError(400,
+                     "'background' \"transparent\" is not supported: this pipeline's images have no alpha "
+                     "channel; send \"opaque\" or \"auto\"",
+                     "background");
+    }
+    if (background != "opaque" && background != "auto") {
+      throw ApiError(400, fmt::format("'background' must be \"transparent\", \"opaque\" or \"auto\", got {}",
+                                      io::quoted(background)),
+                     "background");
+    }
+  }
+  if (given(document, "output_format")) {
+    request.output_format = string_field(document["output_format"], "output_format");
+    if (request.output_format == "webp") {
+      throw ApiError(400, "'output_format' \"webp\" is not supported: send \"png\" or \"jpeg\"", "output_format");
+    }
+    if (request.output_format != "png" && request.output_format != "jpeg") {
+      throw ApiError(400, fmt::format("'output_format' must be \"png\" or \"jpeg\", got {}",
+                                      io::quoted(request.output_format)),
+                     "output_format");
+    }
+  }
+  if (given(document, "output_compression")) {
+    const int64_t compression = integer_field(document["output_compression"], "output_compression", 0, 100);
+    if (request.output_format == "jpeg") {
+      request.output_compression = compression;
+    } else {
+      request.warnings.push_back("'output_compression' was ignored: it applies to output_format \"jpeg\" only "
+                                 "(PNG is lossless)");
+    }
+  }
+  for (const IgnoredField& field : ignored_fields()) {
+    if (!given(document, field.name)) continue;
+    const json& value = document[field.name];
+    if (std::string(field.name) == "partial_images") {
+      integer_field(value, field.name, 0, 3);
+    } else {
+      string_field(value, field.name);
+    }
+    request.warnings.push_back(fmt::format("'{}' was ignored: {}", field.name, field.why));
+  }
+}
+
 uint64_t random_seed() {
   static std::mutex mutex;
   static std::mt19937_64 engine{std::random_device{}()};
@@ -229,10 +316,14 @@ const std::vector<std::string>& request_fields(ImageEndpoint endpoint) {
   static const std::vector<std::string> fields = {
       "prompt",         "model",          "n",          "size",           "response_format",
       "seed",           "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-      "cache",          "lora",           "user"};
+      "cache",          "lora",           "user",
+      // OpenAI's, beyond the above (docs/serving.md says what each does here).
+      "background",     "moderation",     "output_compression", "output_format", "partial_images",
+      "quality",        "stream",         "style",          "input_fidelity"};
   static const std::vector<std::string> edit_fields = [] {
     std::vector<std::string> all = {"image"};
     all.insert(all.end(), fields.begin(), fields.end());
+    all.push_back("mask");
     return all;
   }();
   return endpoint == ImageEndpoint::Edits ? edit_fields : fields;
@@ -355,7 +446,7 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
     }
   }
   if (document.contains("lora")) request.lora = lora_field(document["lora"], limits);
-  if (document.contains("user")) string_field(document["user"], "user");
+  read_openai_fields(document, request);
   if (endpoint == ImageEndpoint::Edits) {
     if (!document.contains("image")) {
       throw ApiError(400, "'image' is required: the image(s) to edit, base64 PNG or JPEG", "image");
@@ -372,6 +463,16 @@ void check_with_pipeline(const ImageRequest& request, const pipelines::Diffusion
     throw ApiError(400, error_message(e));
   }
 }
+
+std::string ImageRequest::encode_image(const at::Tensor& pixels,
+                                       const std::vector<std::pair<std::string, std::string>>& png_text) const {
+  if (output_format == "jpeg") {
+    return io::encode_jpeg(pixels, static_cast<int>(output_compression.value_or(kDefaultJpegQuality)));
+  }
+  return io::encode_png(pixels, png_text);
+}
+
+std::string ImageRequest::file_extension() const { return output_format == "jpeg" ? "jpg" : "png"; }
 
 pipelines::GenerateRequest ImageRequest::to_generate() const {
   pipelines::GenerateRequest request;
@@ -414,6 +515,8 @@ nlohmann::json ImageRequest::to_json() const {
     out["images"] = encoded;
   }
   out["lora"] = lora_json(lora);
+  if (output_format != "png") out["output_format"] = output_format;
+  if (output_compression) out["output_compression"] = *output_compression;
   return out;
 }
 
@@ -426,7 +529,7 @@ json lora_json(const std::vector<LoraChoice>& lora) {
 std::string ImageRequest::batch_key() const {
   if (!images.empty() || cache) return "";
   json key = to_json();
-  for (const char* own : {"prompt", "seed", "response_format"}) key.erase(own);
+  for (const char* own : {"prompt", "seed", "response_format", "output_format", "output_compression"}) key.erase(own);
   // Whether there is a negative prompt decides CFG; its text is the request's own.
   key["negative_prompt"] = negative_prompt.has_value();
   return key.dump();
@@ -450,6 +553,8 @@ ImageRequest ImageRequest::from_json(const nlohmann::json& json) {
   if (json.contains("images")) {
     for (const auto& encoded : json["images"]) request.images.push_back(base64_decode(encoded.get<std::string>()).value());
   }
+  if (json.contains("output_format")) request.output_format = json["output_format"].get<std::string>();
+  if (json.contains("output_compression")) request.output_compression = json["output_compression"].get<int64_t>();
   for (const auto& choice : json.at("lora")) {
     request.lora.push_back({choice.at("name").get<std::string>(), choice.at("scale").get<double>()});
   }

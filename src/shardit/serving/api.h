@@ -63,6 +63,10 @@ struct RequestLimits {
   bool lora_fused = false;
 };
 
+/// The JPEG quality of output_format "jpeg" when the request gives no output_compression
+/// (OpenAI's default, 100).
+constexpr int64_t kDefaultJpegQuality = 100;
+
 /// One POST /v1/images/generations request, checked. `seed` is always set (drawn by the server
 /// when the client gave none), so every rank runs the same generation.
 struct ImageRequest {
@@ -72,6 +76,13 @@ struct ImageRequest {
   std::optional<int64_t> width;
   std::optional<int64_t> height;
   std::string response_format = "b64_json";
+  /// The answer's image files: "png" or "jpeg" (OpenAI's output_format).
+  std::string output_format = "png";
+  /// The JPEG quality (OpenAI's output_compression, 0 to 100); none: kDefaultJpegQuality.
+  std::optional<int64_t> output_compression;
+  /// Why OpenAI fields the request gave change nothing here, one note each, for the answer's
+  /// "warnings". Only where the request was parsed (not in to_json).
+  std::vector<std::string> warnings;
   uint64_t seed = 0;
   std::optional<int64_t> num_inference_steps;
   std::optional<double> guidance_scale;
@@ -96,6 +107,12 @@ struct ImageRequest {
   /// but the prompt, the negative prompt's text, the seed and the answer's format. Empty when it
   /// runs alone: with reference images, or with a step cache (which decides for a whole batch).
   std::string batch_key() const;
+  /// The answer's image `pixels` (uint8 [H, W, 3]) in output_format: a PNG with `png_text` chunks,
+  /// or a JPEG at output_compression.
+  std::string encode_image(const at::Tensor& pixels,
+                           const std::vector<std::pair<std::string, std::string>>& png_text) const;
+  /// The file name extension of output_format: "png" or "jpg".
+  std::string file_extension() const;
   /// The pipeline call (no progress display, no notes on stderr).
   pipelines::GenerateRequest to_generate() const;
   /// As the control plane sends it to the other ranks.
@@ -108,7 +125,8 @@ struct ImageRequest {
 enum class ImageEndpoint { Generations, Edits };
 
 /// Parses and checks a request body (throws ApiError naming the field): a JSON object of the
-/// known fields with the right types and ranges, the `model` (when given) equal to `model_id`.
+/// known fields (shardit's and OpenAI's, null standing for absent in OpenAI's optional ones)
+/// with the right types and ranges, the `model` (when given) equal to `model_id`.
 /// `seed` is drawn when absent. Edits also need `image`: one image or an array of up to
 /// pipelines::kMaxReferenceImages, each base64 (or a data: URL) of a PNG or JPEG that decodes
 /// within io::kMaxInputImageSide. Checks against the pipeline itself are check_with_pipeline's.

@@ -33,15 +33,15 @@ std::string client_note(const std::string& note) {
 
 json JobOutcome::to_json() const {
   json encoded = json::array();
-  for (const std::string& png : pngs) encoded.push_back(base64_encode(png));
-  return {{"kind", static_cast<int>(kind)}, {"pngs", encoded}, {"width", width}, {"height", height},
+  for (const std::string& image : images) encoded.push_back(base64_encode(image));
+  return {{"kind", static_cast<int>(kind)}, {"images", encoded}, {"width", width}, {"height", height},
           {"steps", steps}, {"warnings", warnings}, {"failure", failure}};
 }
 
 JobOutcome JobOutcome::from_json(const json& in) {
   JobOutcome out;
   out.kind = static_cast<Kind>(in.at("kind").get<int>());
-  for (const auto& png : in.at("pngs")) out.pngs.push_back(base64_decode(png.get<std::string>()).value());
+  for (const auto& image : in.at("images")) out.images.push_back(base64_decode(image.get<std::string>()).value());
   out.width = in.at("width").get<int64_t>();
   out.height = in.at("height").get<int64_t>();
   out.steps = in.at("steps").get<int64_t>();
@@ -171,7 +171,7 @@ void ReplicaGenerations::use_lora(const std::vector<LoraChoice>& lora) {
 }
 
 // Each request's outcome from the generation's `results` (`failure`: why the generation failed;
-// empty when it did not): its images encoded as PNGs with their notes and the run's
+// empty when it did not): its images encoded in the request's output_format with their notes and the run's
 // `shared_warnings`, or cancelled, or failed.
 std::vector<JobOutcome> ReplicaGenerations::outcomes(
     const std::vector<ImageRequest>& requests, const std::vector<JobLink>& links,
@@ -197,7 +197,7 @@ std::vector<JobOutcome> ReplicaGenerations::outcomes(
           {"model", options_.model_id},
           {"Software", "shardit"}};
       for (int64_t k = 0; k < result.image.size(0); ++k) {
-        out.pngs.push_back(io::encode_png(io::to_uint8_pixels(result.image[k]), text));
+        out.images.push_back(requests[i].encode_image(io::to_uint8_pixels(result.image[k]), text));
       }
     } catch (const std::exception& e) {
       out.failure = "encoding the images failed: " + error_message(e);

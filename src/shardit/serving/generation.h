@@ -2,7 +2,7 @@
 // Generations on one replica of a served pipeline, collective over the replica's ranks: its first
 // rank sends each request over the control plane (control.h) and runs it beside the others, which
 // follow its messages; after every step the first rank tells every rank whether the generation
-// is cancelled. What the first rank gets is each request's outcome, its images as PNGs.
+// is cancelled. What the first rank gets is each request's outcome, its images as PNG or JPEG files.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -24,11 +24,11 @@ struct JobLink {
 };
 
 /// What became of one request of a generation, as a replica's first rank hands it to rank 0:
-/// its images as PNG files, or why there are none.
+/// its images as files in the request's output_format (PNG or JPEG), or why there are none.
 struct JobOutcome {
   enum class Kind { Images, Cancelled, Failed };
   Kind kind = Kind::Failed;
-  std::vector<std::string> pngs;
+  std::vector<std::string> images;
   int64_t width = 0;
   int64_t height = 0;
   int64_t steps = 0;

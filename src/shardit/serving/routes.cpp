@@ -78,9 +78,10 @@ void Routes::install(HttpServer& http) {
   http.Get("/metrics", [this, send](const httplib::Request&, httplib::Response& res) {
     send(res, {200, metrics_.render()}, "text/plain; version=0.0.4");
   });
-  http.Get(R"(/images/([A-Za-z0-9_-]+\.png))", [this, send](const httplib::Request& req, httplib::Response& res) {
+  http.Get(R"(/images/([A-Za-z0-9_-]+\.(png|jpg)))", [this, send](const httplib::Request& req, httplib::Response& res) {
     const Reply reply = image_file(req.matches[1].str());
-    send(res, reply, reply.status == 200 ? "image/png" : "application/json");
+    const char* type = req.matches[2].str() == "jpg" ? "image/jpeg" : "image/png";
+    send(res, reply, reply.status == 200 ? type : "application/json");
   });
   // Errors httplib answers itself (unknown path, body too large) get OpenAI's error body too.
   http.set_error_handler(httplib::Server::Handler([send](const httplib::Request& req, httplib::Response& res) {
