@@ -429,10 +429,13 @@ TEST(DistLauncher, RanksGetTheirTimeAfterASignalAndASecondOneKillsThem) {
     if (first) second = terminate_once_present({dir + "/alive.0", dir + "/alive.1"}, launch_ended);
   });
   const std::string hang = std::to_string(kHangSeconds);
+  // The rank's whole answer to the first signal is in its trap: a signal that comes before the
+  // shell reaches `wait` runs the trap at once, rather than leaving the rank waiting for its sleep.
   const int code = launch_captured(
       {"/bin/sh", "-c",
-       "trap 'echo \"rank $RANK got TERM\"' TERM; touch " + dir + "/ready.$RANK; sleep " + hang +
-           " & wait; sleep 2.5; touch " + dir + "/alive.$RANK; sleep " + hang + " & wait; echo \"rank $RANK was not killed\""},
+       "trap 'echo \"rank $RANK got TERM\"; sleep 2.5; touch " + dir + "/alive.$RANK; sleep " + hang +
+           " & wait; echo \"rank $RANK was not killed\"; exit 0' TERM; touch " + dir + "/ready.$RANK; sleep " + hang +
+           " & wait; echo \"rank $RANK got no signal\""},
       options, &out, &err);
   launch_ended = true;
   terminator.join();
