@@ -18,6 +18,7 @@
 
 #include "bench_support.h"
 #include "op_profile.h"
+#include "shardit/core/device.h"
 #include "shardit/core/dtype.h"
 #include "shardit/core/profile.h"
 #include "shardit/core/units.h"
@@ -225,6 +226,7 @@ void load_transformer(const BenchOptions& options, shardit::dist::World& world, 
   const shardit::parallel::ParallelDims& dims = bench.layout.dims;
   shardit::parallel::LoadOptions load;
   load.dtype = bench.dtype;
+  load.device = world.device();
   load.weights = shardit::nn::parse_weights_dtype(options.pipeline.weights_dtype);
   load.int8_compute = options.pipeline.int8_compute;
   if (dims.tp > 1) load.tensor_parallel = bench.layout.tensor_parallel();
@@ -253,7 +255,8 @@ MachineGemmRates measure_machine_gemm(shardit::dist::World& world, int64_t probe
                                       at::ScalarType dtype) {
   const auto machine_gemm_gflops = [&](at::ScalarType product_dtype) {
     world.group()->barrier();
-    at::Tensor sum = at::tensor({GemmRateProbe(probe_rows, inner, product_dtype).gflops()}, at::kDouble);
+    at::Tensor sum =
+        at::tensor({GemmRateProbe(probe_rows, inner, product_dtype, world.device()).gflops()}, at::kDouble);
     world.group()->all_reduce(sum);
     return sum.item<double>();
   };
@@ -383,7 +386,9 @@ TimedSteps run_timed_steps(const BenchOptions& options, shardit::dist::World& wo
   // timed in a slow stretch against a probe from a fast one, or the reverse, say nothing about the
   // engine.
   std::optional<GemmRateProbe> step_probe;
-  if (!options.profile && !options.op_profile) step_probe.emplace(probe_rows, model.config.inner_dim(), bench.dtype);
+  if (!options.profile && !options.op_profile) {
+    step_probe.emplace(probe_rows, model.config.inner_dim(), bench.dtype, world.device());
+  }
   for (int i = 0; i < options.repeats; ++i) {
     next_timestep();
     // Before the probe: it measures the product on the kernels of the step it precedes.
@@ -395,6 +400,7 @@ TimedSteps run_timed_steps(const BenchOptions& options, shardit::dist::World& wo
     world.group()->barrier();
     const auto start = Clock::now();
     at::Tensor sample = model.forward(inputs);
+    shardit::synchronize(world.device());  // a CUDA step has only been queued when forward returns
     timed.step_seconds.push_back(seconds_since(start));
     (last_forward_computed() ? timed.computed_seconds : timed.skipped_seconds).push_back(timed.step_seconds.back());
   }
@@ -519,6 +525,7 @@ void report_forward(const BenchOptions& options, shardit::dist::World& world, co
       {"ulysses_degree", dims.ulysses},
       {"ring_degree", dims.ring},
       {"threads_per_rank", at::get_num_threads()},
+      {"device", c10::str(world.device())},
       {"dtype", options.pipeline.dtype},
       {"weights_dtype", options.pipeline.weights_dtype},
       {"int8_compute", options.pipeline.int8_compute},

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "shardit/core/cpu_features.h"
+#include "shardit/core/device.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/nn/attention/bf16_kernels.h"
@@ -181,16 +182,18 @@ std::string prepare_model_folder(const BenchOptions& options, shardit::dist::Wor
 // ---------------------------------------------------------------------------------------------
 // The GEMM rate and the report
 
-GemmRateProbe::GemmRateProbe(int64_t rows, int64_t dim, at::ScalarType dtype)
-    : a_(at::randn({rows, dim}).to(dtype)), b_(at::randn({dim, dim}).to(dtype)) {}
+GemmRateProbe::GemmRateProbe(int64_t rows, int64_t dim, at::ScalarType dtype, at::Device device)
+    : a_(at::randn({rows, dim}).to(device, dtype)), b_(at::randn({dim, dim}).to(device, dtype)), device_(device) {}
 
 double GemmRateProbe::gflops() const {
   const double flop = 2.0 * a_.size(0) * a_.size(1) * b_.size(0);
   at::Tensor c = shardit::nn::linear(a_, b_);  // warm-up
+  shardit::synchronize(device_);
   std::vector<double> rates;
   for (int i = 0; i < 5; ++i) {
     const auto start = Clock::now();
     c = shardit::nn::linear(a_, b_);
+    shardit::synchronize(device_);
     rates.push_back(flop / seconds_since(start) / 1e9);
   }
   std::sort(rates.begin(), rates.end());

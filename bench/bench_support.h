@@ -78,15 +78,16 @@ std::string prepare_model_folder(const BenchOptions& options, shardit::dist::Wor
 
 /// GFLOP/s of a product in `dtype` shaped like the model's projections ([B·S, D] x [D, D]) on the
 /// kernel the model's Linears use for it (nn::linear: --gemm-backend), with this rank's threads:
-/// the median of five after a warm-up. The operands are made once, so measuring again between
-/// the timed steps allocates nothing new.
+/// the median of five after a warm-up, on `device` (each product waited for). The operands are
+/// made once, so measuring again between the timed steps allocates nothing new.
 class GemmRateProbe {
  public:
-  GemmRateProbe(int64_t rows, int64_t dim, at::ScalarType dtype);
+  GemmRateProbe(int64_t rows, int64_t dim, at::ScalarType dtype, at::Device device);
   double gflops() const;
 
  private:
   at::Tensor a_, b_;
+  at::Device device_;
 };
 
 /// The GEMM kernel selection, what auto measured, and the BLAS library's own kernel choice.

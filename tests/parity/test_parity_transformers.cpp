@@ -5,67 +5,25 @@
 // fp32-vs-fp64 spread is <= 2.3e-6 with the fp32 timestep recipe we follow).
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "shardit/io/model_folder.h"
-#include "shardit/io/safetensors.h"
 #include "shardit/models/registry.h"
-#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
+#include "support/transformer_case_checks.h"
 
 namespace shardit {
 namespace test_parity_transformers {
 namespace {
 
 using testing::golden_path;
-using testing::tensors_close;
-
-constexpr double kTol = 1e-4;
 
 class TransformerParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TransformerParity, SampleAndEveryIntermediateMatchDiffusers) {
-  const std::string dir = golden_path(GetParam());
-  const io::ComponentFolder folder = io::open_component(dir, "transformer");
-  auto model = models::create_transformer(folder);
-  model->load(folder.weights(), {});
-
-  std::map<std::string, at::Tensor> recorded;
-  const auto inputs = io::SafetensorsFile::open(dir + "/inputs.safetensors");
-  // Recorded tensors may be reused in place by the model afterwards: keep copies.
-  at::Tensor sample;
-  {
-    const nn::ObserveForward observe(verify::golden_observer([&](const std::string& name, const at::Tensor& value) {
-      EXPECT_EQ(recorded.count(name), 0u) << "intermediate '" << name << "' recorded twice";
-      recorded[name] = value.clone();
-    }));
-    sample = verify::forward_from_file(*model, *inputs);
-  }
-  recorded["sample"] = sample;
-
-  const auto outputs = io::SafetensorsFile::open(dir + "/outputs.safetensors");
-  std::vector<std::string> compared;
-  for (const std::string& name : outputs->names()) {
-    auto it = recorded.find(name);
-    if (it == recorded.end()) {
-      ADD_FAILURE() << GetParam() << ": expected intermediate '" << name << "' was not produced";
-      continue;
-    }
-    const auto result = tensors_close(GetParam() + " " + name, it->second, outputs->read(name), kTol, kTol);
-    EXPECT_TRUE(result);
-    std::cout << "  compared " << result.message() << "\n";
-    compared.push_back(name);
-  }
-  std::cout << GetParam() << ": compared " << compared.size() << " of " << outputs->names().size()
-            << " golden tensors\n";
-  // The golden cases hold the sample plus the documented intermediates: a silent drop to only a
-  // few comparisons would hide regressions.
-  EXPECT_GE(compared.size(), 20u);
-  EXPECT_TRUE(std::find(compared.begin(), compared.end(), "sample") != compared.end());
+  testing::expect_sample_and_intermediates_match(GetParam(), parallel::LoadOptions{});
 }
 
 TEST_P(TransformerParity, ParametersAreExactlyTheCheckpointKeys) {
@@ -94,10 +52,7 @@ TEST_P(TransformerParity, ParametersAreExactlyTheCheckpointKeys) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, TransformerParity,
-                         ::testing::Values("flux_b1_square", "flux_b2_nonsquare", "flux_schnell_b2_nonsquare",
-                                           "flux2_b1_square", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
-                                           "qwenimage_b1_square", "qwenimage_b2_nonsquare"));
+INSTANTIATE_TEST_SUITE_P(Golden, TransformerParity, ::testing::ValuesIn(testing::golden_transformer_cases()));
 
 }  // namespace
 }  // namespace test_parity_transformers

@@ -134,8 +134,9 @@ std::string make_temp_dir(const std::string& tag) {
     return ::testing::AssertionFailure() << what << ": shape " << actual.sizes() << ", expected "
                                          << expected.sizes();
   }
-  const at::Tensor a = actual.to(at::kDouble).contiguous();
-  const at::Tensor b = expected.to(at::kDouble).contiguous();
+  // Compared on the CPU: either side may have been computed on another device.
+  const at::Tensor a = actual.to(at::kCPU, at::kDouble).contiguous();
+  const at::Tensor b = expected.to(at::kCPU, at::kDouble).contiguous();
   const at::Tensor diff = (a - b).abs();
   const at::Tensor limit = atol + rtol * b.abs();
   const at::Tensor bad = (diff > limit) | (a.isnan() != b.isnan());

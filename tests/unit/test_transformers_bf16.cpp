@@ -14,61 +14,29 @@
 //   qwenimage_b1_square        max 0.63e-2, rms 0.55e-2
 //   qwenimage_b2_nonsquare     max 0.62e-2, rms 0.55e-2
 // (reordering equivalent bf16 ops moves these by ~15%).
-// The bounds below (5e-2 and 4e-2) leave about 3x margin for other seeds and shapes while still
+// The bounds (5e-2 and 4e-2, support/transformer_case_checks.h) leave about 3x margin for other seeds and shapes while still
 // failing on a real error (a wrong modulation order, a dropped gate, a misplaced RoPE pair), which
 // moves the sample by O(1) relative.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <string>
 
-#include "shardit/io/model_folder.h"
-#include "shardit/io/safetensors.h"
-#include "shardit/models/registry.h"
 #include "shardit/nn/cpu/amx_gemm.h"
 #include "shardit/nn/gemm.h"
-#include "shardit/verify/transformer_case.h"
 #include "support/test_support.h"
+#include "support/transformer_case_checks.h"
 
 namespace shardit {
 namespace test_transformers_bf16 {
 namespace {
 
-constexpr double kMaxRelToPeak = 5e-2;
-constexpr double kRmsRel = 4e-2;
-
 class TransformerBf16 : public ::testing::TestWithParam<std::string> {};
 
-/// The bf16 model's sample on the golden inputs, checked against the fp32 golden; returned for more checks.
+/// The bf16 model's sample on the golden inputs, checked against the fp32 golden.
 at::Tensor sample_close_to_golden(const std::string& name) {
-  const std::string dir = testing::golden_path(name);
-  const io::ComponentFolder folder = io::open_component(dir, "transformer");
-  auto model = models::create_transformer(folder);
   parallel::LoadOptions options;
   options.dtype = at::kBFloat16;
-  model->load(folder.weights(), options);
-  for (const auto& parameter : model->named_parameters()) {
-    EXPECT_EQ(parameter.tensor->scalar_type(), at::kBFloat16) << parameter.name;
-  }
-
-  const at::Tensor sample =
-      verify::forward_from_file(*model, *io::SafetensorsFile::open(dir + "/inputs.safetensors"));
-  EXPECT_EQ(sample.scalar_type(), at::kBFloat16);
-
-  const at::Tensor expected = io::SafetensorsFile::open(dir + "/outputs.safetensors")->read("sample").to(at::kDouble);
-  EXPECT_EQ(sample.sizes(), expected.sizes());
-  if (sample.sizes() != expected.sizes()) return sample;
-  const at::Tensor diff = sample.to(at::kDouble) - expected;
-  const double peak = expected.abs().max().item<double>();
-  const double max_rel = diff.abs().max().item<double>() / peak;
-  const double rms_rel = std::sqrt(diff.pow(2).mean().item<double>() / expected.pow(2).mean().item<double>());
-  std::cout << name << " (gemm " << nn::gemm_backend_name(nn::gemm_backend_selection())
-            << "): bf16 vs fp32 golden: max |diff| / max |ref| = " << max_rel << ", relative rms = " << rms_rel << "\n";
-  EXPECT_LE(max_rel, kMaxRelToPeak);
-  EXPECT_LE(rms_rel, kRmsRel);
-  // And clearly not identical to fp32: the test would otherwise not be exercising bf16.
-  EXPECT_GT(rms_rel, 1e-5);
-  return sample;
+  return testing::expect_bf16_sample_close_to_golden(name, options);
 }
 
 TEST_P(TransformerBf16, StaysCloseToTheFp32Golden) { sample_close_to_golden(GetParam()); }
@@ -86,10 +54,7 @@ TEST_P(TransformerBf16, StaysCloseOnTheAmxKernel) {
   sample_close_to_golden(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, TransformerBf16,
-                         ::testing::Values("flux_b1_square", "flux_b2_nonsquare", "flux_schnell_b2_nonsquare",
-                                           "flux2_b1_square", "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare",
-                                           "qwenimage_b1_square", "qwenimage_b2_nonsquare"));
+INSTANTIATE_TEST_SUITE_P(Golden, TransformerBf16, ::testing::ValuesIn(testing::golden_transformer_cases()));
 
 }  // namespace
 }  // namespace test_transformers_bf16
