@@ -5,7 +5,8 @@ the yardstick shardit-bench forward is compared with (scripts/gpu_check.sh on a 
 on the CPU). Nothing of diffusers is patched: run it with a Python that has diffusers and torch.
 
   diffusers_flux_step.py [--device cuda|cpu] [--dtype bf16|fp32] [--double 19] [--single 38]
-                         [--img 4096] [--txt 512] [--threads N] [--warmup 1] [--repeat 3] [--json FILE]
+                         [--img 4096] [--txt 512] [--threads N] [--warmup 1] [--repeat 3]
+                         [--gemm-probe] [--json FILE]
 
 Weights are random (seeded), made directly on the device in the run's dtype. Prints one line and,
 with --json, writes the step times, the matmul FLOPs (the formula of shardit-bench: every Linear
@@ -13,6 +14,7 @@ plus the two attention products) and the versions."""
 import argparse
 import json
 import math
+import re
 import time
 
 import torch
@@ -29,6 +31,9 @@ def parse_args():
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gemm-probe", action="store_true",
+                   help="also measure torch's own product rate in the run's dtype ([1536, 3072] x [3072, 3072], "
+                        "best of 3, in this process): the yardstick of 'fraction of GEMM rate'")
     p.add_argument("--json", help="also write the result here")
     return p.parse_args()
 
@@ -39,6 +44,32 @@ def matmul_flops(double, single, image_tokens, text_tokens, width=3072):
     linear += single * (2 * tokens * width * 7 * width + 2 * tokens * 5 * width * width)
     attention = (double + single) * 2 * (2 * tokens * tokens * width)
     return linear + attention
+
+
+def product_rate(dtype, device, wait):
+    """GFLOP/s of torch's own matmul on a projection-shaped product, best of three after a warm-up."""
+    x = torch.randn(1536, 3072, dtype=dtype, device=device)
+    w = torch.randn(3072, 3072, dtype=dtype, device=device)
+    x @ w
+    wait()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        x @ w
+        wait()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1536 * 3072 * 3072 / best / 1e9
+
+
+def torch_kernels(device):
+    """What torch runs here: its CPU capability, oneDNN, the BLAS; or the GPU's SDPA back ends."""
+    if device.type == "cuda":
+        return {"flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
+                "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                "cudnn_sdp": getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: None)()}
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkldnn": torch.backends.mkldnn.is_available(), "blas": blas.group(1) if blas else "?", "threads": torch.get_num_threads()}
 
 
 def main():
@@ -61,6 +92,10 @@ def main():
     torch.set_default_dtype(previous_dtype)
     parameters = sum(p.numel() for p in model.parameters())
 
+    def wait():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     # [img, 3] position ids (0, row, column) and [txt, 3] zeros, as the pipeline makes them
     ids = torch.zeros(side, side, 3)
     ids[..., 1] = torch.arange(side)[:, None]
@@ -76,11 +111,8 @@ def main():
         return_dict=False,
     )
 
-    def wait():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     times = []
+    gemm_gflops = product_rate(dtype, device, wait) if a.gemm_probe else None
     with torch.no_grad():
         for _ in range(a.warmup):
             model(**inputs)
@@ -109,6 +141,9 @@ def main():
         "matmul_gflop_per_step": flops / 1e9,
         "achieved_gflops": flops / median / 1e9,
         "attention": "torch.nn.functional.scaled_dot_product_attention (diffusers' default processor)",
+        "kernels": torch_kernels(device),
+        "gemm_gflops": gemm_gflops,
+        "fraction_of_gemm_rate": flops / median / 1e9 / gemm_gflops if gemm_gflops else None,
     }
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
