@@ -181,12 +181,13 @@ TEST(ServingApi, StepCachePerRequestOverridesTheServersDefault) {
 
 // check_request_head's status for a request with `headers` (method, path as given).
 int head_status(const std::string& method, const std::string& path,
-                const std::vector<std::pair<std::string, std::string>>& headers, bool takes_body = true) {
+                const std::vector<std::pair<std::string, std::string>>& headers, bool takes_body = true,
+                bool takes_form = false) {
   httplib::Request request;
   request.method = method;
   request.path = path;
   for (const auto& [key, value] : headers) request.headers.emplace(key, value);
-  return shardit::serving::check_request_head(request, 1 << 20, takes_body).status;
+  return shardit::serving::check_request_head(request, 1 << 20, takes_body, takes_form).status;
 }
 
 TEST(ServingApi, RequestHeadsAreCheckedBeforeTheirBody) {
@@ -212,6 +213,18 @@ TEST(ServingApi, RequestHeadsAreCheckedBeforeTheirBody) {
   EXPECT_EQ(head_status(post, path, {{"Transfer-Encoding", "chunked"}, {"Content-Length", "5"}}), 400);
   EXPECT_EQ(head_status(post, path, {{"Content-Length", "5"}, {"Content-Type", "multipart/form-data; boundary=x"}}),
             415);
+  // A route that reads forms takes multipart/form-data with a boundary, and no other multipart.
+  const auto form_status = [&](const std::string& type) {
+    return head_status(post, "/v1/images/edits", {{"Content-Length", "5"}, {"Content-Type", type}}, true, true);
+  };
+  EXPECT_EQ(form_status("multipart/form-data; boundary=x"), 0);
+  EXPECT_EQ(form_status("Multipart/Form-Data; Boundary=\"a b\""), 0);
+  EXPECT_EQ(form_status("application/json"), 0);
+  EXPECT_EQ(form_status("multipart/form-data"), 400);
+  EXPECT_EQ(form_status("multipart/form-data; boundary="), 400);
+  EXPECT_EQ(form_status("multipart/form-data; boundary=" + std::string(71, 'a')), 400);
+  EXPECT_EQ(form_status("multipart/form-data; boundary=a; boundary=b"), 400);
+  EXPECT_EQ(form_status("multipart/mixed; boundary=x"), 415);
   EXPECT_EQ(head_status(post, "/v1/other", {{"Content-Length", "5"}}, false), 404);
   EXPECT_EQ(head_status("GET", "/health", {{"Transfer-Encoding", "chunked"}}, false), 400);
   EXPECT_EQ(head_status("GET", "/health", {{"Content-Length", "0"}}, false), 0);
@@ -260,12 +273,18 @@ TEST(ServingApi, OpenAiFieldsAreAcceptedWithWarningsOrRefusedByName) {
   EXPECT_EQ(copy.output_compression, 80);
   EXPECT_TRUE(copy.warnings.empty());
   EXPECT_EQ(copy.batch_key(), parse_image_request(R"({"prompt": "b", "size": "auto"})", {}, "tiny").batch_key());
-  // The mask of an edit is accepted and noted.
+  // The mask of an edit is refused by name: no served pipeline inpaints.
   const std::string png = base64_encode(shardit::io::encode_png(at::zeros({16, 16, 3}, at::kByte)));
-  const ImageRequest edit = parse_image_request(R"({"prompt": "a", "image": ")" + png + R"(", "mask": ")" + png + "\"}",
-                                                {}, "tiny", shardit::serving::ImageEndpoint::Edits);
-  ASSERT_EQ(edit.warnings.size(), 1u);
-  EXPECT_EQ(edit.warnings[0].rfind("'mask' was ignored: ", 0), 0u);
+  try {
+    parse_image_request(R"({"prompt": "a", "image": ")" + png + R"(", "mask": ")" + png + "\"}", {}, "tiny",
+                        shardit::serving::ImageEndpoint::Edits);
+    ADD_FAILURE() << "a mask was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_EQ(e.param(), "mask");
+    EXPECT_EQ(e.message().rfind("'mask' is not supported: no pipeline this server can serve inpaints", 0), 0u)
+        << e.message();
+  }
 
   // null stands for absent in OpenAI's optional fields; a plain request has no notes.
   const ImageRequest nulls = parse_image_request(

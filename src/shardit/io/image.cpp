@@ -133,6 +133,8 @@ std::string checked_format(const std::string& bytes, const std::string& what) {
   TORCH_CHECK(!bytes.empty(), what, ": the image is empty (0 bytes); expected a PNG or JPEG image");
   const std::string format = sniff_image_format(bytes.substr(0, 8));
   if (!format.empty()) return format;
+  TORCH_CHECK(!(bytes.size() >= 12 && bytes.compare(0, 4, "RIFF") == 0 && bytes.compare(8, 4, "WEBP") == 0), what,
+              ": a WebP image, which is not read here (no WebP decoder is built in); convert it to PNG or JPEG");
   // Say what it starts with: printable bytes as text, others as hex.
   std::string start;
   for (size_t i = 0; i < std::min<size_t>(bytes.size(), 8); ++i) {

@@ -14,6 +14,7 @@
 #include "shardit/io/json.h"
 #include "shardit/io/png.h"
 #include "shardit/serving/base64.h"
+#include "shardit/serving/multipart.h"
 #include "shardit/tokenizers/unicode.h"
 
 namespace shardit::serving {
@@ -114,18 +115,33 @@ std::string field_at_first_error(const std::string& body) {
   return locator.field;
 }
 
-/// The reference images of an edits request: `value` is one string or an array of them, each
-/// base64 of a PNG or JPEG, or a data: URL holding it, into `request` (bytes and pixels). Every
-/// image is decoded once, here, so a truncated or hostile file is a 400 before the request is
-/// queued, and rank 0 does not decode it again.
-void read_images(const json& value, ImageRequest& request) {
-  const json list = value.is_array() ? value : json::array({value});
-  if (list.empty()) throw ApiError(400, "'image' must hold at least one image", "image");
-  if (static_cast<int64_t>(list.size()) > pipelines::kMaxReferenceImages) {
-    throw ApiError(400, fmt::format("'image' holds {} images; at most {} are accepted", list.size(),
+/// An edits request's count of reference images, checked before any is read.
+void check_image_count(size_t count) {
+  if (count == 0) throw ApiError(400, "'image' must hold at least one image", "image");
+  if (static_cast<int64_t>(count) > pipelines::kMaxReferenceImages) {
+    throw ApiError(400, fmt::format("'image' holds {} images; at most {} are accepted", count,
                                     pipelines::kMaxReferenceImages),
                    "image");
   }
+}
+
+/// One reference image's file (`field` names it in messages) into `request`, bytes and pixels.
+/// Every image is decoded once, here, so a truncated or hostile file is a 400 before the request
+/// is queued, and rank 0 does not decode it again.
+void add_image(const std::string& field, std::string bytes, ImageRequest& request) {
+  try {
+    request.pixels.push_back(io::decode_image(bytes, "'" + field + "'"));
+  } catch (const std::exception& e) {
+    throw ApiError(400, error_message(e), "image");
+  }
+  request.images.push_back(std::move(bytes));
+}
+
+/// The reference images of an edits request's JSON: `value` is one string or an array of them,
+/// each base64 of a PNG or JPEG, or a data: URL holding it.
+void read_images(const json& value, ImageRequest& request) {
+  const json list = value.is_array() ? value : json::array({value});
+  check_image_count(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string field = value.is_array() ? fmt::format("image[{}]", i) : std::string("image");
     std::string text = string_field(list[i], field);
@@ -139,12 +155,7 @@ void read_images(const json& value, ImageRequest& request) {
     }
     std::optional<std::string> bytes = base64_decode(text);
     if (!bytes) throw ApiError(400, fmt::format("'{}' is not base64 (standard alphabet, padded)", field), "image");
-    try {
-      request.pixels.push_back(io::decode_image(*bytes, "'" + field + "'"));
-    } catch (const std::exception& e) {
-      throw ApiError(400, error_message(e), "image");
-    }
-    request.images.push_back(std::move(*bytes));
+    add_image(field, std::move(*bytes), request);
   }
 }
 
@@ -210,7 +221,6 @@ const std::vector<IgnoredField>& ignored_fields() {
       {"moderation", "this server does not moderate"},
       {"input_fidelity", "reference images are followed as the pipeline follows them"},
       {"partial_images", "partial images are only sent while streaming, which is not served"},
-      {"mask", "masks are not supported; the whole image is edited"},
       {"user", "end-user ids are not recorded"},
   };
   return fields;
@@ -224,9 +234,17 @@ bool given(const json& document, const std::string& field) {
 }
 
 /// OpenAI's fields beyond shardit's own: output_format and output_compression into `request`;
-/// stream and a transparent background refused (neither is served); the others type-checked
-/// and noted in request.warnings.
+/// stream, a mask and a transparent background refused (none is served); the others
+/// type-checked and noted in request.warnings.
 void read_openai_fields(const json& document, ImageRequest& request) {
+  if (given(document, "mask")) {
+    throw ApiError(400,
+                   "'mask' is not supported: no pipeline this server can serve inpaints (FluxPipeline, "
+                   "FluxKontextPipeline, Flux2KleinPipeline, Flux2Pipeline and QwenImagePipeline edit the whole "
+                   "image; inpainting pipelines such as diffusers' FluxFillPipeline or FluxInpaintPipeline would "
+                   "take a mask, and none is served); leave 'mask' out and say the change in the prompt",
+                   "mask");
+  }
   if (given(document, "stream") && !document["stream"].is_boolean()) {
     throw bad_type("stream", "a boolean", document["stream"]);
   }
@@ -329,32 +347,23 @@ const std::vector<std::string>& request_fields(ImageEndpoint endpoint) {
   return endpoint == ImageEndpoint::Edits ? edit_fields : fields;
 }
 
-ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
-                                 ImageEndpoint endpoint) {
-  json document;
-  try {
-    document = io::parse_json(body.data(), body.size(), "the request body");
-  } catch (const std::exception& e) {
-    bool invalid_utf8 = false;
-    tokenizers::sanitize_utf8(body, &invalid_utf8);
-    if (invalid_utf8) {
-      const std::string field = field_at_first_error(body);
-      throw ApiError(400,
-                     field.empty() ? "the request body is not valid UTF-8 (in a field name); send text as UTF-8"
-                                   : fmt::format("'{}' is not valid UTF-8; send text as UTF-8", field),
-                     field);
-    }
-    throw ApiError(400, "the request body is not valid JSON: " + error_message(e));
-  }
-  if (!document.is_object()) {
-    throw ApiError(400, "the request body must be a JSON object, got " + type_name(document));
-  }
+namespace {
+
+ApiError unknown_field(const std::string& key, ImageEndpoint endpoint) {
+  const auto& fields = request_fields(endpoint);
+  return ApiError(400, fmt::format("unknown field {} (fields: {})", io::quoted(key), fmt::join(fields, ", ")), key);
+}
+
+/// The checks of a request on its fields as a JSON object, whichever form the body had: the
+/// fields known at `endpoint`, their types and ranges, the model. An edits request's images are
+/// the document's "image" (base64), or `files` (field name and file bytes) where the body was a
+/// form.
+ImageRequest request_from_document(const json& document, const RequestLimits& limits, const std::string& model_id,
+                                   ImageEndpoint endpoint,
+                                   std::vector<std::pair<std::string, std::string>>* files) {
   const auto& fields = request_fields(endpoint);
   for (const auto& [key, value] : document.items()) {
-    if (std::find(fields.begin(), fields.end(), key) == fields.end()) {
-      throw ApiError(400,
-                     fmt::format("unknown field {} (fields: {})", io::quoted(key), fmt::join(fields, ", ")), key);
-    }
+    if (std::find(fields.begin(), fields.end(), key) == fields.end()) throw unknown_field(key, endpoint);
   }
   ImageRequest request;
   request.max_sequence_length = limits.max_sequence_length;
@@ -447,13 +456,121 @@ ImageRequest parse_image_request(const std::string& body, const RequestLimits& l
   }
   if (document.contains("lora")) request.lora = lora_field(document["lora"], limits);
   read_openai_fields(document, request);
-  if (endpoint == ImageEndpoint::Edits) {
+  if (endpoint == ImageEndpoint::Edits && files != nullptr) {
+    check_image_count(files->size());
+    for (auto& [field, bytes] : *files) add_image(field, std::move(bytes), request);
+  } else if (endpoint == ImageEndpoint::Edits) {
     if (!document.contains("image")) {
       throw ApiError(400, "'image' is required: the image(s) to edit, base64 PNG or JPEG", "image");
     }
     read_images(document["image"], request);
   }
   return request;
+}
+
+}  // namespace
+
+ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
+                                 ImageEndpoint endpoint) {
+  json document;
+  try {
+    document = io::parse_json(body.data(), body.size(), "the request body");
+  } catch (const std::exception& e) {
+    bool invalid_utf8 = false;
+    tokenizers::sanitize_utf8(body, &invalid_utf8);
+    if (invalid_utf8) {
+      const std::string field = field_at_first_error(body);
+      throw ApiError(400,
+                     field.empty() ? "the request body is not valid UTF-8 (in a field name); send text as UTF-8"
+                                   : fmt::format("'{}' is not valid UTF-8; send text as UTF-8", field),
+                     field);
+    }
+    throw ApiError(400, "the request body is not valid JSON: " + error_message(e));
+  }
+  if (!document.is_object()) {
+    throw ApiError(400, "the request body must be a JSON object, got " + type_name(document));
+  }
+  return request_from_document(document, limits, model_id, endpoint, nullptr);
+}
+
+namespace {
+
+/// Whether a form field's value is read as JSON (a number, a boolean, an object or an array, as
+/// the JSON body gives them); every other field's value is its text. A value that is not JSON
+/// stays text, so that the checks name its type as for a JSON body ("'n' must be an integer,
+/// got string").
+bool form_value_is_json(const std::string& field) {
+  static const std::vector<std::string> fields = {"n",     "seed", "num_inference_steps", "guidance_scale",
+                                                  "true_cfg_scale", "cache", "lora", "output_compression",
+                                                  "partial_images", "stream"};
+  return std::find(fields.begin(), fields.end(), field) != fields.end();
+}
+
+}  // namespace
+
+ImageRequest parse_image_form(const std::vector<FormPart>& parts, const RequestLimits& limits,
+                              const std::string& model_id) {
+  json document = json::object();
+  std::vector<std::pair<std::string, std::string>> files;
+  std::string images_as;  // "image" or "image[]", as the first image part named it
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const FormPart& part = parts[i];
+    if (part.name == "image" || part.name == "image[]") {
+      if (!images_as.empty() && (images_as != part.name || part.name == "image")) {
+        throw ApiError(400,
+                       fmt::format("{} is a second image part beside {}: send one image as 'image', or one or "
+                                   "more as 'image[]', each once",
+                                   part.label(i), io::quoted(images_as)),
+                       "image");
+      }
+      images_as = part.name;
+      check_image_count(files.size() + 1);
+      files.emplace_back(part.name == "image" ? "image" : fmt::format("image[{}]", files.size()),
+                         std::string(part.data));
+      continue;
+    }
+    const auto& fields = request_fields(ImageEndpoint::Edits);
+    if (std::find(fields.begin(), fields.end(), part.name) == fields.end()) {
+      throw unknown_field(part.name, ImageEndpoint::Edits);
+    }
+    if (document.contains(part.name)) {
+      throw ApiError(400, fmt::format("'{}' is given twice ({} repeats it); give each field once", part.name,
+                                      part.label(i)),
+                     part.name);
+    }
+    if (part.name == "mask") {
+      document["mask"] = "";  // a file: refused by name with the request's other checks
+      continue;
+    }
+    if (part.is_file()) {
+      throw ApiError(400,
+                     fmt::format("'{}' must be a text field, got a file ({}{}{}); send its value as a form field",
+                                 part.name, part.label(i), part.filename ? ", file name " + io::quoted(*part.filename) : "",
+                                 part.content_type.empty() ? "" : ", Content-Type " + part.content_type),
+                     part.name);
+    }
+    const std::string text(part.data);
+    bool invalid_utf8 = false;
+    tokenizers::sanitize_utf8(text, &invalid_utf8);
+    if (invalid_utf8) {
+      throw ApiError(400, fmt::format("'{}' is not valid UTF-8; send text as UTF-8", part.name), part.name);
+    }
+    json value = text;
+    if (form_value_is_json(part.name)) {
+      try {
+        value = io::parse_json(text.data(), text.size(), "'" + part.name + "'");
+      } catch (const std::exception&) {
+        // Not JSON: its text, whose type the checks refuse by name.
+      }
+    }
+    document[part.name] = std::move(value);
+  }
+  if (files.empty()) {
+    throw ApiError(400, "'image' is required: the image(s) to edit, as file parts named 'image' or 'image[]' (PNG "
+                        "or JPEG)",
+                   "image");
+  }
+  return request_from_document(document, limits, model_id, ImageEndpoint::Edits, &files);
 }
 
 void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline) {

@@ -133,6 +133,19 @@ enum class ImageEndpoint { Generations, Edits };
 ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
                                  ImageEndpoint endpoint = ImageEndpoint::Generations);
 
+struct FormPart;
+
+/// Parses and checks an edits request sent as multipart/form-data (its parts: parse_multipart),
+/// as OpenAI's clients send it: the images as file parts `image` (one) or `image[]` (1 to
+/// pipelines::kMaxReferenceImages), every other field of the JSON body as a text part, each once.
+/// A field whose JSON value is a number, a boolean, an object or an array (n, seed, stream, lora,
+/// cache, ...) is read from its text as JSON; the request then goes through the JSON body's checks
+/// (parse_image_request's), so a form is refused where the same JSON body is, with the same
+/// message. A file part where a text field belongs, a field given twice and text that is not
+/// UTF-8 are refused (ApiError 400 naming the field).
+ImageRequest parse_image_form(const std::vector<FormPart>& parts, const RequestLimits& limits,
+                              const std::string& model_id);
+
 /// The request checked by the pipeline's own check() (what `shardit generate` refuses), as an
 /// ApiError 400 with the pipeline's message.
 void check_with_pipeline(const ImageRequest& request, const pipelines::DiffusionPipeline& pipeline);

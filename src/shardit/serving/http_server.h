@@ -46,9 +46,11 @@ struct HeadRefusal {
 
 /// The checks every request head passes before any of its body is read: no Content-Encoding, a
 /// Transfer-Encoding only "chunked" and not beside a Content-Length, one Content-Length that is a
-/// plain byte count within `max_body_bytes`, a length (or chunks) for POST, PUT and PATCH, and a
-/// body only where `takes_body` says a route reads one.
-HeadRefusal check_request_head(const httplib::Request& request, size_t max_body_bytes, bool takes_body);
+/// plain byte count within `max_body_bytes`, a length (or chunks) for POST, PUT and PATCH, a
+/// body only where `takes_body` says a route reads one, and a multipart/form-data body only where
+/// `takes_form` says the route reads forms, with a boundary (serving/multipart.h).
+HeadRefusal check_request_head(const httplib::Request& request, size_t max_body_bytes, bool takes_body,
+                               bool takes_form = false);
 
 class HttpServer : public httplib::Server {
  public:
@@ -67,8 +69,9 @@ class HttpServer : public httplib::Server {
   bool bind_to_port(const std::string& host, int port);
   int bind_to_any_port(const std::string& host);
 
-  /// POST `path` (an exact path), its body read under the limits before `handler` runs.
-  void post_with_body(const std::string& path, BodyHandler handler);
+  /// POST `path` (an exact path), its body read under the limits before `handler` runs; with
+  /// `takes_form`, a multipart/form-data body too, read as its bytes (parse_multipart splits it).
+  void post_with_body(const std::string& path, BodyHandler handler, bool takes_form = false);
   /// Whether the client whose request this thread is handling has closed its connection (an end
   /// of stream or an error is waiting on its socket; data it sent ahead is left unread). False
   /// outside a handler.
@@ -89,7 +92,7 @@ class HttpServer : public httplib::Server {
   std::mutex clients_mutex_;
   std::map<std::string, int64_t> connections_of_client_;  ///< open connections per peer address
   const Refuse refuse_;
-  std::set<std::string> body_paths_;  ///< POST routes that read a body
+  std::map<std::string, bool> body_paths_;  ///< POST routes that read a body: whether they read forms
   std::atomic<bool> stopping_{false};
 };
 

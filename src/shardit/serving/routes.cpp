@@ -8,6 +8,7 @@
 
 #include "shardit/dist/world.h"
 #include "shardit/io/file.h"
+#include "shardit/serving/multipart.h"
 
 namespace shardit::serving {
 
@@ -65,7 +66,7 @@ void Routes::install(HttpServer& http) {
     http.post_with_body(route, [this, send, endpoint = endpoint](const httplib::Request& req, const std::string& body,
                                                                  httplib::Response& res) {
       send(res, generations(req, body, res, endpoint));
-    });
+    }, /*takes_form=*/endpoint == ImageEndpoint::Edits);
     http.Get(route, [send, route](const httplib::Request&, httplib::Response& res) {
       send(res, error_reply(ApiError(405, "use POST for " + route)));
     });
@@ -156,7 +157,13 @@ Reply Routes::generations(const httplib::Request& request, const std::string& bo
     }
     if (job->id.empty()) job->id = new_request_id();
     response.set_header("X-Request-Id", job->id);
-    job->request = parse_image_request(body, options_.limits, options_.model_id, endpoint);
+    // Edits come as JSON or, from OpenAI's clients, as a form (only edits take one:
+    // check_request_head refuses a form elsewhere).
+    const std::string content_type = request.get_header_value("Content-Type");
+    job->request = is_form_data(content_type)
+                       ? parse_image_form(parse_multipart(body, multipart_boundary(content_type)), options_.limits,
+                                          options_.model_id)
+                       : parse_image_request(body, options_.limits, options_.model_id, endpoint);
     if (loaded.takes_max_area() && job->request.width && job->request.height) {
       job->request.max_area = *job->request.width * *job->request.height;
     }
