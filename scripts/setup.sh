@@ -31,6 +31,13 @@ packages=(
 )
 if [ "${1:-}" != "--cli" ]; then
   packages+=(
+    # the official openai client's test (tests/client): a virtual environment for the client from
+    # PyPI, and curl for the docs' example
+    python3 python3-venv curl
+  )
+fi
+if [ "${1:-}" != "--cli" ]; then
+  packages+=(
     # multi-process launcher tests
     openmpi-bin libopenmpi-dev
     # fuzzing (libFuzzer ships with clang's runtime)

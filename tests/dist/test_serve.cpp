@@ -23,6 +23,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <future>
 #include <map>
 #include <optional>
@@ -31,6 +32,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "shardit/io/image.h"
@@ -825,6 +827,163 @@ TEST(Serve, HostileHttpIsAnsweredAtOnceAndKeepsServing) {
   EXPECT_LT(refused, 70);
   idle.clear();
   EXPECT_TRUE(health_answers(port)) << "the server did not answer again after the idle connections left";
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited()) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
+// A multipart/form-data POST of `body` with `boundary`.
+httplib::Result post_form(int port, const std::string& body, const std::string& boundary,
+                          const std::string& path = "/v1/images/edits") {
+  return client(port)->Post(path.c_str(), body, ("multipart/form-data; boundary=" + boundary).c_str());
+}
+
+// One form part: its head lines and bytes, after the boundary line of `boundary`.
+std::string form_part(const std::string& boundary, const std::vector<std::string>& head, const std::string& data) {
+  std::string out = "--" + boundary + "\r\n";
+  for (const auto& line : head) out += line + "\r\n";
+  return out + "\r\n" + data + "\r\n";
+}
+
+// Rank 0's resident and peak resident memory as /health reports them (bytes).
+std::pair<int64_t, int64_t> rank0_memory(int port) {
+  auto health = client(port)->Get("/health");
+  if (!health || health->status != 200) return {0, 0};
+  const json rank = json::parse(health->body)["ranks"][0];
+  return {rank["resident_memory_bytes"].get<int64_t>(), rank["peak_resident_memory_bytes"].get<int64_t>()};
+}
+
+// Edits as a form (what OpenAI's clients send): the same image as the JSON body; every hostile
+// form (framing, heads, names, file names, counts, sizes, nesting, a body that stops coming) is
+// answered its named 4xx within the request deadline, /health answers after each, and the
+// server's memory stays bounded (printed: resident and peak before and after).
+TEST(Serve, HostileMultipartIsNamedAndFormEditsEqualJsonGolden) {
+  const std::string dir = make_temp_dir("serve_multipart");
+  auto server = start_server(dir, {"--pipeline", "FluxKontextPipeline", "--max-body-mb", "1", "--request-timeout", "10"},
+                             "1");
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0);
+  const std::string png = read_text(shardit::testing::golden_path("edit_flux1_kontext/reference_a.png"));
+  const std::string b = "b0undary";
+  const auto field = [&](const std::string& name, const std::string& value) {
+    return form_part(b, {"Content-Disposition: form-data; name=\"" + name + "\""}, value);
+  };
+  const auto file = [&](const std::string& name, const std::string& filename, const std::string& data) {
+    return form_part(b, {"Content-Disposition: form-data; name=\"" + name + "\"; filename=\"" + filename + "\"",
+                         "Content-Type: image/png"},
+                     data);
+  };
+  const std::string end = "--" + b + "--\r\n";
+  const std::string fields = field("prompt", kValid["prompt"]) + field("size", "64x48") +
+                             field("num_inference_steps", "2") + field("seed", "7");
+  // The form's image equals the JSON body's.
+  auto form = post_form(port, file("image", "cat.png", png) + fields + end, b);
+  ASSERT_TRUE(form) << httplib::to_string(form.error());
+  ASSERT_EQ(form->status, 200) << form->body;
+  json edit = kValid;
+  edit["image"] = shardit::serving::base64_encode(png);
+  auto as_json = post(port, edit.dump(), "/v1/images/edits");
+  ASSERT_TRUE(as_json && as_json->status == 200);
+  EXPECT_TRUE(png_pixels(json::parse(form->body)["data"][0]["b64_json"], dir, "form.png")
+                  .equal(png_pixels(json::parse(as_json->body)["data"][0]["b64_json"], dir, "json.png")));
+  // The memory of a server that has generated (the generations' own peak is in it).
+  const auto before = rank0_memory(port);
+
+  std::string many_parts, eleven_images;
+  for (int i = 0; i < 65; ++i) many_parts += field("prompt", "a");
+  for (int i = 0; i < 11; ++i) eleven_images += file("image[]", "a.png", png.substr(0, 60));
+  struct Case {
+    std::string body;
+    int status;
+    std::string message;  // its start
+    std::string path = "/v1/images/edits";
+  };
+  const std::vector<Case> cases = {
+      {file("image", "cat.png", png) + fields + "--" + b, 400, "the multipart body ends after a boundary line"},
+      {file("image", "cat.png", png) + fields, 400, "part 5 (\"seed\") never ends"},
+      {file("image", "cat.png", png) + field("prompt", "a").substr(0, 60), 400, "part 2: the body ends inside its head"},
+      {"not a form at all", 400, "the multipart body holds no boundary line \"--b0undary\""},
+      {file("image", "cat.png", png) + field("prompt", "") + end, 400, "part 2 (\"prompt\") is empty (0 bytes)"},
+      {file("image", "cat.png", "") + end, 400, "part 1 (\"image\") is empty (0 bytes)"},
+      {file("image", "cat.png", png) + fields + field("seed", "8") + end, 400,
+       "'seed' is given twice (part 6 (\"seed\") repeats it)"},
+      {file("image", "cat.png", png) + file("prompt", "prompt.png", png) + end, 400,
+       "'prompt' must be a text field, got a file (part 2 (\"prompt\"), file name \"prompt.png\""},
+      {form_part(b, {"Content-Disposition: form-data; name=\"image\"", "Content-Type: multipart/mixed; boundary=x"},
+                 "--x\r\n\r\nx\r\n--x--") + end,
+       415, "part 1: a nested multipart body (\"multipart/mixed\") is not accepted"},
+      {form_part(b, {"Content-Disposition: form-data; name=\"prompt\ncontent-type: image/png\""}, "a") + end, 400,
+       "part 1: its head holds the control character 0x0a"},
+      {form_part(b, {"Content-Disposition: form-data; name=\"prompt%0D%0AX-Injected: 1\""}, "a") + end, 400,
+       "part 1: its name \"prompt%0D%0AX-Injected: 1\" is not a field name"},
+      {file("image", "../../../tmp/owned.png", png) + fields + end, 400,
+       "part 1 (\"image\"): the file name \"../../../tmp/owned.png\" holds the path character '/'"},
+      {many_parts + end, 400, "the form has more than 64 parts"},
+      {form_part(b, {"Content-Disposition: form-data; name=\"prompt\"", "X-Filler: " + std::string(5000, 'a')}, "a") +
+           end,
+       400, "part 1: its head is longer than 4096 bytes"},
+      {file("image", "cat.png", png) + field("prompt", std::string(70000, 'a')) + end, 400,
+       "part 2 (\"prompt\") is a text field of 70000 bytes; at most 65536 are accepted"},
+      {eleven_images + fields + end, 400, "'image' holds 11 images; at most 10 are accepted"},
+      {file("image", "cat.png", png) + file("mask", "mask.png", png) + fields + end, 400,
+       "'mask' is not supported: no pipeline this server can serve inpaints"},
+      {file("image", "cat.webp", std::string("RIFF\x10\0\0\0WEBPVP8 ", 16)) + fields + end, 400,
+       "'image': a WebP image, which is not read here"},
+      {file("image", "cat.png", png) + fields + end, 415,
+       "multipart bodies are not accepted at /v1/images/generations", "/v1/images/generations"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    auto answer = post_form(port, c.body, b, c.path);
+    ASSERT_TRUE(answer) << httplib::to_string(answer.error());
+    EXPECT_EQ(answer->status, c.status) << answer->body;
+    const std::string message = json::parse(answer->body)["error"]["message"];
+    EXPECT_EQ(message.rfind(c.message, 0), 0u) << message;
+    EXPECT_TRUE(health_answers(port));
+  }
+  // Heads refused before any body byte is read: no boundary, a body over --max-body-mb.
+  for (const auto& [type, length, status, message] :
+       std::vector<std::tuple<std::string, std::string, int, std::string>>{
+           {"multipart/form-data", "10", 400, "the Content-Type multipart/form-data has no boundary parameter"},
+           {"multipart/form-data; boundary=x", "5000000", 413, "the request body is too large: 5000000 bytes"}}) {
+    RawConnection connection(port);
+    ASSERT_TRUE(connection.connected());
+    connection.send("POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Type: " + type + "\r\nContent-Length: " +
+                    length + "\r\n\r\n");
+    const std::string answer = connection.read_until_closed();
+    EXPECT_EQ(raw_status(answer), status) << answer;
+    EXPECT_EQ(raw_message(answer).rfind(message, 0), 0u) << answer;
+  }
+  // A form whose rest (and closing boundary) never comes: 408 once the request deadline passes,
+  // while /health and other requests are answered meanwhile.
+  {
+    RawConnection connection(port);
+    ASSERT_TRUE(connection.connected());
+    const std::string part = file("image", "cat.png", png);
+    connection.send("POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=" + b +
+                    "\r\nContent-Length: 900000\r\n\r\n" + part);
+    EXPECT_TRUE(health_answers(port));
+    const std::string answer = connection.read_until_closed();
+    EXPECT_EQ(raw_status(answer), 408) << answer.substr(0, 300);
+  }
+  // Memory stays bounded: 40 more of the largest hostile forms (a 1 MiB body of 64 KiB parts, and
+  // 11 images) leave the peak where it was.
+  std::string large;
+  for (int i = 0; i < 15; ++i) large += file("image[]", "a.png", std::string(65536, 'x'));
+  for (int i = 0; i < 20; ++i) {
+    auto big = post_form(port, large + end, b);
+    ASSERT_TRUE(big);
+    EXPECT_EQ(big->status, 400) << big->body;
+    auto images = post_form(port, eleven_images + fields + end, b);
+    ASSERT_TRUE(images);
+    EXPECT_EQ(images->status, 400);
+  }
+  const auto after = rank0_memory(port);
+  std::cout << "serve rank 0 memory (MiB) before and after the hostile forms: resident " << before.first / 1048576.0 << " -> " << after.first / 1048576.0
+            << ", peak " << before.second / 1048576.0 << " -> " << after.second / 1048576.0 << "\n";
+  EXPECT_LT(after.second - before.second, int64_t{64} << 20) << "the peak grew under hostile forms";
+  auto again = post_form(port, file("image", "cat.png", png) + fields + end, b);
+  ASSERT_TRUE(again && again->status == 200) << (again ? again->body : "no answer");
   ::kill(server->pid(), SIGTERM);
   ASSERT_TRUE(server->exited()) << server->log();
   EXPECT_EQ(server->exit_code(), 0) << server->log();
