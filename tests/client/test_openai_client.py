@@ -106,6 +106,7 @@ class Server:
             raise AssertionError(f"serve exited ({self.process.returncode}) before listening:\n{self.output()}")
         threading.Thread(target=self._drain, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
+        asked = threading.Event()
         while True:  # answers 503 until loaded; the listening line comes after the load
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=60) as health:
@@ -114,6 +115,7 @@ class Server:
             except urllib.error.HTTPError as error:
                 if error.code != 503:
                     raise
+            asked.wait(0.02)  # between two questions, not a guess at how long the load takes
 
     def _drain(self):
         for line in self.process.stdout:
