@@ -237,9 +237,11 @@ def klein_cases(client, model, server, cli, ranks, references, work):
         full = client.images.edit(model=model, image=a, prompt=PROMPT, size=SIZE, n=1, response_format="b64_json",
                                   background="opaque", input_fidelity="high", output_format="png",
                                   output_compression=100, partial_images=0, quality="high", stream=False, user="u1",
+                                  safety_identifier="s1", complexity="low", frame_count=1, frame_duration_ms=100,
                                   extra_body={**diffusion, "style": "vivid", "moderation": "low"})
     warnings = (full.model_extra or {}).get("warnings", [])
-    for field in ("quality", "style", "moderation", "input_fidelity", "partial_images", "user", "output_compression"):
+    for field in ("quality", "style", "moderation", "input_fidelity", "partial_images", "user", "output_compression",
+                  "safety_identifier", "complexity", "frame_count", "frame_duration_ms"):
         assert any(w.startswith(f"'{field}' was ignored") for w in warnings), f"no warning for {field}: {warnings}"
     print(f"ok: images.edit with every standard field: 200, warnings {len(warnings)}", flush=True)
 

@@ -582,7 +582,8 @@ TEST(Serve, BadRequestsGetTheirStatusAndKeepServing) {
   const std::string fields =
       "prompt, model, n, size, response_format, seed, negative_prompt, num_inference_steps, guidance_scale, "
       "true_cfg_scale, cache, lora, user, background, moderation, output_compression, output_format, "
-      "partial_images, quality, stream, style, input_fidelity";
+      "partial_images, quality, stream, style, input_fidelity, safety_identifier, complexity, frame_count, "
+      "frame_duration_ms, svg";
   const std::vector<BadRequest> cases = {
       {"{not json", 400, "the request body is not valid JSON: ...", ""},
       {R"({"prompt": "a", "prompt": "b"})", 400, "the request body is not valid JSON: ...", ""},

@@ -254,13 +254,15 @@ TEST(ServingApi, OpenAiFieldsAreAcceptedWithWarningsOrRefusedByName) {
   const std::string every = R"({"prompt": "a", "model": "tiny", "n": 1, "size": "auto", "response_format": "b64_json",
       "quality": "standard", "style": "vivid", "user": "u1", "background": "opaque", "moderation": "low",
       "output_format": "jpeg", "output_compression": 80, "partial_images": 0, "stream": false,
-      "input_fidelity": "high"})";
+      "input_fidelity": "high", "safety_identifier": "s1", "complexity": "low", "frame_count": 1,
+      "frame_duration_ms": 100, "svg": {"effort": "low", "model": "m"}})";
   const ImageRequest request = parse_image_request(every, {}, "tiny");
   EXPECT_EQ(request.output_format, "jpeg");
   EXPECT_EQ(request.output_compression, 80);
   EXPECT_EQ(request.file_extension(), "jpg");
-  ASSERT_EQ(request.warnings.size(), 6u);
-  for (const char* field : {"quality", "style", "moderation", "input_fidelity", "partial_images", "user"}) {
+  ASSERT_EQ(request.warnings.size(), 11u);
+  for (const char* field : {"quality", "style", "moderation", "input_fidelity", "partial_images", "user",
+                            "safety_identifier", "complexity", "frame_count", "frame_duration_ms", "svg"}) {
     const std::string start = std::string("'") + field + "' was ignored: ";
     EXPECT_EQ(std::count_if(request.warnings.begin(), request.warnings.end(),
                             [&](const std::string& w) { return w.rfind(start, 0) == 0; }),
@@ -284,6 +286,37 @@ TEST(ServingApi, OpenAiFieldsAreAcceptedWithWarningsOrRefusedByName) {
     EXPECT_EQ(e.param(), "mask");
     EXPECT_EQ(e.message().rfind("'mask' is not supported: no pipeline this server can serve inpaints", 0), 0u)
         << e.message();
+  }
+
+  // The formats and fields without a raster answer here are refused by name; the ignored ones are
+  // still type-checked.
+  for (const char* format : {"webp", "gif", "svg"}) {
+    try {
+      parse_image_request(std::string(R"({"prompt": "a", "output_format": ")") + format + "\"}", {}, "tiny");
+      ADD_FAILURE() << format << " was accepted";
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.message(), std::string("'output_format' \"") + format + "\" is not supported: send \"png\" or \"jpeg\"");
+    }
+  }
+  for (const auto& [body, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "a", "svg": "x"})", "'svg' must be an object, got string"},
+           {R"({"prompt": "a", "frame_count": "2"})", "'frame_count' must be an integer, got string"},
+           {R"({"prompt": "a", "frame_count": -1})", "'frame_count' must be between 0 and 1000000, got -1"},
+           {R"({"prompt": "a", "complexity": 3})", "'complexity' must be a string, got integer"}}) {
+    try {
+      parse_image_request(body, {}, "tiny");
+      ADD_FAILURE() << body << " was accepted";
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.message(), message);
+    }
+  }
+  try {
+    parse_image_request(R"({"prompt": "a", "image": ")" + png + R"(", "markup": ")" + png + "\"}", {}, "tiny",
+                        shardit::serving::ImageEndpoint::Edits);
+    ADD_FAILURE() << "a markup image was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param(), "markup");
+    EXPECT_EQ(e.message().rfind("'markup' is not supported", 0), 0u) << e.message();
   }
 
   // null stands for absent in OpenAI's optional fields; a plain request has no notes.
@@ -310,8 +343,8 @@ TEST(ServingApi, OpenAiFieldsAreAcceptedWithWarningsOrRefusedByName) {
             "'background' must be \"transparent\", \"opaque\" or \"auto\", got \"white\"");
   EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "webp"})").second,
             "'output_format' \"webp\" is not supported: send \"png\" or \"jpeg\"");
-  EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "gif"})").second,
-            "'output_format' must be \"png\" or \"jpeg\", got \"gif\"");
+  EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "bmp"})").second,
+            "'output_format' must be \"png\" or \"jpeg\", got \"bmp\"");
   EXPECT_EQ(refusal(R"({"prompt": "a", "output_format": "jpeg", "output_compression": 101})").second,
             "'output_compression' must be between 0 and 100, got 101");
   EXPECT_EQ(refusal(R"({"prompt": "a", "output_compression": "high"})").second,

@@ -207,29 +207,42 @@ std::vector<LoraChoice> lora_field(const json& value, const RequestLimits& limit
   return choices;
 }
 
+/// The largest count an ignored field (frame_count, frame_duration_ms) is accepted with: the type is
+/// checked, and a count beyond any real request's is refused rather than echoed.
+constexpr int64_t kMaxIgnoredCount = 1'000'000;
+
 /// An OpenAI request field that changes nothing here: accepted when of OpenAI's type, answered
 /// with a warning saying why.
 struct IgnoredField {
+  enum class Type { String, Count, Object };
   const char* name;
+  Type type;
   const char* why;
 };
 
 const std::vector<IgnoredField>& ignored_fields() {
+  using Type = IgnoredField::Type;
   static const std::vector<IgnoredField> fields = {
-      {"quality", "the quality follows num_inference_steps and guidance_scale"},
-      {"style", "there is no style setting; describe the style in the prompt"},
-      {"moderation", "this server does not moderate"},
-      {"input_fidelity", "reference images are followed as the pipeline follows them"},
-      {"partial_images", "partial images are only sent while streaming, which is not served"},
-      {"user", "end-user ids are not recorded"},
+      {"quality", Type::String, "the quality follows num_inference_steps and guidance_scale"},
+      {"style", Type::String, "there is no style setting; describe the style in the prompt"},
+      {"moderation", Type::String, "this server does not moderate"},
+      {"input_fidelity", Type::String, "reference images are followed as the pipeline follows them"},
+      {"partial_images", Type::Count, "partial images are only sent while streaming, which is not served"},
+      {"user", Type::String, "end-user ids are not recorded"},
+      {"safety_identifier", Type::String, "end-user ids are not recorded"},
+      {"complexity", Type::String, "the amount of detail follows the prompt and num_inference_steps"},
+      {"frame_count", Type::Count, "the answer holds still images only"},
+      {"frame_duration_ms", Type::Count, "the answer holds still images only"},
+      {"svg", Type::Object, "the answer holds raster images only (output_format \"png\" or \"jpeg\")"},
   };
   return fields;
 }
 
-/// OpenAI's optional fields take null for "not given"; shardit's own and `user` and `mask` do not.
+/// OpenAI's optional fields take null for "not given"; shardit's own and `user`, `mask` and
+/// `markup` do not.
 bool given(const json& document, const std::string& field) {
   if (!document.contains(field)) return false;
-  const bool nullable = field != "user" && field != "mask";
+  const bool nullable = field != "user" && field != "mask" && field != "markup";
   return !(nullable && document[field].is_null());
 }
 
@@ -244,6 +257,12 @@ void read_openai_fields(const json& document, ImageRequest& request) {
                    "image; inpainting pipelines such as diffusers' FluxFillPipeline or FluxInpaintPipeline would "
                    "take a mask, and none is served); leave 'mask' out and say the change in the prompt",
                    "mask");
+  }
+  if (given(document, "markup")) {
+    throw ApiError(400,
+                   "'markup' is not supported: the pipelines this server serves take no drawn-over copy of the "
+                   "image; leave 'markup' out and say the change in the prompt",
+                   "markup");
   }
   if (given(document, "stream") && !document["stream"].is_boolean()) {
     throw bad_type("stream", "a boolean", document["stream"]);
@@ -270,8 +289,10 @@ void read_openai_fields(const json& document, ImageRequest& request) {
   }
   if (given(document, "output_format")) {
     request.output_format = string_field(document["output_format"], "output_format");
-    if (request.output_format == "webp") {
-      throw ApiError(400, "'output_format' \"webp\" is not supported: send \"png\" or \"jpeg\"", "output_format");
+    if (request.output_format == "webp" || request.output_format == "gif" || request.output_format == "svg") {
+      throw ApiError(400, fmt::format("'output_format' {} is not supported: send \"png\" or \"jpeg\"",
+                                      io::quoted(request.output_format)),
+                     "output_format");
     }
     if (request.output_format != "png" && request.output_format != "jpeg") {
       throw ApiError(400, fmt::format("'output_format' must be \"png\" or \"jpeg\", got {}",
@@ -291,10 +312,14 @@ void read_openai_fields(const json& document, ImageRequest& request) {
   for (const IgnoredField& field : ignored_fields()) {
     if (!given(document, field.name)) continue;
     const json& value = document[field.name];
-    if (std::string(field.name) == "partial_images") {
-      integer_field(value, field.name, 0, 3);
-    } else {
-      string_field(value, field.name);
+    switch (field.type) {
+      case IgnoredField::Type::String: string_field(value, field.name); break;
+      case IgnoredField::Type::Count:
+        integer_field(value, field.name, 0, std::string(field.name) == "partial_images" ? 3 : kMaxIgnoredCount);
+        break;
+      case IgnoredField::Type::Object:
+        if (!value.is_object()) throw bad_type(field.name, "an object", value);
+        break;
     }
     request.warnings.push_back(fmt::format("'{}' was ignored: {}", field.name, field.why));
   }
@@ -337,11 +362,13 @@ const std::vector<std::string>& request_fields(ImageEndpoint endpoint) {
       "cache",          "lora",           "user",
       // OpenAI's, beyond the above (docs/serving.md says what each does here).
       "background",     "moderation",     "output_compression", "output_format", "partial_images",
-      "quality",        "stream",         "style",          "input_fidelity"};
+      "quality",        "stream",         "style",          "input_fidelity", "safety_identifier",
+      "complexity",     "frame_count",    "frame_duration_ms", "svg"};
   static const std::vector<std::string> edit_fields = [] {
     std::vector<std::string> all = {"image"};
     all.insert(all.end(), fields.begin(), fields.end());
     all.push_back("mask");
+    all.push_back("markup");
     return all;
   }();
   return endpoint == ImageEndpoint::Edits ? edit_fields : fields;
@@ -502,7 +529,8 @@ namespace {
 bool form_value_is_json(const std::string& field) {
   static const std::vector<std::string> fields = {"n",     "seed", "num_inference_steps", "guidance_scale",
                                                   "true_cfg_scale", "cache", "lora", "output_compression",
-                                                  "partial_images", "stream"};
+                                                  "partial_images", "stream", "frame_count",
+                                                  "frame_duration_ms", "svg"};
   return std::find(fields.begin(), fields.end(), field) != fields.end();
 }
 
@@ -538,8 +566,8 @@ ImageRequest parse_image_form(const std::vector<FormPart>& parts, const RequestL
                                       part.label(i)),
                      part.name);
     }
-    if (part.name == "mask") {
-      document["mask"] = "";  // a file: refused by name with the request's other checks
+    if (part.name == "mask" || part.name == "markup") {
+      document[part.name] = "";  // a file: refused by name with the request's other checks
       continue;
     }
     if (part.is_file()) {
