@@ -307,12 +307,15 @@ void register_generate(CLI::App& app, CommandBody& body) {
                       "a reference image (PNG or JPEG) to edit from; repeat for several (FLUX.2: up to 10, each "
                       "its own tokens; FluxKontextPipeline: the image to edit)");
   command->add_option("--max-area", options->max_area,
-                      "FluxKontextPipeline: the output's area in pixels (default 1048576 = 1024x1024), the aspect "
-                      "of --height x --width kept")
-      ->check(integer_in(1, pipelines::kMaxImageSide * pipelines::kMaxImageSide));
-  command->add_flag("--no-auto-resize", options->no_auto_resize,
-                    "FluxKontextPipeline: keep the input image's own size (floored to multiples of 16) instead of "
-                    "the preferred Kontext resolution nearest in aspect (diffusers' _auto_resize=False)");
+                      "FluxKontextPipeline: the output's area in pixels (default 1048576 = 1024x1024, at most "
+                      "4194304 = 2048x2048), the aspect of --height x --width kept")
+      ->check(integer_in(1, pipelines::kMaxArea));
+  command
+      ->add_flag("--no-auto-resize", options->no_auto_resize,
+                 "FluxKontextPipeline: keep the input image's own size (floored to multiples of 16) instead of "
+                 "the preferred Kontext resolution nearest in aspect (diffusers' _auto_resize=False); needs "
+                 "--image")
+      ->needs(command->get_option("--image"));
   add_pipeline_options(command, options->pipeline);
   command->add_flag("--save-steps", options->save_steps,
                     "also write the latents after every step (`step<K>.latents`) into --out-tensors");

@@ -13,7 +13,10 @@
 
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
+#include "shardit/core/heap.h"
 #include "shardit/dist/world.h"
+#include "shardit/io/image.h"
+#include "shardit/io/json.h"
 #include "shardit/models/builtin.h"
 #include "shardit/serving/server.h"
 
@@ -79,7 +82,14 @@ int serve(ServeCommandOptions options) {
   // The adapters, named for the requests to choose them by: the pipeline opens and checks them now,
   // before the long load, and loads them with its weights.
   load.lora.clear();
-  for (const std::string& argument : pipeline_options.lora.files) load.lora.push_back(parse_named_lora(argument));
+  for (const std::string& argument : pipeline_options.lora.files) {
+    load.lora.push_back(parse_named_lora(argument));
+    // A request's "model" names the base model or one adapter: the two must differ.
+    TORCH_CHECK(load.lora.back().name != serve.model_id, "serve: --lora ", io::brief(nlohmann::json(argument)),
+                ": the adapter's name ", io::quoted(serve.model_id),
+                " is the served model's name, so \"model\" could not tell them apart; name it with --lora "
+                "NAME=FILE, or the model with --model-name");
+  }
   const auto pipeline = pipelines::DiffusionPipeline::open(options.model, load);
   serve.lora = load.lora;
   serve.lora_scale = pipeline_options.lora.scale;
@@ -176,11 +186,31 @@ void register_serve(CLI::App& app, CommandBody& body) {
              "seconds from a generation request's arrival to its answer (queue wait included); a later one is "
              "cancelled at its next step boundary and answered 504 (default: no limit)")
       ->check(number_in(0.1, 86400.0));
+  command->add_option("--max-image-pixels", options->serve.limits.max_image_pixels,
+                      "most pixels (width x height, read from the header before decoding) one reference image of "
+                      "/v1/images/edits may have (default 67108864 = 8192x8192)")
+      ->check(integer_in(1, io::kMaxInputImageSide * io::kMaxInputImageSide));
+  command->add_option("--max-request-pixels", options->serve.limits.max_request_pixels,
+                      "most pixels the reference images of one request may have together (default 134217728 = "
+                      "2 x 8192x8192)")
+      ->check(integer_in(1, pipelines::kMaxReferenceImages * io::kMaxInputImageSide * io::kMaxInputImageSide));
+  command->add_option_function<double>(
+             "--decode-timeout",
+             [options](double seconds) {
+               options->serve.limits.decode_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+             },
+             "seconds decoding one request's reference images may take (default 10); a slower decode is "
+             "stopped and answered 400")
+      ->check(number_in(0.001, 3600.0));
   add_pipeline_options(command, options->pipeline);
   command->get_option("--lora")->description(
       "LoRA adapter [NAME=]FILE[:WEIGHT], loaded once at start (repeatable; NAME defaults to the file's name): "
       "a request chooses adapters by NAME in \"lora\" and without one gets all of them at their weights");
-  command->callback([&body, options] { body = [options] { return serve(*options); }; });
+  command->callback([&body, options] {
+    // Before the ranks' threads start: every thread's blocks in the heap each request trims.
+    share_one_heap_arena();
+    body = [options] { return serve(*options); };
+  });
 }
 
 }  // namespace shardit::apps

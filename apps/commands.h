@@ -33,8 +33,12 @@ using CommandBody = std::function<int()>;
 CLI::Validator integer_in(int64_t low, int64_t high);
 /// As integer_in for an unsigned 64-bit option (a seed): "-1" and 2^64 are refused, not wrapped.
 CLI::Validator unsigned_in(uint64_t low, uint64_t high);
-/// A finite number within [low, high].
+/// A finite number within [low, high], written as parse_decimal_number reads it.
 CLI::Validator number_in(double low, double high);
+/// `text` as a plain decimal number (-0.5, 12, 1e-3; no hexadecimal, inf, nan, '+' or spaces) that
+/// is finite, into `value`; false when it is not one. Every number the command line takes is read
+/// this way.
+bool parse_decimal_number(const std::string& text, double& value);
 
 /// The largest parallel degree an option accepts (--tp, --ulysses, --ring, --text-encoder-tp):
 /// far beyond any world, small enough that products of degrees cannot overflow.
@@ -77,8 +81,9 @@ struct LoraCliOptions {
   bool fuse = false;
 };
 
-/// Parses "FILE[:WEIGHT]": the part after the last ':' is the weight when it is a finite number
-/// (so a path may hold ':'); without one, the weight is 1.
+/// Parses "FILE[:WEIGHT]": the part after the last ':' is the weight when it is a decimal number
+/// (parse_decimal_number; so a path may hold ':'); without one, the weight is 1. A tail that C
+/// would read as a number but is none here ("0x10", "inf", "1e999") is refused naming it.
 models::LoraRequest parse_lora_request(const std::string& argument);
 /// Every `--lora` of `options`, parsed.
 std::vector<models::LoraRequest> lora_requests(const LoraCliOptions& options);

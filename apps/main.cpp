@@ -43,7 +43,8 @@ std::string rank_label() {
 [[noreturn]] void fail(const std::string& message) {
   // What the command printed so far goes out first (std::_Exit below flushes nothing).
   std::fflush(stdout);
-  std::fprintf(stderr, "shardit: error: %s%s\n", rank_label().c_str(), message.c_str());
+  // One line whatever the message quotes (a path holding a newline or an escape sequence).
+  std::fprintf(stderr, "shardit: error: %s%s\n", rank_label().c_str(), shardit::printable_line(message).c_str());
   std::fflush(stderr);
   // Exit without running destructors: a failed collective can leave c10d threads that would
   // block a normal shutdown.

@@ -53,13 +53,37 @@ CLI::Validator integer_in(int64_t low, int64_t high) { return integer_validator<
 
 CLI::Validator unsigned_in(uint64_t low, uint64_t high) { return integer_validator<uint64_t>(low, high); }
 
+bool parse_decimal_number(const std::string& text, double& value) {
+  // [-]digits[.digits][e[+-]digits], or [-].digits...: what strtod reads, less its hexadecimal
+  // floats ("0x10" is 16), "inf", "nan", leading spaces and '+'.
+  size_t at = text.size() > 0 && text[0] == '-' ? 1 : 0;
+  const auto digits = [&text, &at] {
+    const size_t start = at;
+    while (at < text.size() && text[at] >= '0' && text[at] <= '9') ++at;
+    return at - start;
+  };
+  size_t mantissa = digits();
+  if (at < text.size() && text[at] == '.') {
+    ++at;
+    mantissa += digits();
+  }
+  if (mantissa == 0) return false;
+  if (at < text.size() && (text[at] == 'e' || text[at] == 'E')) {
+    ++at;
+    if (at < text.size() && (text[at] == '-' || text[at] == '+')) ++at;
+    if (digits() == 0) return false;
+  }
+  if (at != text.size()) return false;
+  value = std::strtod(text.c_str(), nullptr);
+  return std::isfinite(value);
+}
+
 CLI::Validator number_in(double low, double high) {
   const std::string words = fmt::format("from {:g} to {:g}", low, high);
   return CLI::Validator(
       [low, high, words](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double value = text.empty() ? std::nan("") : std::strtod(text.c_str(), &end);
-        if (end != text.c_str() + text.size() || !std::isfinite(value) || value < low || value > high) {
+        double value = 0;
+        if (!parse_decimal_number(text, value) || value < low || value > high) {
           return fmt::format("must be a number {}, got '{}'", words, text.substr(0, 40));
         }
         return "";

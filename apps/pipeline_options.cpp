@@ -8,7 +8,9 @@
 // benchmark (bench/shardit_bench.cpp) reuses: the dtype, the mesh, the step cache and the backends.
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <string>
@@ -16,6 +18,7 @@
 #include "apps/commands.h"
 #include "shardit/core/dtype.h"
 #include "shardit/dist/mesh.h"
+#include "shardit/io/json.h"
 #include "shardit/nn/attention/backends.h"
 #include "shardit/nn/gemm.h"
 
@@ -72,10 +75,16 @@ void add_parallel_options(CLI::App* command, PipelineCliOptions& options) {
 }
 
 void add_cache_option(CLI::App* command, std::string& cache) {
-  command->add_option("--cache", cache,
-                      "step caching, diffusers' configs: first_block_cache:threshold=0.12, or "
-                      "taylorseer_lite:cache_interval=5,disable_cache_before_step=3,max_order=1"
-                      "[,disable_cache_after_step=N] (see docs/step_caching.md)");
+  command
+      ->add_option("--cache", cache,
+                   "step caching, diffusers' configs: first_block_cache:threshold=0.12, or "
+                   "taylorseer_lite:cache_interval=5,disable_cache_before_step=3,max_order=1"
+                   "[,disable_cache_after_step=N] (see docs/step_caching.md)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            return text.empty() ? "is empty; give KIND:key=value,... or leave --cache out for no step cache" : "";
+          },
+          "KIND:key=value,..."));
 }
 
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
@@ -151,12 +160,15 @@ models::LoraRequest parse_lora_request(const std::string& argument) {
   const size_t colon = argument.rfind(':');
   if (colon == std::string::npos || colon == 0) return request;
   const std::string tail = argument.substr(colon + 1);
-  try {
-    size_t used = 0;
-    const double weight = std::stod(tail, &used);
-    if (used == tail.size() && std::isfinite(weight)) return {argument.substr(0, colon), weight, ""};
-  } catch (const std::exception&) {
-  }
+  double weight = 0;
+  if (parse_decimal_number(tail, weight)) return {argument.substr(0, colon), weight, ""};
+  // What strtod would take whole (a hexadecimal float, inf, nan, an overflow) is a weight
+  // mistyped, not part of a file name.
+  char* end = nullptr;
+  std::strtod(tail.c_str(), &end);
+  const bool looks_numeric = !tail.empty() && end == tail.c_str() + tail.size() && !std::isspace(static_cast<unsigned char>(tail[0]));
+  TORCH_CHECK(!looks_numeric, "--lora ", io::brief(nlohmann::json(argument)), ": the weight ",
+              io::brief(nlohmann::json(tail)), " is not a finite decimal number; write it like 0.8 or 1.5e-1");
   return request;
 }
 

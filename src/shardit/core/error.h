@@ -11,4 +11,9 @@ namespace shardit {
 /// The message of an exception without c10's backtrace: what a CLI prints to a user.
 std::string error_message(const std::exception& e);
 
+/// `text` on one line, its control characters (newline, ESC, DEL, ...) written as \n, \r, \t or
+/// \xNN: how a message that may quote a user's path or value is printed, so that it cannot forge
+/// lines or drive the terminal.
+std::string printable_line(const std::string& text);
+
 }  // namespace shardit

@@ -24,4 +24,21 @@ void keep_freed_memory_for_reuse() {
 #endif
 }
 
+void share_one_heap_arena() {
+#if defined(__GLIBC__)
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if ((tunables != nullptr && std::strstr(tunables, "glibc.malloc.arena_max") != nullptr) ||
+      std::getenv("MALLOC_ARENA_MAX") != nullptr) {
+    return;
+  }
+  mallopt(M_ARENA_MAX, 1);
+#endif
+}
+
+void release_freed_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
+
 }  // namespace shardit

@@ -14,4 +14,16 @@ namespace shardit {
 /// set by the user win.
 void keep_freed_memory_for_reuse();
 
+/// A long-running server's heap: one arena for every thread (glibc's M_ARENA_MAX 1), so that what
+/// a burst of connection threads freed is held in the one heap release_freed_memory() trims, not
+/// in per-thread arenas whose tops glibc keeps up to the 1 GiB trim threshold above (16 threads'
+/// 10 MB request bodies stayed resident as ~700 MB). Call before the server's threads start;
+/// MALLOC_ARENA_MAX or a glibc.malloc.arena_max tunable set by the user wins.
+void share_one_heap_arena();
+
+/// Gives the pages of every freed block back to the OS (glibc's malloc_trim(0)): what a request
+/// (its body, its decoded images, its answer) left freed stops counting in the process's RSS. The
+/// next request faults in what it uses again (a generation step's first touch of its blocks).
+void release_freed_memory();
+
 }  // namespace shardit

@@ -45,6 +45,25 @@ void on_jpeg_message(j_common_ptr cinfo, int level) {
   if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) on_jpeg_error(cinfo);
 }
 
+/// The decode's progress monitor, extended with its bounds: libjpeg calls it before each chunk
+/// of input a multi-scan image absorbs and at every output row, where it stops a decode of more
+/// than kMaxJpegScans scans or past the deadline (a jump back like an error's).
+struct JpegProgress {
+  jpeg_progress_mgr manager;
+  const DecodeLimits* limits;
+  bool too_many_scans = false;
+  bool timed_out = false;
+};
+
+void on_jpeg_progress(j_common_ptr cinfo) {
+  auto* progress = reinterpret_cast<JpegProgress*>(cinfo->progress);
+  const auto* decompress = reinterpret_cast<j_decompress_ptr>(cinfo);
+  progress->too_many_scans = decompress->input_scan_number > kMaxJpegScans;
+  progress->timed_out =
+      progress->limits->deadline && std::chrono::steady_clock::now() > *progress->limits->deadline;
+  if (progress->too_many_scans || progress->timed_out) std::longjmp(reinterpret_cast<JpegErrors*>(cinfo->err)->jump, 1);
+}
+
 /// Pillow's MULDIV255: a * b / 255, rounded.
 inline int muldiv255(int a, int b) {
   const int tmp = a * b + 128;
@@ -53,10 +72,12 @@ inline int muldiv255(int a, int b) {
 
 /// libjpeg's part of a decode, with only plain locals across its setjmp; false on an error
 /// (errors->message says why, or `limit_error` for a size out of bounds).
-bool decode_jpeg_rows(jpeg_decompress_struct* cinfo, JpegErrors* errors, const std::string* bytes, at::Tensor* pixels,
-                      std::pair<int64_t, int64_t>* size, bool* out_of_bounds) {
+bool decode_jpeg_rows(jpeg_decompress_struct* cinfo, JpegErrors* errors, JpegProgress* progress,
+                      const std::string* bytes, at::Tensor* pixels, std::pair<int64_t, int64_t>* size,
+                      bool* out_of_bounds) {
   if (setjmp(errors->jump)) return false;
   jpeg_create_decompress(cinfo);
+  cinfo->progress = &progress->manager;
   jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(bytes->data()), static_cast<unsigned long>(bytes->size()));
   jpeg_read_header(cinfo, TRUE);
   *size = {cinfo->image_height, cinfo->image_width};
@@ -110,7 +131,8 @@ bool decode_jpeg_rows(jpeg_decompress_struct* cinfo, JpegErrors* errors, const s
   return true;
 }
 
-std::pair<int64_t, int64_t> decode_jpeg(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
+std::pair<int64_t, int64_t> decode_jpeg(const std::string& bytes, const std::string& what, at::Tensor* pixels,
+                                        const DecodeLimits& limits) {
   jpeg_decompress_struct cinfo;
   JpegErrors errors;
   std::memset(&cinfo, 0, sizeof(cinfo));
@@ -118,12 +140,20 @@ std::pair<int64_t, int64_t> decode_jpeg(const std::string& bytes, const std::str
   errors.manager.error_exit = on_jpeg_error;
   errors.manager.emit_message = on_jpeg_message;
   errors.message[0] = '\0';
+  JpegProgress progress{};
+  progress.manager.progress_monitor = on_jpeg_progress;
+  progress.limits = &limits;
   std::pair<int64_t, int64_t> size{0, 0};
   bool out_of_bounds = false;
-  const bool ok = decode_jpeg_rows(&cinfo, &errors, &bytes, pixels, &size, &out_of_bounds);
+  const bool ok = decode_jpeg_rows(&cinfo, &errors, &progress, &bytes, pixels, &size, &out_of_bounds);
   jpeg_destroy_decompress(&cinfo);
   TORCH_CHECK(!out_of_bounds, what, ": not a readable JPEG: it is ", size.second, "x", size.first,
               " pixels; at least 1 and at most ", kMaxInputImageSide, " per side are read");
+  TORCH_CHECK(!progress.too_many_scans, what, ": a progressive JPEG of more than ", kMaxJpegScans,
+              " scans (each a pass over the whole ", size.second, "x", size.first,
+              " image); at most ", kMaxJpegScans, " are decoded: save it as a baseline JPEG or a PNG");
+  TORCH_CHECK(!progress.timed_out, what, ": decoding the ", size.second, "x", size.first, " JPEG took longer than ",
+              limits.deadline_words, "; it was stopped");
   TORCH_CHECK(ok, what, ": not a readable JPEG: ", errors.message);
   return size;
 }
@@ -152,8 +182,20 @@ std::string checked_format(const std::string& bytes, const std::string& what) {
   return "";
 }
 
-std::pair<int64_t, int64_t> decode_any(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
-  return checked_format(bytes, what) == "png" ? decode_png(bytes, what, pixels) : decode_jpeg(bytes, what, pixels);
+/// The image's size from its header, checked against limits.max_pixels; then, with `pixels`, the
+/// image decoded into it under the limits.
+std::pair<int64_t, int64_t> decode_any(const std::string& bytes, const std::string& what, at::Tensor* pixels,
+                                       const DecodeLimits& limits) {
+  const bool png = checked_format(bytes, what) == "png";
+  const auto size = png ? decode_png(bytes, what, nullptr) : decode_jpeg(bytes, what, nullptr, limits);
+  const int64_t area = size.first * size.second;
+  TORCH_CHECK(area <= limits.max_pixels, what, ": the image is ", size.second, "x", size.first, " (", area,
+              " pixels); at most ", limits.max_pixels, " pixels an image are decoded",
+              limits.max_pixels_option.empty() ? "" : " (" + limits.max_pixels_option + ")",
+              ": send a smaller image");
+  if (pixels == nullptr) return size;
+  return png ? decode_png(bytes, what, pixels, limits.deadline, limits.deadline_words)
+             : decode_jpeg(bytes, what, pixels, limits);
 }
 
 /// libjpeg's part of an encode, with only plain locals across its setjmp; false on an error
@@ -191,18 +233,18 @@ std::string sniff_image_format(const std::string& head) {
   return "";
 }
 
-at::Tensor decode_image(const std::string& bytes, const std::string& what) {
+at::Tensor decode_image(const std::string& bytes, const std::string& what, const DecodeLimits& limits) {
   at::Tensor pixels;
-  decode_any(bytes, what, &pixels);
+  decode_any(bytes, what, &pixels, limits);
   return pixels;
 }
 
 at::Tensor read_image(const std::string& path) {
-  return decode_image(read_regular_file(path, static_cast<uint64_t>(kMaxInputImageFileBytes)), path);
+  return decode_image(read_regular_file(path, static_cast<uint64_t>(kMaxInputImageFileBytes)), path, {});
 }
 
-std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what) {
-  return decode_any(bytes, what, nullptr);
+std::pair<int64_t, int64_t> image_size(const std::string& bytes, const std::string& what, const DecodeLimits& limits) {
+  return decode_any(bytes, what, nullptr, limits);
 }
 
 std::string encode_jpeg(const at::Tensor& pixels, int quality, const std::string& what) {

@@ -52,10 +52,20 @@ bool encode_rows(png_structp png, png_infop info, std::string* out, png_text* ch
 struct PngSource {
   const std::string* bytes;
   size_t offset = 0;
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  bool timed_out = false;
 };
+
+/// Stops the decode (a png_error) once the source's deadline has passed.
+void check_deadline(png_structp png, PngSource* source) {
+  if (!source->deadline || std::chrono::steady_clock::now() <= *source->deadline) return;
+  source->timed_out = true;
+  png_error(png, "the decode deadline passed");
+}
 
 void read_from_source(png_structp png, png_bytep data, png_size_t size) {
   auto* source = static_cast<PngSource*>(png_get_io_ptr(png));
+  check_deadline(png, source);
   if (source->bytes->size() - source->offset < size) {
     png_error(png, "the data ends early (a truncated file)");
   }
@@ -104,7 +114,10 @@ bool decode_png_rows(png_structp png, png_infop info, PngSource* source, at::Ten
   // takes one sweep per pass, libpng merging each pass into the rows.
   const size_t offset = grey16 ? static_cast<size_t>(width) : 0;
   for (int pass = 0; pass < passes; ++pass) {
-    for (png_uint_32 y = 0; y < height; ++y) png_read_row(png, data + static_cast<size_t>(y) * width * 3 + offset, nullptr);
+    for (png_uint_32 y = 0; y < height; ++y) {
+      check_deadline(png, source);
+      png_read_row(png, data + static_cast<size_t>(y) * width * 3 + offset, nullptr);
+    }
   }
   png_read_end(png, nullptr);
   if (grey16) {
@@ -169,14 +182,18 @@ void write_png(const std::string& path, const at::Tensor& pixels,
   file.commit();
 }
 
-std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels) {
+std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels,
+                                       std::optional<std::chrono::steady_clock::time_point> deadline,
+                                       const std::string& deadline_words) {
   std::string error;
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
   png_infop info = png != nullptr ? png_create_info_struct(png) : nullptr;
   std::pair<int64_t, int64_t> size{0, 0};
-  PngSource source{&bytes};
+  PngSource source{&bytes, 0, deadline};
   const bool ok = info != nullptr && decode_png_rows(png, info, &source, pixels, &size, &error);
   png_destroy_read_struct(&png, &info, nullptr);
+  TORCH_CHECK(!source.timed_out, what, ": decoding the ", size.second, "x", size.first,
+              " PNG took longer than ", deadline_words, "; it was stopped");
   TORCH_CHECK(ok, what, ": not a readable PNG: ", error);
   return size;
 }

@@ -3,6 +3,8 @@
 // image tools read them); input of every PNG colour type and bit depth as 8-bit RGB.
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,8 +45,11 @@ constexpr int64_t kMaxPngFileBytes = int64_t{512} << 20;
 /// gives it (grey, grey+alpha, palette, tRNS, RGB(A), 1 to 16 bits, interlaced), and returns
 /// {height, width}; with `pixels` null only the header is read. Errors say "<what>: not a
 /// readable PNG: <why>" (truncated or corrupt data, a side of 0 or above kMaxPngSide, refused
-/// from the header before anything is allocated).
-std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels);
+/// from the header before anything is allocated). Past `deadline` (when set) the decode stops
+/// with "<what>: decoding took longer than <deadline_words>".
+std::pair<int64_t, int64_t> decode_png(const std::string& bytes, const std::string& what, at::Tensor* pixels,
+                                       std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt,
+                                       const std::string& deadline_words = "");
 
 /// Reads a PNG file as uint8 [H, W, 3] (decode_png). Errors name the path.
 at::Tensor read_png(const std::string& path);

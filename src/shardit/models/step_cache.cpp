@@ -18,6 +18,9 @@ constexpr const char* kTaylorSeerLite = "taylorseer_lite";
 /// Bounds on the schedule's numbers: far above any real schedule (a generation has at most
 /// pipelines::kMaxInferenceSteps steps), low enough that no step arithmetic overflows.
 constexpr int64_t kMaxCacheStep = 1'000'000;
+/// first_block_cache's largest threshold: far above any use (a relative change of 1 already skips
+/// every step after the first).
+constexpr double kMaxThreshold = 1e6;
 /// Divided differences beyond this order only amplify noise (diffusers' examples use 1 or 2).
 constexpr int64_t kMaxTaylorOrder = 8;
 
@@ -34,7 +37,7 @@ int64_t integer_value(const std::string& kind, const std::string& key, const nlo
       value.is_number_unsigned()
           ? value.get<uint64_t>() >= static_cast<uint64_t>(low) && value.get<uint64_t>() <= static_cast<uint64_t>(high)
           : value.is_number_integer() && value.get<int64_t>() >= low && value.get<int64_t>() <= high;
-  TORCH_CHECK(in_range, "step cache ", kind, ": ", key, " is ", io::quoted(value.dump()),
+  TORCH_CHECK(in_range, "step cache ", kind, ": ", key, " is ", io::brief(value),
               ", but it takes a whole number from ", low, " to ", high);
   return value.get<int64_t>();
 }
@@ -91,10 +94,10 @@ StepCacheConfig StepCacheConfig::parse(const std::string& spec) {
       const size_t comma = std::min(rest.find(',', start), rest.size());
       const std::string item = rest.substr(start, comma - start);
       const size_t equals = item.find('=');
-      TORCH_CHECK(equals != std::string::npos && equals > 0, "--cache ", io::quoted(spec), ": ", io::quoted(item),
+      TORCH_CHECK(equals != std::string::npos && equals > 0, "--cache ", io::brief(spec), ": ", io::brief(item),
                   " is not key=value; write KIND:key=value,key=value (e.g. first_block_cache:threshold=0.12)");
       const std::string key = item.substr(0, equals);
-      TORCH_CHECK(!object.contains(key), "--cache ", io::quoted(spec), ": ", key, " is given twice");
+      TORCH_CHECK(!object.contains(key), "--cache ", io::brief(spec), ": ", io::brief(key), " is given twice");
       object[key] = spec_value(item.substr(equals + 1));
       start = comma + 1;
     }
@@ -105,9 +108,9 @@ StepCacheConfig StepCacheConfig::parse(const std::string& spec) {
 StepCacheConfig StepCacheConfig::from_json(const nlohmann::json& object) {
   TORCH_CHECK(object.is_object() && object.contains("kind") && object.at("kind").is_string(),
               "a step cache config is an object with \"kind\" (", kFirstBlockCache, " or ", kTaylorSeerLite,
-              ") and its keys; got ", io::quoted(object.dump()));
+              ") and its keys; got ", io::brief(object));
   const std::string kind = object.at("kind").get<std::string>();
-  TORCH_CHECK(kind == kFirstBlockCache || kind == kTaylorSeerLite, "step cache kind ", io::quoted(kind),
+  TORCH_CHECK(kind == kFirstBlockCache || kind == kTaylorSeerLite, "step cache kind ", io::brief(kind),
               " is unknown; the kinds are ", kFirstBlockCache, " (threshold) and ", kTaylorSeerLite,
               " (cache_interval, disable_cache_before_step, ...)");
   StepCacheConfig config;
@@ -115,12 +118,12 @@ StepCacheConfig StepCacheConfig::from_json(const nlohmann::json& object) {
     FirstBlockCacheConfig fbc;
     for (const auto& [key, value] : object.items()) {
       if (key == "kind") continue;
-      TORCH_CHECK(key == "threshold", "step cache ", kind, ": unknown key ", io::quoted(key), "; it takes ",
+      TORCH_CHECK(key == "threshold", "step cache ", kind, ": unknown key ", io::brief(key), "; it takes ",
                   key_list(kind));
       TORCH_CHECK(value.is_number() && std::isfinite(value.get<double>()) && value.get<double>() >= 0 &&
-                      value.get<double>() <= 1e6,
-                  "step cache ", kind, ": threshold is ", io::quoted(value.dump()),
-                  ", but it takes a finite number from 0 (never skip) up (0.05 to 0.2 are usual)");
+                      value.get<double>() <= kMaxThreshold,
+                  "step cache ", kind, ": threshold is ", io::brief(value), ", but it takes a number from 0 (never "
+                  "skip) to ", static_cast<int64_t>(kMaxThreshold), " (0.05 to 0.2 are usual)");
       fbc.threshold = value.get<double>();
     }
     config.method = fbc;
@@ -142,10 +145,10 @@ StepCacheConfig StepCacheConfig::from_json(const nlohmann::json& object) {
       const std::string name = value.is_string() ? value.get<std::string>() : value.dump();
       const std::string bare = name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
       TORCH_CHECK(bare == "float32" || bare == "bfloat16", "step cache ", kind, ": taylor_factors_dtype is ",
-                  io::quoted(name), ", but it takes float32 or bfloat16");
+                  io::brief(name), ", but it takes float32 or bfloat16");
       ts.taylor_factors_dtype = parse_compute_dtype(bare);
     } else {
-      TORCH_CHECK(false, "step cache ", kind, ": unknown key ", io::quoted(key), "; it takes ", key_list(kind));
+      TORCH_CHECK(false, "step cache ", kind, ": unknown key ", io::brief(key), "; it takes ", key_list(kind));
     }
   }
   // diffusers computes forward s when (s - before - 1) mod interval == 0 (Python's modulo): with

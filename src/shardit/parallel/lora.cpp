@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <utility>
+
+#include "shardit/nn/inputs.h"
 
 namespace shardit::parallel {
 
@@ -164,6 +167,13 @@ void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, co
     TORCH_CHECK(layer.loras().empty() || layer.lora_selection() == selection_, spec.path, ": module '",
                 target.module, "' holds adapters of another LoraAdapters object; keep one per model");
     auto [lora_A, lora_B] = read_target(file, target, weight_spec, tp_rank);
+    // As FP8 and quantized base weights are: a NaN or Inf here would make every image of every
+    // request that uses the adapter NaN, blamed on no file.
+    for (const auto& [key, tensor] : {std::pair{&target.lora_A.key, &lora_A}, std::pair{&target.lora_B.key, &lora_B}}) {
+      const std::string bad = nn::non_finite(*tensor);
+      TORCH_CHECK(bad.empty(), spec.path, ": LoRA adapter '", name, "', tensor '", *key, "': ", bad,
+                  " (in this rank's slice); the adapter is corrupt, refusing to load it");
+    }
     const auto options = layer.weight.options().dtype(layer.weight_dtype());
     TORCH_INTERNAL_ASSERT(lora_A.size(1) == layer.weight.size(1) && lora_B.size(0) == layer.weight.size(0),
                           "LoRA slice of '", target.module, "' does not match the local weight");

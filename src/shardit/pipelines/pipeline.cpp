@@ -183,7 +183,7 @@ void check_request(const GenerateRequest& request) {
     check_range("reference image height", image.size(0), 1, io::kMaxInputImageSide);
     check_range("reference image width", image.size(1), 1, io::kMaxInputImageSide);
   }
-  if (request.max_area) check_range("max_area (--max-area)", *request.max_area, 1, kMaxImageSide * kMaxImageSide);
+  if (request.max_area) check_range("max_area (--max-area)", *request.max_area, 1, kMaxArea);
 }
 
 DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadOptions& options,

@@ -486,6 +486,10 @@ std::vector<std::string> negative_prompts_for(const std::vector<std::string>& ne
 /// for more memory than a machine has.
 constexpr int64_t kMaxInferenceSteps = 10000;
 constexpr int64_t kMaxImageSide = 16384;       ///< pixels, height or width
+/// FluxKontextPipeline's largest max_area (--max-area), 2048² pixels: FLUX.1's largest size. Far
+/// larger areas ask the scheduler for a shift whose float32 exp overflows (NaN sigmas from
+/// about 11600² on).
+constexpr int64_t kMaxArea = int64_t{2048} * 2048;
 constexpr int64_t kMaxImagesPerCall = 256;     ///< prompts x num_images_per_prompt
 constexpr int64_t kMaxSequenceLength = 4096;   ///< prompt tokens
 

@@ -1,5 +1,6 @@
 #include "shardit/pipelines/pipeline_flux.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "shardit/models/clip/modeling_clip.h"
@@ -136,8 +137,12 @@ GenerateResult FluxPipeline::generate_prepared(PreparedRequest& call, const Gene
 FluxKontextPipeline::FluxKontextPipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
     : FluxPipeline(std::move(folder), options, "FluxKontextPipeline") {}
 
+namespace {
+/// FluxKontextPipeline's max_area without one given.
+constexpr int64_t kDefaultMaxArea = int64_t{1024} * 1024;
+}  // namespace
+
 std::pair<int64_t, int64_t> FluxKontextPipeline::requested_size(const GenerateRequest& request) const {
-  constexpr int64_t kDefaultMaxArea = int64_t{1024} * 1024;
   const auto [height, width] = DiffusionPipeline::requested_size(request);
   const auto area = static_cast<double>(request.max_area.value_or(kDefaultMaxArea));
   const double aspect = static_cast<double>(width) / static_cast<double>(height);
@@ -156,6 +161,19 @@ void FluxKontextPipeline::check_reference_images(const GenerateRequest& request,
                 " (--image) is ", image.size(1), "x", image.size(0), "; both sides must be at least ", multiple,
                 " pixels to edit from");
   }
+  // The size every image is encoded at (the first's): without _auto_resize the image's own, which
+  // must stay within the larger of the output's area and the preferred resolutions' (what
+  // _auto_resize gives), checked before anything is resized or encoded.
+  const at::Tensor& first = request.image.front();
+  const auto [encoded_height, encoded_width] =
+      kontext_image_size(first.size(0), first.size(1), request.auto_resize, vae_scale_factor_, multiple);
+  int64_t max_encoded_area = request.max_area.value_or(kDefaultMaxArea);
+  for (const auto& [w, h] : preferred_kontext_resolutions()) max_encoded_area = std::max(max_encoded_area, w * h);
+  TORCH_CHECK(encoded_height * encoded_width <= max_encoded_area, class_name(), ": reference image 0 (--image) is ",
+              first.size(1), "x", first.size(0), " and would reach the VAE encoder as ", encoded_width, "x",
+              encoded_height, " (", encoded_width * encoded_height, " pixels) without auto-resize; at most ",
+              max_encoded_area, " pixels (the output's area, --max-area, or the preferred Kontext resolutions') are "
+              "encoded: drop --no-auto-resize, or give a smaller image");
   const auto images = static_cast<int64_t>(request.image.size());
   TORCH_CHECK(batch % images == 0, class_name(), ": cannot duplicate `image` of batch size ", images, " to ", batch,
               " text prompts (prompts x --num-images): give one image, or one per image of the call");

@@ -48,6 +48,16 @@ class Flux2PromptEncoder : public PromptEncoder {
   std::vector<int64_t> layers_;
 };
 
+/// Flux2ImageProcessor.check_image_input of reference image `i` (uint8 [H, W, 3]), its error
+/// naming the pipeline and the image.
+void check_reference_image(const std::string& pipeline, size_t i, const at::Tensor& image) {
+  try {
+    check_flux2_image_input(image.size(0), image.size(1));
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, pipeline, ": reference image ", i, " (--image): ", error.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 PromptEncoderRecipe Flux2KleinPipeline::prompt_encoder_recipe() {
@@ -150,18 +160,15 @@ std::pair<int64_t, int64_t> Flux2KleinPipeline::requested_size(const GenerateReq
   if (request.image.empty()) return DiffusionPipeline::requested_size(request);
   // diffusers sets height = height or image_height from the reference images in order: the first wins.
   const at::Tensor& first = request.image.front();
+  // The output's size comes from the first image: an image too small to take one from is named
+  // as the reference it is, before any size is derived from it.
+  check_reference_image(class_name(), 0, first);
   const auto [image_height, image_width] = flux2_condition_size(first.size(0), first.size(1), vae_scale_factor_ * 2);
   return {request.height.value_or(image_height), request.width.value_or(image_width)};
 }
 
 void Flux2KleinPipeline::check_reference_images(const GenerateRequest& request, int64_t /*batch*/) const {
-  for (size_t i = 0; i < request.image.size(); ++i) {
-    try {
-      check_flux2_image_input(request.image[i].size(0), request.image[i].size(1));
-    } catch (const c10::Error& error) {
-      TORCH_CHECK(false, class_name(), ": reference image ", i, " (--image): ", error.what_without_backtrace());
-    }
-  }
+  for (size_t i = 0; i < request.image.size(); ++i) check_reference_image(class_name(), i, request.image[i]);
 }
 
 ReferenceTokens Flux2KleinPipeline::reference_tokens(const GenerateRequest& request, int64_t batch) const {

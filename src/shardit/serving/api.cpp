@@ -125,38 +125,77 @@ void check_image_count(size_t count) {
   }
 }
 
-/// One reference image's file (`field` names it in messages) into `request`, bytes and pixels.
-/// Every image is decoded once, here, so a truncated or hostile file is a 400 before the request
-/// is queued, and rank 0 does not decode it again.
-void add_image(const std::string& field, std::string bytes, ImageRequest& request) {
+/// The reference images' files (each with the field that names it in messages) into `request`,
+/// bytes and pixels. Every image's header is checked against the limits' pixel budgets (its own,
+/// and the request's together) before any is decoded; then each is decoded once, here, under the
+/// decode timeout, so a truncated or hostile file is a 400 before the request is queued, and rank 0
+/// does not decode it again.
+void decode_images(std::vector<std::pair<std::string, std::string>> files, ImageRequest& request,
+                   const RequestLimits& limits) {
+  std::vector<std::string> fields;
+  for (auto& [field, bytes] : files) {
+    request.images.push_back(std::move(bytes));
+    fields.push_back("'" + field + "'");
+  }
+  io::DecodeLimits decode;
+  decode.max_pixels = limits.max_image_pixels;
+  decode.max_pixels_option = "serve --max-image-pixels";
   try {
-    request.pixels.push_back(io::decode_image(bytes, "'" + field + "'"));
+    int64_t total = 0;
+    for (size_t i = 0; i < fields.size(); ++i) {
+      const auto [height, width] = io::image_size(request.images[i], fields[i], decode);
+      total += height * width;
+    }
+    if (total > limits.max_request_pixels) {
+      throw ApiError(400,
+                     fmt::format("'image' holds {} images of {} pixels together; at most {} pixels a request are "
+                                 "decoded (serve --max-request-pixels): send fewer or smaller images",
+                                 fields.size(), total, limits.max_request_pixels),
+                     "image");
+    }
+    decode.deadline = std::chrono::steady_clock::now() + limits.decode_timeout;
+    decode.deadline_words = fmt::format("serve --decode-timeout ({} s) for a request's images",
+                                        std::chrono::duration<double>(limits.decode_timeout).count());
+    for (size_t i = 0; i < fields.size(); ++i) {
+      request.pixels.push_back(io::decode_image(request.images[i], fields[i], decode));
+    }
+  } catch (const ApiError&) {
+    throw;
   } catch (const std::exception& e) {
     throw ApiError(400, error_message(e), "image");
   }
-  request.images.push_back(std::move(bytes));
 }
 
 /// The reference images of an edits request's JSON: `value` is one string or an array of them,
-/// each base64 of a PNG or JPEG, or a data: URL holding it.
-void read_images(const json& value, ImageRequest& request) {
+/// each base64 of a PNG or JPEG, or a data:image/... URL holding it.
+void read_images(const json& value, ImageRequest& request, const RequestLimits& limits) {
   const json list = value.is_array() ? value : json::array({value});
   check_image_count(list.size());
+  std::vector<std::pair<std::string, std::string>> files;
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string field = value.is_array() ? fmt::format("image[{}]", i) : std::string("image");
     std::string text = string_field(list[i], field);
     // data:image/png;base64,<data> as browsers write it.
     if (text.rfind("data:", 0) == 0) {
       const size_t comma = text.find(',');
-      if (comma == std::string::npos || text.substr(0, comma).find(";base64") == std::string::npos) {
+      const std::string head = text.substr(0, std::min(comma, text.size()));
+      if (comma == std::string::npos || head.find(";base64") == std::string::npos) {
         throw ApiError(400, fmt::format("'{}' is a data: URL without base64 data", field), "image");
+      }
+      if (head.rfind("data:image/", 0) != 0) {
+        throw ApiError(400,
+                       fmt::format("'{}' is a data: URL of {}, not an image; send data:image/png or "
+                                   "data:image/jpeg",
+                                   field, io::brief(json(head.substr(5, head.find(';') - 5)))),
+                       "image");
       }
       text.erase(0, comma + 1);
     }
     std::optional<std::string> bytes = base64_decode(text);
     if (!bytes) throw ApiError(400, fmt::format("'{}' is not base64 (standard alphabet, padded)", field), "image");
-    add_image(field, std::move(*bytes), request);
+    files.emplace_back(field, std::move(*bytes));
   }
+  decode_images(std::move(files), request, limits);
 }
 
 /// The body's "lora": [{"name": NAME, "scale": W}, ...], every name loaded and given once.
@@ -485,12 +524,12 @@ ImageRequest request_from_document(const json& document, const RequestLimits& li
   read_openai_fields(document, request);
   if (endpoint == ImageEndpoint::Edits && files != nullptr) {
     check_image_count(files->size());
-    for (auto& [field, bytes] : *files) add_image(field, std::move(bytes), request);
+    decode_images(std::move(*files), request, limits);
   } else if (endpoint == ImageEndpoint::Edits) {
     if (!document.contains("image")) {
       throw ApiError(400, "'image' is required: the image(s) to edit, base64 PNG or JPEG", "image");
     }
-    read_images(document["image"], request);
+    read_images(document["image"], request, limits);
   }
   return request;
 }

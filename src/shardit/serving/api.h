@@ -4,6 +4,7 @@
 // request as every rank receives it.
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -61,6 +62,13 @@ struct RequestLimits {
   std::vector<LoraChoice> lora;
   /// Whether they were merged into the weights (--fuse-lora): then no request may choose.
   bool lora_fused = false;
+  /// Reference images (POST /v1/images/edits), checked from their headers before any is decoded:
+  /// the most pixels one image may declare (`serve --max-image-pixels`) and all of a request's
+  /// together (`--max-request-pixels`).
+  int64_t max_image_pixels = int64_t{8192} * 8192;
+  int64_t max_request_pixels = int64_t{2} * 8192 * 8192;
+  /// The most time decoding one request's images may take (`--decode-timeout`).
+  std::chrono::milliseconds decode_timeout{10000};
 };
 
 /// The JPEG quality of output_format "jpeg" when the request gives no output_compression
@@ -128,8 +136,8 @@ enum class ImageEndpoint { Generations, Edits };
 /// known fields (shardit's and OpenAI's, null standing for absent in OpenAI's optional ones)
 /// with the right types and ranges, the `model` (when given) equal to `model_id`.
 /// `seed` is drawn when absent. Edits also need `image`: one image or an array of up to
-/// pipelines::kMaxReferenceImages, each base64 (or a data: URL) of a PNG or JPEG that decodes
-/// within io::kMaxInputImageSide. Checks against the pipeline itself are check_with_pipeline's.
+/// pipelines::kMaxReferenceImages, each base64 (or a data:image/... URL) of a PNG or JPEG that
+/// decodes within io::kMaxInputImageSide and the limits' pixel budgets and decode timeout. Checks against the pipeline itself are check_with_pipeline's.
 ImageRequest parse_image_request(const std::string& body, const RequestLimits& limits, const std::string& model_id,
                                  ImageEndpoint endpoint = ImageEndpoint::Generations);
 

@@ -6,6 +6,7 @@
 #include <regex>
 
 #include "shardit/core/error.h"
+#include "shardit/core/heap.h"
 #include "shardit/core/notes.h"
 #include "shardit/io/png.h"
 #include "shardit/serving/base64.h"
@@ -111,6 +112,7 @@ int ReplicaGenerations::follow() {
       } catch (const std::exception&) {
         failed = true;  // rank 0 names the failure; a lost rank fails the report below
       }
+      release_freed_memory();  // the request's images and activations (core/heap.h)
     }
     plane_.report(failed);
     if (kind == ControlKind::Stop) return 0;

@@ -19,6 +19,8 @@
 #include "shardit/serving/api.h"
 #include "shardit/serving/multipart.h"
 
+#include "shardit/core/heap.h"
+
 namespace shardit::serving {
 
 namespace {
@@ -430,6 +432,11 @@ void HttpServer::post_with_body(const std::string& path, BodyHandler handler, bo
     }
     if (t_connection != nullptr) t_connection->request_read();
     handler(request, body, response);
+    // The body and what the handler decoded from it are freed, their pages given back to the OS
+    // (core/heap.h), before the answer is written: a client that has its answer sees the
+    // server's memory without its request.
+    std::string().swap(body);
+    release_freed_memory();
   });
 }
 
@@ -504,6 +511,9 @@ bool HttpServer::serve_connection(socket_t sock) {
     connection.begin_request();
     bool closed = false;
     result = process_request(connection, /*close_connection=*/left == 1, closed, nullptr);
+    // The request's body and answer are freed: their pages go back to the OS now, so a burst of
+    // large bodies does not stay resident (core/heap.h).
+    release_freed_memory();
     if (!result || closed || connection.closes_after_answer()) break;
   }
   t_connection = nullptr;

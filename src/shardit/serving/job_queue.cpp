@@ -33,6 +33,13 @@ void Job::answer(Reply r) {
   reply.set_value(std::move(r));
 }
 
+void Job::forget_inputs() {
+  std::vector<std::string>().swap(request.images);
+  std::vector<at::Tensor>().swap(request.pixels);
+  std::string().swap(request.prompt);
+  request.negative_prompt.reset();
+}
+
 Reply cancelled_reply(const Job& job, const std::string& reason, std::chrono::milliseconds generation_timeout) {
   const std::string at = job.steps.load() > 0 ? fmt::format(" at step {} of {}", job.step.load(), job.steps.load())
                                               : " before it started";
@@ -185,6 +192,7 @@ std::string JobQueue::cancel_reason(const Job& job) const {
 
 void JobQueue::complete(const std::shared_ptr<Job>& job, JobStatus status, Reply reply) {
   std::lock_guard<std::mutex> lock(mutex_);
+  job->forget_inputs();  // its generation has ended
   finish(job, status, std::move(reply));
   running_.erase(std::remove(running_.begin(), running_.end(), job), running_.end());
   publish();
@@ -194,8 +202,10 @@ void JobQueue::publish() {
   metrics_.set_queue(static_cast<int64_t>(waiting_.size()), options_.queue_depth, !running_.empty());
 }
 
-// Answers `job` and keeps it for GET /v1/jobs/{id}.
+// Answers `job` and keeps it for GET /v1/jobs/{id}: without its inputs unless a generation may
+// still read them (a running job answered because the server failed).
 void JobQueue::finish(const std::shared_ptr<Job>& job, JobStatus status, Reply reply) {
+  if (job->status != JobStatus::Running) job->forget_inputs();
   job->status = status;
   job->answer(std::move(reply));
   finished_.push_back(job->id);

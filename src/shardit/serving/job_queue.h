@@ -62,6 +62,10 @@ struct Job {
   std::atomic<bool> cancel_asked{false};
 
   void answer(Reply r);
+  /// Drops what only the generation needed (the reference images' bytes and pixels, the
+  /// prompts): a finished job keeps what GET /v1/jobs/{id} reports. Only where no other thread
+  /// reads the request (a generation runs on its own copy).
+  void forget_inputs();
 };
 
 /// The answer to a job cancelled for `reason` ("disconnected", "timeout").

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "shardit/core/error.h"
+#include "shardit/core/heap.h"
 #include "shardit/dist/world.h"
 #include "shardit/nn/linear.h"
 #include "shardit/serving/generation.h"
@@ -121,6 +122,7 @@ struct Server::State {
       std::vector<JobLink> links;
       for (const auto& job : next.batch) {
         requests.push_back(job->request);
+        job->forget_inputs();  // the generation reads its copy, freed before the answer
         links.push_back(link_to(job));
       }
       replicas.set_busy(0, true);
@@ -129,6 +131,11 @@ struct Server::State {
       const std::vector<JobOutcome> outcomes = generations.run(requests, links, &reports);
       last_message = Clock::now();
       replicas.set_ranks(0, reports);
+      // The requests' images and the generation's activations are freed, their pages given back to
+      // the OS (core/heap.h), before the clients hear: the server's RSS after an answer is what
+      // it was before the request, give or take the answers' files.
+      std::vector<ImageRequest>().swap(requests);
+      release_freed_memory();
       answers.answer(next.batch, outcomes, seconds_between(start, last_message), 0);
       replicas.set_busy(0, false);
     }
