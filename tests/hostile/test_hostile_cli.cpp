@@ -21,7 +21,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
 #include "support/test_support.h"
@@ -825,6 +828,73 @@ TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
   const Outcome refused = run({{"inspect", file.string()}});
   expect_refused(refused, {"control characters"});
   EXPECT_THAT(refused.err, Not(HasSubstr("\x1b")));
+}
+
+// Options that changed nothing, or meant something else than written, are refused naming them:
+// a LoRA weight in hexadecimal, an empty --cache, --no-auto-resize without an image, an adapter
+// named as the served model; an adapter holding NaN is refused at load naming it.
+TEST_F(Hostile, SilentlyAcceptedOptionsAreRefused) {
+  const std::string lora = (fs::path(root_) / "style.safetensors").string();
+  const std::string key = "transformer.transformer_blocks.0.attn.to_q";
+  at::Tensor factor = at::randn({4, 192});
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({192, 4})}});
+  const std::vector<std::string> generate = {"generate", "--model", model_, "--prompt", "a fox", "--steps", "1",
+                                             "--out", out_path("fox.png")};
+  const auto with = [](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  expect_refused(run({with(generate, {"--lora", lora + ":0x10"})}),
+                 {"the weight \"0x10\" is not a finite decimal number"});
+  expect_refused(run({with(generate, {"--cache", ""})}), {"--cache: is empty"}, 2);
+  expect_refused(run({with(generate, {"--no-auto-resize"})}), {"--no-auto-resize requires --image"}, 2);
+  expect_refused(run({{"serve", "--model", model_, "--port", "0", "--model-name", "tiny", "--lora", "tiny=" + lora}}),
+                 {"the adapter's name \"tiny\" is the served model's name"});
+  factor[2][5].fill_(std::nan(""));
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({192, 4})}});
+  expect_refused(run({with(generate, {"--lora", lora})}),
+                 {lora + ": LoRA adapter 'style', tensor '" + key + ".lora_A.weight': 1 of 768 values are NaN"});
+}
+
+// One-line errors stay one line and short whatever the user typed: control characters in a path
+// escaped, a 100 KB --cache value cut, a threshold out of range named with its bounds.
+TEST_F(Hostile, MessagesStayOneShortLine) {
+  const std::vector<std::string> generate = {"generate", "--model", model_, "--prompt", "a fox", "--steps", "1",
+                                             "--out", out_path("fox.png")};
+  const auto with = [](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  const Outcome evil = run({with(generate, {"--pipeline", "FluxKontextPipeline", "--image", "a\nb\x1b[31m.png"})});
+  expect_refused(evil, {"a\\nb\\x1b[31m.png"});
+  EXPECT_THAT(evil.err, Not(HasSubstr("\x1b")));
+  EXPECT_EQ(std::count(evil.err.begin(), evil.err.end(), '\n'), 1) << evil.err;
+  const Outcome long_value =
+      run({with(generate, {"--cache", "first_block_cache:threshold=" + std::string(100000, '1')})});
+  expect_refused(long_value, {"threshold is"});
+  EXPECT_LT(long_value.err.size(), 400u) << long_value.err.substr(0, 400);
+  expect_refused(run({with(generate, {"--cache", "first_block_cache:threshold=1e308"})}),
+                 {"threshold is 1e+308, but it takes a number from 0 (never skip) to 1000000"});
+}
+
+// FluxKontextPipeline without auto-resize would encode the reference at its own size: an
+// 8192x8192 PNG (a legal size, 200 KB) is refused with the numbers before anything is allocated
+// for it, and --max-area is bounded at 2048² (larger areas gave NaN sigmas).
+TEST_F(Hostile, KontextReferenceAndMaxAreaAreBounded) {
+  const std::string big = (fs::path(root_) / "big.png").string();
+  {
+    const std::string bytes = shardit::io::encode_png(at::full({8192, 8192, 3}, 90, at::kByte));
+    std::ofstream(big, std::ios::binary) << bytes;
+  }
+  const std::vector<std::string> kontext = {"generate", "--model", model_, "--pipeline", "FluxKontextPipeline",
+                                            "--prompt", "a fox", "--steps", "1", "--out", out_path("fox.png")};
+  std::vector<std::string> args = kontext;
+  args.insert(args.end(), {"--image", big, "--no-auto-resize"});
+  expect_refused(run({args}), {"reference image 0 (--image) is 8192x8192 and would reach the VAE encoder as "
+                               "8192x8192 (67108864 pixels) without auto-resize; at most"});
+  args = kontext;
+  args.insert(args.end(), {"--max-area", "268435456"});
+  expect_refused(run({args}), {"--max-area: must be an integer from 1 to 4194304, got '268435456'"}, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
