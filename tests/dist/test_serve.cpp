@@ -1284,6 +1284,10 @@ TEST(Serve, GenerationTimeoutCancelsAndWarningsAreAnswered) {
   EXPECT_EQ(job["status"], "cancelled");
   EXPECT_EQ(job["cancel_reason"], "timeout");
   EXPECT_LT(job["step"].get<int64_t>(), 1000);
+  // A finished job still reports what was asked, without keeping the request's prompt or images.
+  EXPECT_EQ(job["size"], "256x256") << job.dump();
+  EXPECT_EQ(job["n"], 1) << job.dump();
+  EXPECT_EQ(job["reference_images"], 0) << job.dump();
 
   auto bad_id = client(port)->Post("/v1/images/generations", {{"X-Request-Id", "two words"}}, kValid.dump(),
                                    "application/json");

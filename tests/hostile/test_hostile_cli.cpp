@@ -895,6 +895,12 @@ TEST_F(Hostile, KontextReferenceAndMaxAreaAreBounded) {
   args = kontext;
   args.insert(args.end(), {"--max-area", "268435456"});
   expect_refused(run({args}), {"--max-area: must be an integer from 1 to 4194304, got '268435456'"}, 2);
+  // A size within --height/--width's range whose schedule shift overflows float32 (as in diffusers)
+  // is refused by its numbers before anything is allocated, not as a scheduler config error.
+  expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--height", "16384",
+                       "--width", "12288", "--out", out_path("huge.png")}}),
+                 {"a 16384x12288 image is 786432 latent tokens, and the scheduler has no schedule for that many",
+                  "choose a smaller size"});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -106,6 +106,12 @@ TEST(EditErrorsGolden, PipelinesRefuseImagesTheyCannotTake) {
   EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); })
                 .find("Image too small: 200\u00d750. Both dimensions must be at least 64px"),
             std::string::npos);
+  // A 1x1 first reference is named as the reference it is, with its own size, not by the output
+  // size that would have been derived from it ("an image of 0x0").
+  klein.request.image = {at::zeros({1, 1, 3}, at::kByte)};
+  const std::string tiny = shardit::testing::error_of([&] { flux2->check(klein.request); });
+  EXPECT_NE(tiny.find("reference image 0 (--image): Image too small: 1\u00d71"), std::string::npos) << tiny;
+  EXPECT_EQ(tiny.find("0x0"), std::string::npos) << tiny;
   klein.request.image = {at::zeros({64, 600, 3}, at::kByte)};
   EXPECT_NE(shardit::testing::error_of([&] { flux2->check(klein.request); }).find("Aspect ratio too extreme"),
             std::string::npos);

@@ -361,6 +361,17 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
   const auto [height, width] = resolve_size(request, /*note=*/false);
   const int64_t h = height / (vae_scale_factor_ * 2);
   const int64_t w = width / (vae_scale_factor_ * 2);
+  // The schedule of this size (a few numbers), made now: where the size's shift overflows the
+  // schedule's float32 arithmetic (as it does in diffusers' numpy, exp(mu) past 3.4e38), the size
+  // is refused by its numbers before anything is allocated.
+  const int64_t steps = request.num_inference_steps.value_or(call_defaults().num_inference_steps);
+  try {
+    make_scheduler(steps, scheduler_mu(h * w, steps));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, class_name(), ": a ", height, "x", width, " image is ", h * w,
+                " latent tokens, and the scheduler has no schedule for that many: ", e.msg(),
+                "; choose a smaller size");
+  }
   int64_t num_prompts = static_cast<int64_t>(request.prompt.size());
   if (request.prompt_embeds) {
     check_prompt_embeds(*request.prompt_embeds, joint_attention_dim(), pooled_projection_dim(), "prompt_embeds");

@@ -126,7 +126,13 @@ Reply JobQueue::job_status(const std::string& id) const {
                {"status", status_name(job.status)},
                {"created", job.created},
                {"step", job.step.load()},
-               {"num_inference_steps", job.steps.load()}};
+               {"num_inference_steps", job.steps.load()},
+               {"n", job.request.n},
+               {"reference_images", job.reference_images}};
+  // The size asked for (an edit without one takes it from its first reference image).
+  if (job.request.width && job.request.height) {
+    body["size"] = fmt::format("{}x{}", *job.request.width, *job.request.height);
+  }
   if (job.status == JobStatus::Queued) {
     const auto at = std::find(waiting_.begin(), waiting_.end(), found->second);
     body["queue_position"] = at - waiting_.begin();

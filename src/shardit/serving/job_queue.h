@@ -58,6 +58,7 @@ struct Job {
   // Set by the generating thread, read by GET /v1/jobs/{id}.
   std::atomic<int64_t> step{0};
   std::atomic<int64_t> steps{0};
+  int64_t reference_images = 0;  ///< an edit's count, kept when its images are dropped
   // Read by rank 0 at every step boundary.
   std::atomic<bool> cancel_asked{false};
 

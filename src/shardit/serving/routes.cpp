@@ -168,6 +168,7 @@ Reply Routes::generations(const httplib::Request& request, const std::string& bo
       job->request.max_area = *job->request.width * *job->request.height;
     }
     check_with_pipeline(job->request, loaded);
+    job->reference_images = static_cast<int64_t>(job->request.images.size());
     job->arrived = Clock::now();
     job->created = std::time(nullptr);
     if (options_.max_batch > 1 && job->request.n < options_.max_batch) job->batch_key = job->request.batch_key();
