@@ -10,13 +10,26 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "shardit/core/compat.h"
 #include "shardit/core/error.h"
 #include "shardit/core/profile.h"
 #include "shardit/dist/rank_list.h"
+#include "shardit/dist/rendezvous.h"
 
 namespace shardit::dist {
 
@@ -308,22 +321,205 @@ c10::intrusive_ptr<C10dBackend> make_nccl(const std::string& prefix, int rank, i
   return {};
 }
 
+// The address a connection from this host to host:port leaves from: the local end of a UDP socket
+// connect()ed there (a datagram socket's connect only picks the route; nothing is sent).
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int resolved = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  TORCH_CHECK(resolved == 0 && found != nullptr, "MASTER_ADDR ", host, " does not resolve (", ::gai_strerror(resolved),
+              ")");
+  std::string error = "no address";
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      error = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {};
+    const bool named = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+                       ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+                       ::inet_ntop(local.ss_family,
+                                   local.ss_family == AF_INET6
+                                       ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                                       : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr),
+                                   text, sizeof(text)) != nullptr;
+    if (!named) error = std::strerror(errno);
+    ::close(fd);
+    if (named) {
+      ::freeaddrinfo(found);
+      return text;
+    }
+  }
+  ::freeaddrinfo(found);
+  TORCH_CHECK(false, "this host has no route to MASTER_ADDR ", host, ":", port, " (", error,
+              "); set GLOO_SOCKET_IFNAME to the network interface that reaches the other hosts");
+}
+
+// A field of Gloo's description of its device ("tcp, pci=, iface=eth0, speed=10000, addr=[10.0.0.2]").
+std::string device_field(const std::string& text, const std::string& field) {
+  const size_t at = text.find(field + "=");
+  if (at == std::string::npos) return "";
+  const size_t begin = at + field.size() + 1;
+  const size_t end = text.find(',', begin);
+  return text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+
+GlooDevice described(std::shared_ptr<::gloo::transport::Device> device, const std::string& why) {
+  const std::string text = device->str();
+  const std::string address = device_field(text, "addr");
+  const std::string interface = device_field(text, "iface");
+  return {std::move(device), (address.empty() ? text : address) + " (" +
+                                 (interface.empty() ? "" : "interface " + interface + ", ") + why + ")"};
+}
+
+// The store keys of a group's connection: the address each member's Gloo device listens on, and
+// the error of a member that could not connect.
+std::string address_key(const std::string& prefix, int global_rank) {
+  return prefix + "/gloo_address/" + std::to_string(global_rank);
+}
+std::string failure_key(const std::string& prefix, int global_rank) {
+  return prefix + "/connect_failed/" + std::to_string(global_rank);
+}
+
+void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
+  try {
+    store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  } catch (const std::exception&) {
+    // the store is gone with rank 0: the messages then do without this value
+  }
+}
+
+// The value of `key`, "" when it is not (or no longer) in the store.
+std::string store_value(c10d::Store& store, const std::string& key) {
+  try {
+    if (!store.check({key})) return "";
+    const std::vector<uint8_t> value = store.get(key);
+    return std::string(value.begin(), value.end());
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+bool is_loopback(const std::string& address) {
+  return address.rfind("[127.", 0) == 0 || address.rfind("127.", 0) == 0 || address.rfind("[::1]", 0) == 0;
+}
+
+// Gloo could not connect this member (`rank` of `global_ranks`) to the others: `cause` (Gloo's
+// words, with the address and port it tried), posted for the other members, and the whole story:
+// every member's published address, the members that could not connect either (their own
+// words), those lost, and the variable that chooses the interface.
+[[noreturn]] void fail_to_connect(const std::string& name, int rank, const std::vector<int>& global_ranks,
+                                  const std::string& prefix, c10d::Store& store, const LostRanksFn& lost_ranks,
+                                  const std::string& cause, std::chrono::steady_clock::time_point others_deadline) {
+  const int me = global_ranks[rank];
+  // The addresses first, while the store is surely up: rank 0, which hosts it, may fail too and exit.
+  std::vector<std::string> addresses;
+  for (const int member : global_ranks) addresses.push_back(store_value(store, address_key(prefix, member)));
+  store_set(store, failure_key(prefix, me), cause);
+  // The others' own errors: a member that gave up says why (it may have exited since, which is then
+  // its reason, not a crash). They are waited for until the others' own connection deadline
+  // (`others_deadline`, at least a second). Rank 0 hosts the store: it stays a second more after
+  // the last one posted, so that every member reads the others' words before the store goes.
+  std::vector<std::string> failures(global_ranks.size());
+  const auto deadline = std::max(others_deadline, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  std::optional<std::chrono::steady_clock::time_point> all_posted;
+  for (;;) {
+    bool all = true;
+    for (size_t i = 0; i < global_ranks.size(); ++i) {
+      if (global_ranks[i] == me || !failures[i].empty()) continue;
+      failures[i] = store_value(store, failure_key(prefix, global_ranks[i]));
+      all = all && !failures[i].empty();
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (all && !all_posted) all_posted = now;
+    if (all_posted && (me != 0 || now - *all_posted >= std::chrono::seconds(1))) break;
+    if (now >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::string text = "Gloo could not connect group '" + name + "' (global ranks " + list_ranks(global_ranks) +
+                     ") on rank " + std::to_string(me) + ": " + cause +
+                     "; each pair of ranks connects directly, to the address the other published:";
+  for (size_t i = 0; i < global_ranks.size(); ++i) {
+    text += (i == 0 ? " rank " : ", rank ") + std::to_string(global_ranks[i]) + " " +
+            (addresses[i].empty() ? "(not known)" : addresses[i]);
+  }
+  std::vector<int> silent = {me};
+  for (size_t i = 0; i < global_ranks.size(); ++i) {
+    if (global_ranks[i] == me) continue;
+    if (failures[i].empty()) {
+      silent.push_back(global_ranks[i]);
+    } else {
+      text += "; rank " + std::to_string(global_ranks[i]) + " could not connect either: " + failures[i];
+    }
+  }
+  const std::string lost = silent.size() > 1 && lost_ranks ? lost_ranks(silent) : "";
+  if (!lost.empty()) text += "; " + lost;
+  text += "; where a rank's address is not one the other hosts reach, set GLOO_SOCKET_IFNAME on every rank to the "
+          "network interface that reaches them (`ip -brief address` lists a host's)";
+  TORCH_CHECK(false, text);
+}
+
 }  // namespace
 
-std::shared_ptr<::gloo::transport::Device> make_gloo_device(const LaunchEnv& env) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+GlooDevice make_gloo_device(const LaunchEnv& env) {
+  const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
+  if (interface != nullptr && *interface != '\0') {
+    std::shared_ptr<::gloo::transport::Device> device;
+    try {
+      device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "GLOO_SOCKET_IFNAME=", interface, ": Gloo cannot listen on this interface: ",
+                  error_message(e), "; set it to one network interface of this host that the other hosts reach "
+                  "(`ip -brief address` lists them), or unset it to use the one that routes to MASTER_ADDR");
+    }
+    GlooDevice chosen = described(device, "from GLOO_SOCKET_IFNAME");
+    // A loopback interface while MASTER_ADDR is reached over another one: no other host reaches it.
+    if (is_loopback(chosen.address) && !env.master_addr.empty()) {
+      try {
+        const std::string route = local_address_towards(env.master_addr, env.master_port);
+        if (!is_loopback(route)) {
+          chosen.address.insert(chosen.address.size() - 1, "; loopback, which no other host reaches, while MASTER_ADDR " +
+                                                                 env.master_addr + " is reached from " + route);
+        }
+      } catch (const std::exception&) {
+        // no route to MASTER_ADDR: the store connection already told
+      }
+    }
+    return chosen;
   }
-  if (env.master_addr.empty()) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  if (env.master_addr.empty()) {
+    return described(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"), "loopback: every rank on this host");
+  }
+  const std::string local = local_address_towards(env.master_addr, env.master_port);
+  return described(c10d::ProcessGroupGloo::createDeviceForHostname(local),
+                   "the address that routes to MASTER_ADDR " + env.master_addr);
 }
 
 std::shared_ptr<Group> connect_c10d_group(const std::string& name, int rank, const std::vector<int>& global_ranks,
                                           const std::string& prefix, const C10dTransport& transport,
                                           LostRanksFn lost_ranks) {
   const int size = static_cast<int>(global_ranks.size());
-  auto gloo = make_gloo(prefix, rank, size, transport);
-  auto nccl = make_nccl(prefix, rank, size, transport);
+  store_set(*transport.store, address_key(prefix, global_ranks[rank]), transport.gloo_address);
+  c10::intrusive_ptr<C10dBackend> gloo;
+  c10::intrusive_ptr<C10dBackend> nccl;
+  const auto connect_limit = transport.timeout + std::chrono::seconds(2);
+  const auto others_deadline = std::chrono::steady_clock::now() + connect_limit + std::chrono::seconds(1);
+  try {
+    // Gloo retries a refused connection well past its own timeout (50 s at a 10 s timeout): bounded.
+    gloo = run_bounded<c10::intrusive_ptr<C10dBackend>>(
+        connect_limit,
+        [prefix, rank, size, transport] { return make_gloo(prefix, rank, size, transport); },
+        "Gloo did not connect within " + std::to_string(transport.timeout.count()) +
+            " ms (the timeout): a connection to another rank's address was refused or never answered");
+    nccl = make_nccl(prefix, rank, size, transport);
+  } catch (const std::exception& e) {
+    fail_to_connect(name, rank, global_ranks, prefix, *transport.store, lost_ranks, error_message(e), others_deadline);
+  }
   auto group = std::make_shared<C10dGroup>(name, rank, global_ranks, gloo, nccl, std::move(lost_ranks));
   // Constructing a Gloo group is not a synchronisation point: a member that finished connecting
   // may go on and drop the group while another is still connecting to it, which then fails with

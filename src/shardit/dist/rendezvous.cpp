@@ -85,40 +85,6 @@ bool wait_for_listener(const std::string& host, int port, Clock::time_point dead
   return false;
 }
 
-// Runs `fn` on its own thread and waits at most `limit`: a peer that accepts the connection but
-// never answers (a foreign server on MASTER_PORT) blocks inside c10d with no timeout of its own.
-// On timeout the thread is abandoned (the process is about to exit with the error).
-template <class T>
-T run_bounded(std::chrono::milliseconds limit, std::function<T()> fn, const std::string& on_timeout) {
-  struct State {
-    std::mutex mutex;
-    std::condition_variable done_cv;
-    bool done = false;
-    T value{};
-    std::exception_ptr error;
-  };
-  auto state = std::make_shared<State>();
-  std::thread([state, fn = std::move(fn)] {
-    T value{};
-    std::exception_ptr error;
-    try {
-      value = fn();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->value = std::move(value);
-    state->error = error;
-    state->done = true;
-    state->done_cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  const bool finished = state->done_cv.wait_for(lock, limit, [&] { return state->done; });
-  TORCH_CHECK(finished, on_timeout);
-  if (state->error) std::rethrow_exception(state->error);
-  return std::move(state->value);
-}
-
 // Every rank writes `value` under `prefix` + its rank and waits until all `world_size` ranks have
 // written theirs. `compare` is called for each other rank's value as soon as it is there, so a
 // disagreement is reported at once rather than at the deadline. Returns the ranks that had not

@@ -3,12 +3,55 @@
 // every missing rank named, and checks that all ranks hold the same value, through the store.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <c10/util/Exception.h>
+
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "shardit/dist/launch_env.h"
 
 namespace shardit::dist {
+
+/// Runs `fn` on its own thread and waits at most `limit`, else fails with `on_timeout`: for c10d
+/// calls with no bound of their own (a store server that accepts but never answers, Gloo retrying a
+/// refused connection). On timeout the thread is abandoned (the process is about to exit with the
+/// error).
+template <class T>
+T run_bounded(std::chrono::milliseconds limit, std::function<T()> fn, const std::string& on_timeout) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    T value{};
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, fn = std::move(fn)] {
+    T value{};
+    std::exception_ptr error;
+    try {
+      value = fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->value = std::move(value);
+    state->error = error;
+    state->done = true;
+    state->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  const bool finished = state->done_cv.wait_for(lock, limit, [&] { return state->done; });
+  TORCH_CHECK(finished, on_timeout);
+  if (state->error) std::rethrow_exception(state->error);
+  return std::move(state->value);
+}
 
 /// Where the store is: MASTER_ADDR, or loopback when every rank is local (no MASTER_ADDR).
 std::string store_host(const LaunchEnv& env);

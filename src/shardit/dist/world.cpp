@@ -84,7 +84,6 @@ struct World::Impl {
     if (env.rank == 0) check_port_free(env.master_port);
     try {
       transport.store = join_store(env, timeout);
-      transport.gloo_device = make_gloo_device(env);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size, " (", launch_source_name(env.source),
                   "): rendezvous at ", where, " failed within ", timeout.count(), " ms: ", error_message(e),
@@ -92,9 +91,18 @@ struct World::Impl {
                                 : "; check that all " + std::to_string(env.world_size) +
                                       " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is up");
     }
+    try {
+      GlooDevice gloo = make_gloo_device(env);
+      transport.gloo_device = std::move(gloo.device);
+      transport.gloo_address = std::move(gloo.address);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size, ": choosing the network interface for Gloo: ",
+                  error_message(e));
+    }
   }
 
-  // After join: starts this rank's heartbeat and connects the group of all ranks.
+  // After join: starts this rank's heartbeat and connects the group of all ranks. A failure to
+  // connect names the lost ranks itself (connect_c10d_group).
   std::shared_ptr<Group> connect_world(const LaunchEnv& env) {
     std::vector<int> all(env.world_size);
     for (int r = 0; r < env.world_size; ++r) all[r] = r;
@@ -103,10 +111,9 @@ struct World::Impl {
       stop_heartbeat_at_exit();
       return connect_c10d_group("world", env.rank, all, "shardit/world", transport, lost_ranks_fn());
     } catch (const std::exception& e) {
-      const std::string lost = heartbeat ? heartbeat->lost_ranks(all) : "";
       TORCH_CHECK(false, "rank ", env.rank, " of ", env.world_size,
                   ": setting up the world process group (rendezvous at ", store_address(env), ") failed within ",
-                  transport.timeout.count(), " ms: ", error_message(e), lost.empty() ? "" : "; ", lost);
+                  transport.timeout.count(), " ms: ", error_message(e));
     }
   }
 
@@ -198,9 +205,9 @@ std::shared_ptr<Group> World::new_group(const std::vector<int>& ranks) {
   try {
     return connect_c10d_group(name, group_rank, ranks, prefix, impl_->transport, impl_->lost_ranks_fn());
   } catch (const std::exception& e) {
-    const std::string lost = impl_->heartbeat ? impl_->heartbeat->lost_ranks(ranks) : "";
+    // connect_c10d_group's error names the lost members itself.
     TORCH_CHECK(false, "new_group ", name, " failed on rank ", rank(), " within ",
-                options_.timeout.count(), " ms: ", error_message(e), lost.empty() ? "" : "; ", lost);
+                options_.timeout.count(), " ms: ", error_message(e));
   }
 }
 
