@@ -1,11 +1,15 @@
 // LaunchEnv: every launcher's conventions, their precedence, defaults, and the error for each bad
-// value.
+// value; the local launcher's failure notice (the value its SIGTERM carries).
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
 #include "shardit/dist/launch_env.h"
+#include "shardit/dist/launcher.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace test_launch_env {
 namespace {
@@ -207,6 +211,30 @@ TEST(LaunchEnv, FromEnvironmentReadsTheProcessEnvironment) {
   EXPECT_EQ(env.source, LaunchSource::PMI);
   EXPECT_EQ(env.rank, 1);
   EXPECT_EQ(env.world_size, 2);
+}
+
+// The notice a server reads from the launcher's SIGTERM names the rank and how it ended, as the
+// launcher's own line does; a plain value (another program's sigqueue) is not taken for one.
+TEST(FailureNotice, CarriesTheRankAndHowItEnded) {
+  using shardit::dist::FailureNotice;
+  const int killed = SIGKILL;          // a wait status of a process killed by SIGKILL
+  const int exited = 3 << 8;           // ... of one that exited with code 3
+  for (const FailureNotice& notice : {FailureNotice{1, killed}, FailureNotice{63, exited}, FailureNotice{0, 255 << 8}}) {
+    const FailureNotice back = shardit::dist::decode_failure_notice(shardit::dist::encode_failure_notice(notice));
+    EXPECT_EQ(back.rank, notice.rank);
+    EXPECT_EQ(back.how(), notice.how());
+  }
+  EXPECT_EQ(FailureNotice({1, killed}).how(), "killed by signal 9 (Killed)");
+  EXPECT_EQ(FailureNotice({1, exited}).how(), "exit code 3");
+  siginfo_t info{};
+  info.si_code = SI_QUEUE;
+  info.si_pid = ::getppid();
+  info.si_value.sival_int = 7;
+  EXPECT_FALSE(shardit::dist::is_failure_notice(&info));
+  info.si_value.sival_int = shardit::dist::encode_failure_notice({1, killed});
+  EXPECT_TRUE(shardit::dist::is_failure_notice(&info));
+  info.si_pid = ::getpid();  // not from the launcher (this process's parent)
+  EXPECT_FALSE(shardit::dist::is_failure_notice(&info));
 }
 
 }  // namespace

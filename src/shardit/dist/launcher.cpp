@@ -97,13 +97,10 @@ void emit_lines(Stream& stream, const std::string& prefix, bool flush) {
   }
 }
 
-std::string describe(int status) {
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    return "killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
-  }
-  return "exit code " + std::to_string(WEXITSTATUS(status));
-}
+std::string describe(int status) { return FailureNotice{0, status}.how(); }
+
+// The mark of a failure notice's value, in its top bits (bits 25-30; the value stays positive).
+constexpr int kNoticeMark = 0x2d;
 
 bool failed(int status) { return WIFSIGNALED(status) || WEXITSTATUS(status) != 0; }
 
@@ -340,6 +337,18 @@ class Supervisor {
     }
   }
 
+  // SIGTERM to the running ranks because rank `failed` ended with `status`: to each rank's own
+  // process first as a failure notice (FailureNotice), then to its process group (what the rank
+  // started); the second SIGTERM merges with the first while it is pending.
+  void stop_after_failure(int failed, int status) {
+    sigval value{};
+    value.sival_int = encode_failure_notice(FailureNotice{failed, status});
+    for (auto& rank : ranks_) {
+      if (rank.running) ::sigqueue(rank.pid, SIGTERM, value);
+    }
+    signal_running(SIGTERM);
+  }
+
   // Reaps whatever exited; the first failure stops the others. Whether any rank still runs.
   bool reap() {
     bool any_running = false;
@@ -362,7 +371,7 @@ class Supervisor {
         write_all(2, line.data(), line.size());
         stopping_ = true;
         stop_since_ = Clock::now();
-        signal_running(SIGTERM);
+        stop_after_failure(r, status);
       }
     }
     return any_running;
@@ -465,6 +474,33 @@ int launch_exit_code(const StartedRanks& started, const Supervisor& supervisor) 
 }
 
 }  // namespace
+
+std::string FailureNotice::how() const {
+  if (WIFSIGNALED(wait_status)) {
+    const int sig = WTERMSIG(wait_status);
+    return "killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
+  }
+  return "exit code " + std::to_string(WEXITSTATUS(wait_status));
+}
+
+// Bits 0-15: the rank; 16-23: the exit code or signal; 24: killed by a signal; 25-30: the mark.
+int encode_failure_notice(const FailureNotice& notice) {
+  const bool signalled = WIFSIGNALED(notice.wait_status);
+  const int code = (signalled ? WTERMSIG(notice.wait_status) : WEXITSTATUS(notice.wait_status)) & 0xff;
+  return (kNoticeMark << 25) | (signalled ? 1 << 24 : 0) | (code << 16) | (notice.rank & 0xffff);
+}
+
+bool is_failure_notice(const siginfo_t* info) {
+  return info != nullptr && info->si_code == SI_QUEUE && info->si_pid == ::getppid() &&
+         ((info->si_value.sival_int >> 25) & 0x3f) == kNoticeMark;
+}
+
+FailureNotice decode_failure_notice(int value) {
+  const int code = (value >> 16) & 0xff;
+  // A wait status as waitpid would give it: the signal in the low bits, or the code shifted.
+  const int status = (value & (1 << 24)) != 0 ? code : code << 8;
+  return FailureNotice{value & 0xffff, status};
+}
 
 std::string current_executable() {
   std::vector<char> buffer(4096);

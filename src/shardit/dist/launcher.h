@@ -1,5 +1,6 @@
 #pragma once
 // The built-in local launcher (like `torchrun --standalone --nproc-per-node N`).
+#include <signal.h>
 #include <sys/types.h>
 
 #include <functional>
@@ -45,6 +46,26 @@ struct LocalLaunchOptions {
 /// (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no rank running. Returns 0 when every rank
 /// exited 0, else non-zero. `nproc` must be in 1..kMaxLocalRanks.
 int launch_local(const std::vector<std::string>& argv, const LocalLaunchOptions& options);
+
+/// The SIGTERM with which the local launcher stops the other ranks after rank `rank` failed carries
+/// that rank and how it ended (sigqueue's value), so that a rank that handles SIGTERM can tell this
+/// stop from one a user asked for (a server then fails naming the rank instead of shutting down).
+struct FailureNotice {
+  int rank = 0;
+  int wait_status = 0;  ///< as waitpid gave it
+  /// "killed by signal 9 (Killed)" or "exit code 3".
+  std::string how() const;
+};
+
+/// The sigqueue value for `notice` (at most 65535 ranks; the launcher starts kMaxLocalRanks).
+int encode_failure_notice(const FailureNotice& notice);
+
+/// Whether `info` (a SIGTERM's, from an SA_SIGINFO handler) is the launcher's failure notice: queued
+/// by this process's parent with the notice's mark. Async-signal-safe.
+bool is_failure_notice(const siginfo_t* info);
+
+/// The notice a value of encode_failure_notice holds.
+FailureNotice decode_failure_notice(int value);
 
 /// The path of the running executable (/proc/self/exe).
 std::string current_executable();

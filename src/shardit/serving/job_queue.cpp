@@ -12,13 +12,21 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<int> g_failure_notice{0};  // 0: none (a notice's value always has its mark bits set)
 static_assert(std::atomic<int>::is_always_lock_free, "the stop flag is set from a signal handler");
 
 }  // namespace
 
 void note_stop_signal(int signal) { g_stop_signal.store(signal); }
 
-bool stop_asked() { return g_stop_signal.load() != 0; }
+void note_failure_notice(int value) { g_failure_notice.store(value); }
+
+bool stop_asked() { return g_stop_signal.load() != 0 && g_failure_notice.load() == 0; }
+
+std::optional<int> failure_notice() {
+  const int value = g_failure_notice.load();
+  return value != 0 ? std::optional<int>(value) : std::nullopt;
+}
 
 Reply error_reply(const ApiError& error) { return {error.status(), error.body().dump()}; }
 
@@ -181,8 +189,13 @@ void JobQueue::stop_dispatchers() {
 }
 
 void JobQueue::report_replica_failure(const std::string& message) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (replica_failure_.empty()) replica_failure_ = message;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!replica_failure_.empty()) return;
+    replica_failure_ = message;
+    for (const auto& job : running_) job->cancel_asked.store(true);
+  }
+  fail(message);
   wake_.notify_all();
 }
 
@@ -199,6 +212,7 @@ std::string JobQueue::cancel_reason(const Job& job) const {
 void JobQueue::complete(const std::shared_ptr<Job>& job, JobStatus status, Reply reply) {
   std::lock_guard<std::mutex> lock(mutex_);
   job->forget_inputs();  // its generation has ended
+  if (job->answered) return;  // the server failed meanwhile (fail() answered it)
   finish(job, status, std::move(reply));
   running_.erase(std::remove(running_.begin(), running_.end(), job), running_.end());
   publish();

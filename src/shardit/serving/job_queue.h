@@ -25,8 +25,13 @@ namespace shardit::serving {
 
 /// Records a stop signal: the SIGINT/SIGTERM handler (it only sets a lock-free atomic).
 void note_stop_signal(int signal);
-/// Whether a stop signal arrived.
+/// Records the launcher's word that a rank failed (dist::FailureNotice's value), which the same
+/// handler tells from a stop signal: the server fails instead of stopping (lock-free, like above).
+void note_failure_notice(int value);
+/// Whether a stop signal arrived, and no failure notice (a failing server does not stop).
 bool stop_asked();
+/// The launcher's failure notice, when one arrived.
+std::optional<int> failure_notice();
 
 /// What an HTTP handler answers.
 struct Reply {
@@ -126,7 +131,10 @@ class JobQueue {
   Taken next_for_dispatcher();
   /// The dispatchers finish their generation and stop their replica.
   void stop_dispatchers();
-  /// A dispatcher's replica was lost: the first such failure is kept and rank 0's loop woken.
+  /// A replica (or, from the launcher's notice, one of its ranks) was lost: the first such failure
+  /// is kept, the server fails at once (fail(), whatever the replicas are doing: their running
+  /// jobs are also asked to cancel, so each generation stops at its next step) and rank 0's loop
+  /// is woken to exit.
   void report_replica_failure(const std::string& message);
   std::string replica_failure() const;
 

@@ -133,9 +133,8 @@ void ReplicaDispatch::dispatch(int replica) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const std::exception& e) {
-    const std::vector<int>& members = watch.members();
-    queue_.report_replica_failure(fmt::format("replica {} (ranks {} to {}) failed: {}", replica, members.front(),
-                                              members.back(), error_message(e)));
+    queue_.report_replica_failure(
+        fmt::format("{} failed: {}", replicas_.replica_of(watch.members().front()), error_message(e)));
   }
 }
 

@@ -1,5 +1,7 @@
 #include "shardit/serving/replica_status.h"
 
+#include <fmt/format.h>
+
 namespace shardit::serving {
 
 ReplicaStatus::ReplicaStatus(Metrics& metrics) : metrics_(metrics) {}
@@ -42,6 +44,15 @@ void ReplicaStatus::set_busy(int replica, bool busy) {
 ReplicasView ReplicaStatus::view() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return {replicas_, replica_size_, busy_, all_ranks()};
+}
+
+std::string ReplicaStatus::replica_of(int rank) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (replicas_ <= 1) return "";
+  const int replica = rank / replica_size_;
+  const int first = replica * replica_size_;
+  return replica_size_ == 1 ? fmt::format("replica {} (rank {})", replica, first)
+                            : fmt::format("replica {} (ranks {} to {})", replica, first, first + replica_size_ - 1);
 }
 
 std::vector<RankReport> ReplicaStatus::all_ranks() const {

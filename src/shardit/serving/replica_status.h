@@ -2,6 +2,7 @@
 // The data-parallel replicas of a served mesh as rank 0 sees them, for /health and /metrics: how
 // many there are, their ranks' last reports, and which are running a generation.
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "shardit/serving/control.h"
@@ -31,6 +32,9 @@ class ReplicaStatus {
   /// Replica `replica` starts or ends a generation.
   void set_busy(int replica, bool busy);
   ReplicasView view() const;
+  /// The replica that `rank` belongs to, for messages: "replica 1 (ranks 2 to 3)", "replica 1
+  /// (rank 1)"; "" when the world is one replica.
+  std::string replica_of(int rank) const;
 
  private:
   // Every rank's last report, in rank order (the caller holds the lock).

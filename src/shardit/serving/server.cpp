@@ -7,12 +7,14 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
 #include <ctime>
 #include <optional>
 #include <thread>
 
 #include "shardit/core/error.h"
 #include "shardit/core/heap.h"
+#include "shardit/dist/launcher.h"
 #include "shardit/dist/world.h"
 #include "shardit/nn/linear.h"
 #include "shardit/serving/generation.h"
@@ -39,9 +41,23 @@ JobLink link_to(const std::shared_ptr<Job>& job) {
 
 }  // namespace
 
+namespace {
+
+// SIGINT/SIGTERM: a stop, unless it is the launcher's notice that a rank failed.
+void on_stop_signal(int signal, siginfo_t* info, void*) {
+  if (dist::is_failure_notice(info)) {
+    note_failure_notice(info->si_value.sival_int);
+  } else {
+    note_stop_signal(signal);
+  }
+}
+
+}  // namespace
+
 void install_stop_handlers() {
   struct sigaction action {};
-  action.sa_handler = note_stop_signal;
+  action.sa_sigaction = on_stop_signal;
+  action.sa_flags = SA_SIGINFO;
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, nullptr);
   ::sigaction(SIGTERM, &action, nullptr);
@@ -58,6 +74,7 @@ struct Server::State {
         answers(options, metrics, queue, started),
         dispatch(queue, replicas, answers),
         routes(options, metrics, queue, replicas, started) {}
+  ~State() { stop_notice_watch(); }
 
   ServeOptions options;
   Metrics metrics;
@@ -71,6 +88,32 @@ struct Server::State {
   std::thread listener;
   bool listening = false;
   bool failed = false;  // fail() ran: its error passes through lead()'s catch unchanged
+  std::atomic<bool> leading{false};
+  std::thread notice_watch;  // rank 0, while it leads: the launcher's failure notice
+
+  // Rank 0, while it leads: the launcher's word that a rank failed (the SIGTERM it stops the
+  // other ranks with) fails the server at once, whatever rank 0 is doing: every open request is
+  // answered naming the rank, and rank 0's loop wakes to exit.
+  void watch_failure_notice() {
+    while (leading.load()) {
+      if (const std::optional<int> value = failure_notice()) {
+        const dist::FailureNotice notice = dist::decode_failure_notice(*value);
+        const std::string replica = replicas.replica_of(notice.rank);
+        const std::string message = fmt::format("{}lost rank {} ({}, as the launcher reports)",
+                                                replica.empty() ? "" : replica + " failed: ", notice.rank, notice.how());
+        fmt::print(stderr, "shardit serve: {}; answering every open request and exiting\n", message);
+        std::fflush(stderr);
+        queue.report_replica_failure(message);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  void stop_notice_watch() {
+    leading.store(false);
+    if (notice_watch.joinable()) notice_watch.join();
+  }
 
   // Rank 0: HTTP, the queue, replica 0's generations here and a dispatcher thread per other
   // replica, until a stop signal (returns 0) or a failure (throws).
@@ -78,6 +121,8 @@ struct Server::State {
     try {
       replicas.set_ranks(0, plane.report(false));
       queue.open(pipeline);
+      leading.store(true);
+      notice_watch = std::thread([this] { watch_failure_notice(); });
       dispatch.start();
       const int count = replicas.replicas();
       const std::string layout =
@@ -93,9 +138,11 @@ struct Server::State {
       plane.send(ControlKind::Stop);
       plane.report(false);
     } catch (const c10::Error& e) {
+      stop_notice_watch();
       if (failed) throw;
       fail(error_message(e));
     }
+    stop_notice_watch();
     stop_http();
     return 0;
   }
