@@ -81,9 +81,12 @@ class TwoHosts {
 
   TwoHosts() {
     const std::string id = std::to_string(::getpid());
-    for (int h = 0; h < 2; ++h) names_[h] = "shardit-host" + std::to_string(h) + "-" + id;
-    const std::string a = "smh" + id + "a";
-    const std::string b = "smh" + id + "b";
+    for (int h = 0; h < 2; ++h) {
+      names_[h] = "shardit-host" + std::to_string(h) + "-" + id;
+      veth_[h] = "smh" + id + (h == 0 ? "a" : "b");
+    }
+    const std::string& a = veth_[0];
+    const std::string& b = veth_[1];
     const std::vector<std::string> steps = {
         "ip netns add " + names_[0],
         "ip netns add " + names_[1],
@@ -107,6 +110,7 @@ class TwoHosts {
   ~TwoHosts() {
     std::string output;
     for (const std::string& name : names_) run_command("ip netns del " + name + " 2>/dev/null", &output);
+    run_command("ip link del " + veth_[0] + " 2>/dev/null", &output);  // a pair left in this namespace
   }
   // Why the namespaces could not be made ("" when they were).
   const std::string& error() const { return error_; }
@@ -148,6 +152,7 @@ class TwoHosts {
 
  private:
   std::string names_[2];
+  std::string veth_[2];
   std::string error_;
 };
 
