@@ -34,12 +34,8 @@ if [ "${1:-}" != "--cli" ]; then
     # the official openai client's test (tests/client): a virtual environment for the client from
     # PyPI, and curl for the docs' example
     python3 python3-venv curl
-  )
-fi
-if [ "${1:-}" != "--cli" ]; then
-  packages+=(
-    # multi-process launcher tests
-    openmpi-bin libopenmpi-dev
+    # multi-process launcher tests; iproute2 makes the two-host test's network namespaces
+    openmpi-bin libopenmpi-dev iproute2
     # fuzzing (libFuzzer ships with clang's runtime)
     clang libclang-rt-14-dev
   )
