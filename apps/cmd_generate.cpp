@@ -25,6 +25,7 @@
 #include "shardit/io/png.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
+#include "shardit/nn/attention/backends.h"
 #include "shardit/nn/attention/bf16_kernels.h"
 #include "shardit/nn/cpu/fused.h"
 #include "shardit/nn/gemm.h"
@@ -264,8 +265,9 @@ int generate(const GenerateOptions& given) {
         pipeline->class_name(), options.pipeline.dtype, dims.tp, world.size(), dims.to_string(), pngs.size(), result.width,
         result.height, result.num_inference_steps, seconds(start, end), seconds(load_start, start),
         fmt::join(pngs, ", "), options.out_tensors.empty() ? "" : ", " + options.out_tensors);
-    fmt::print("fp32 matrix products on {}; bf16 attention on {}; fused element-wise kernels: {}\n",
-               nn::gemm_kernel_summary(), nn::cpu_bf16_attention_backend(), nn::cpu::fused_kernels_name());
+    fmt::print("fp32 matrix products on {}; fp32 attention on {}; bf16 attention on {}; fused element-wise kernels: {}\n",
+               nn::gemm_kernel_summary(), nn::cpu_attention_backend(at::kFloat), nn::cpu_bf16_attention_backend(),
+               nn::cpu::fused_kernels_name());
   }
   return 0;
 }

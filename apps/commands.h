@@ -172,5 +172,9 @@ void register_preprocess_image(CLI::App& app, CommandBody& body);
 void register_check_backends(CLI::App& app, CommandBody& body);
 /// Adds `serve` (an OpenAI-compatible images API over a pipeline).
 void register_serve(CLI::App& app, CommandBody& body);
+/// Adds `version` and the program's --version flag (nn/build_info.h's facts).
+void register_version(CLI::App& app, CommandBody& body);
+/// The facts `shardit version` prints, one "name: value" line each.
+std::string version_text();
 
 }  // namespace shardit::apps

@@ -123,6 +123,7 @@ int run_cli(int argc, char** argv) {
   shardit::apps::register_preprocess_image(app, body);
   shardit::apps::register_check_backends(app, body);
   shardit::apps::register_serve(app, body);
+  shardit::apps::register_version(app, body);
 
   try {
     app.parse(argc, argv);

@@ -19,6 +19,7 @@
 #include "shardit/nn/cpu/blas_core.h"
 #include "shardit/nn/cpu/dispatch.h"
 #include "shardit/nn/cpu/fused.h"
+#include "shardit/nn/build_info.h"
 #include "shardit/nn/gemm.h"
 
 namespace shardit_bench {
@@ -219,9 +220,12 @@ nlohmann::json gemm_report() {
 }
 
 void emit(const BenchOptions& options, const nlohmann::json& result, const std::string& markdown_row) {
-  std::printf("%s\n", result.dump(2).c_str());
+  // Every report says what computed it: `shardit version`'s facts.
+  nlohmann::json report = result;
+  report["build"] = shardit::nn::build_facts_json();
+  std::printf("%s\n", report.dump(2).c_str());
   std::printf("\n%s\n", markdown_row.c_str());
-  if (!options.json_out.empty()) std::ofstream(options.json_out) << result.dump(2) << "\n";
+  if (!options.json_out.empty()) std::ofstream(options.json_out) << report.dump(2) << "\n";
 }
 
 }  // namespace shardit_bench

@@ -93,7 +93,8 @@ class GemmRateProbe {
 /// The GEMM kernel selection, what auto measured, and the BLAS library's own kernel choice.
 nlohmann::json gemm_report();
 
-/// Prints the result as JSON and its Markdown row (and writes the JSON to --json when given).
+/// Prints the result as JSON, with the build's facts under "build" (nn/build_info.h), and its Markdown
+/// row (and writes the JSON to --json when given).
 void emit(const BenchOptions& options, const nlohmann::json& result, const std::string& markdown_row);
 
 /// The subcommands (bench/bench_forward.cpp: forward; bench/shardit_bench.cpp: the others).

@@ -240,7 +240,7 @@ AttentionBackendGuard::~AttentionBackendGuard() {
   r.selection = previous_;
 }
 
-at::Tensor dispatch_attention(const AttentionCall& call) {
+const AttentionBackend& attention_backend_for(const AttentionCall& call) {
   const std::string selection = attention_backend_selection();
   const AttentionBackend* chosen = nullptr;
   if (selection == "auto") {
@@ -270,6 +270,18 @@ at::Tensor dispatch_attention(const AttentionCall& call) {
                 call.q.scalar_type(), " on ", call.q.device(), (call.mask.has_value() ? ", with a mask" : ""),
                 "): ", why, "; choose another with --attention-backend (or auto)");
   }
+  return *chosen;
+}
+
+std::string cpu_attention_backend(at::ScalarType dtype) {
+  const at::Tensor q = at::zeros({1, 1, 32, 128}, at::TensorOptions().dtype(dtype));
+  const std::optional<at::Tensor> no_mask;
+  const AttentionCall call{q, q, q, no_mask, 1.0 / std::sqrt(128.0)};
+  return attention_backend_for(call).name;
+}
+
+at::Tensor dispatch_attention(const AttentionCall& call) {
+  const AttentionBackend* chosen = &attention_backend_for(call);
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);

@@ -93,6 +93,15 @@ class AttentionBackendGuard {
   std::string previous_;
 };
 
+/// The backend that runs `call` under the current selection: the selected one (an error naming
+/// why when it cannot), or under "auto" the first of the device's preference list that accepts it
+/// (an error with each one's reason when none does).
+const AttentionBackend& attention_backend_for(const AttentionCall& call);
+
+/// The backend that a plain call in `dtype` on the CPU (FLUX's head size 128, no mask) goes to under
+/// the current selection: what start-up lines, `shardit version` and the bench report.
+std::string cpu_attention_backend(at::ScalarType dtype);
+
 /// Runs `call` on the selected backend and counts the dispatch.
 at::Tensor dispatch_attention(const AttentionCall& call);
 
