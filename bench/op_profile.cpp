@@ -12,6 +12,8 @@
 #include <mutex>
 #include <vector>
 
+#include "shardit/core/compat.h"
+
 namespace shardit_bench {
 
 namespace {
@@ -57,10 +59,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 /// Receives the CPU allocator's reports (what torch.profiler's profile_memory uses).
 class AllocationReporter : public c10::MemoryReportingInfoBase {
  public:
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, int64_t total_allocated, int64_t /*total_reserved*/,
-                         c10::Device /*device*/) override {
+  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, shardit::compat::MemoryReportTotal total_allocated_bytes,
+                         shardit::compat::MemoryReportTotal /*total_reserved*/, c10::Device /*device*/) override {
     Totals* totals = active.load();
     if (totals == nullptr) return;
+    const auto total_allocated = static_cast<int64_t>(total_allocated_bytes);
     std::lock_guard<std::mutex> lock(totals->mutex);
     if (totals->start_bytes < 0) totals->start_bytes = total_allocated - std::max<int64_t>(alloc_size, 0);
     totals->peak_bytes = std::max(totals->peak_bytes, total_allocated - totals->start_bytes);

@@ -13,6 +13,16 @@ if(SHARDIT_LIBTORCH_DIR)
   # A build folder configured before against another LibTorch keeps its package folders cached.
   set(Torch_DIR "${SHARDIT_LIBTORCH_DIR}/share/cmake/Torch" CACHE PATH "" FORCE)
   set(Caffe2_DIR "${SHARDIT_LIBTORCH_DIR}/share/cmake/Caffe2" CACHE PATH "" FORCE)
+  # Upstream LibTorch (a download, PyPI's wheel) carries protobuf inside and names
+  # protobuf::libprotobuf in its targets' link interface as an alias of a plain target it adds,
+  # which the configure checks below (try_compile) cannot take: an empty imported target instead.
+  if(NOT TARGET protobuf::libprotobuf)
+    add_library(protobuf::libprotobuf INTERFACE IMPORTED)
+  endif()
+  # Its CUDA setup (Caffe2's cuda.cmake) reads TORCH_CUDA_ARCH_LIST and warns when CMake's own
+  # CMAKE_CUDA_ARCHITECTURES is set, which enabling CUDA does under policy CMP0104's NEW
+  # behaviour. shardit compiles no CUDA code of its own.
+  cmake_policy(SET CMP0104 OLD)
 endif()
 
 find_package(Torch REQUIRED)
@@ -22,6 +32,11 @@ find_package(fmt REQUIRED)
 find_package(Threads REQUIRED)
 # OpenMP: at::parallel_for is inlined from ATen's headers and runs its loop on LibTorch's OpenMP
 # threads only where the including code is compiled with OpenMP; without it, it runs serially.
+# An upstream LibTorch (PyPI's wheel) brings its own libgomp.so.1, which its OpenMP code runs on: a
+# process loads one libgomp.so.1, so shardit's OpenMP code links that one too.
+if(SHARDIT_LIBTORCH_DIR AND EXISTS "${SHARDIT_LIBTORCH_DIR}/lib/libgomp.so.1")
+  set(OpenMP_gomp_LIBRARY "${SHARDIT_LIBTORCH_DIR}/lib/libgomp.so.1" CACHE FILEPATH "libgomp" FORCE)
+endif()
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(PNG REQUIRED)  # images written by `shardit generate` and read as inputs (libpng-dev)
 find_package(JPEG REQUIRED)  # JPEG input images for editing (libjpeg62-turbo-dev)
@@ -56,11 +71,55 @@ if("-D_GLIBCXX_USE_CXX11_ABI=0" IN_LIST SHARDIT_TORCH_CXX_FLAGS)
                       "(libtorch-cxx11-abi-shared-with-deps-*.zip)")
 endif()
 
+# LibTorch's CUDA library finds the CUDA libraries it was built with through its own RPATH (PyPI's
+# wheel: the nvidia-* packages beside it, newer than a system CUDA toolkit's libraries of the same
+# names). Those folders come first when linking (-rpath-link, for the libraries it needs) and in
+# shardit's programs' RUNPATH, so that a CUDA toolkit's older copies are not taken instead.
+set(SHARDIT_TORCH_LINK_OPTIONS "")
+if(TARGET torch_cuda)
+  find_library(SHARDIT_TORCH_CUDA_LIBRARY torch_cuda PATHS "${TORCH_INSTALL_PREFIX}/lib" NO_DEFAULT_PATH)
+  if(SHARDIT_TORCH_CUDA_LIBRARY)
+    get_filename_component(origin "${SHARDIT_TORCH_CUDA_LIBRARY}" DIRECTORY)
+    file(READ_ELF "${SHARDIT_TORCH_CUDA_LIBRARY}" RPATH torch_cuda_rpath RUNPATH torch_cuda_runpath)
+    string(REPLACE ":" ";" torch_cuda_dirs "${torch_cuda_rpath}:${torch_cuda_runpath}")
+    set(dirs "")
+    foreach(dir IN LISTS torch_cuda_dirs)
+      string(REPLACE "$ORIGIN" "${origin}" dir "${dir}")
+      if(dir AND IS_DIRECTORY "${dir}")
+        get_filename_component(dir "${dir}" ABSOLUTE)
+        list(APPEND dirs "${dir}")
+      endif()
+    endforeach()
+    list(REMOVE_DUPLICATES dirs)
+    if(dirs)
+      string(REPLACE ";" ":" dirs "${dirs}")
+      set(SHARDIT_TORCH_LINK_OPTIONS "LINKER:-rpath-link,${dirs}" "LINKER:-rpath,${dirs}")
+    endif()
+  endif()
+endif()
+
+# An upstream LibTorch carries the headers of the fmt it was built with (include/fmt, another major
+# version than Debian's libfmt-dev, which shardit links), and its include folder comes before the
+# system's. A folder holding only the linked fmt's headers goes first on every shardit target's
+# include path, so that <fmt/...> is the fmt that is linked (and formats as in the Debian build).
+set(SHARDIT_FMT_INCLUDE_DIR "")
+if(SHARDIT_LIBTORCH_DIR AND EXISTS "${SHARDIT_LIBTORCH_DIR}/include/fmt")
+  get_target_property(fmt_include_dirs fmt::fmt INTERFACE_INCLUDE_DIRECTORIES)
+  find_path(SHARDIT_FMT_HEADERS fmt/format.h PATHS ${fmt_include_dirs} NO_DEFAULT_PATH)
+  if(NOT SHARDIT_FMT_HEADERS)
+    message(FATAL_ERROR "fmt's headers (fmt/format.h) were not found in ${fmt_include_dirs}: install libfmt-dev")
+  endif()
+  set(SHARDIT_FMT_INCLUDE_DIR "${CMAKE_BINARY_DIR}/linked-fmt-include")
+  file(MAKE_DIRECTORY "${SHARDIT_FMT_INCLUDE_DIR}")
+  file(CREATE_LINK "${SHARDIT_FMT_HEADERS}/fmt" "${SHARDIT_FMT_INCLUDE_DIR}/fmt" SYMBOLIC)
+endif()
+
 # Builds and links a small program against LibTorch with `definitions`; `result` is cached.
 include(CheckCXXSourceCompiles)
 function(shardit_check_torch_program result definitions libraries source)
   set(CMAKE_REQUIRED_DEFINITIONS ${definitions})
   set(CMAKE_REQUIRED_LIBRARIES torch ${libraries})
+  set(CMAKE_REQUIRED_LINK_OPTIONS ${SHARDIT_TORCH_LINK_OPTIONS})
   set(CMAKE_REQUIRED_FLAGS "${TORCH_CXX_FLAGS}")
   set(CMAKE_REQUIRED_QUIET OFF)
   check_cxx_source_compiles("${source}" ${result})
@@ -153,9 +212,22 @@ else()
 endif()
 message(STATUS "  SDPA     ${SHARDIT_WITH_SDPA}")
 
+# LibTorch 2.x compiles what uses it as C++20 (its `torch` target asks for cxx_std_20).
+# SHARDIT_TORCH_CXX_STANDARD is the standard LibTorch asks for, for what is compiled outside CMake's
+# targets (the fuzzer, tests/fuzz).
+set(SHARDIT_TORCH_CXX_STANDARD 17)
+get_target_property(torch_compile_features torch INTERFACE_COMPILE_FEATURES)
+if("cxx_std_20" IN_LIST torch_compile_features)
+  set(SHARDIT_TORCH_CXX_STANDARD 20)
+endif()
+
 # One function so every shardit target gets the same flags (needed to share the precompiled header).
 function(shardit_target_defaults target)
   target_compile_options(${target} PRIVATE ${SHARDIT_TORCH_CXX_FLAGS} -Wall -Wextra -Wno-unused-parameter)
+  target_link_options(${target} PUBLIC ${SHARDIT_TORCH_LINK_OPTIONS})
+  if(SHARDIT_FMT_INCLUDE_DIR)
+    target_include_directories(${target} SYSTEM BEFORE PRIVATE "${SHARDIT_FMT_INCLUDE_DIR}")
+  endif()
   target_compile_definitions(${target} PUBLIC
     SHARDIT_WITH_CUDA=$<BOOL:${SHARDIT_WITH_CUDA}>
     SHARDIT_WITH_NCCL=$<BOOL:${SHARDIT_WITH_NCCL}>

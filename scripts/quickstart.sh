@@ -9,9 +9,9 @@
 # benchmarks); `bash scripts/test.sh` installs and builds the rest into the same build folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/libtorch.sh  # BUILD_DIR (SHARDIT_LIBTORCH=pip: build-pip)
 bash scripts/setup.sh --cli
 SHARDIT_BUILD_TARGETS=shardit_cli bash scripts/build.sh
-BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
 SHARDIT="$BUILD_DIR/apps/shardit"
 ARGS=(generate --prompt "a red fox in the snow" --max-sequence-length 64 --height 256 --width 256 --steps 4 --seed 42)
 "$SHARDIT" "${ARGS[@]}" --out "$BUILD_DIR/builtin-tp1.png"

@@ -2,14 +2,17 @@
 # The test command: installs what is missing, builds everything, runs the whole suite under CTest
 # and prints a summary (cases per label, the slowest cases, how to rerun each failed case alone).
 # Extra args go to CTest (e.g. -L unit, -R test_tp_toy, -LE golden).
+#   SHARDIT_LIBTORCH   debian (default) or pip: which LibTorch, and its build folder
+#                      (scripts/libtorch.sh); `SHARDIT_LIBTORCH=pip bash scripts/test.sh` installs
+#                      PyPI's torch into ./build-pip and tests that build.
 #   SHARDIT_TEST_JOBS  entries CTest runs at once (default: the number of cores). CTest runs one
 #                      entry per test file; the entries of files that start ranks run one at a
 #                      time (a lock), beside the others (tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/libtorch.sh
 bash scripts/setup.sh
 bash scripts/build.sh
-BUILD_DIR=${SHARDIT_BUILD_DIR:-build}
 JOBS=${SHARDIT_TEST_JOBS:-$(nproc)}
 JUNIT="$(cd "$BUILD_DIR" && pwd)/Testing/junit.xml"
 rm -f "$JUNIT"

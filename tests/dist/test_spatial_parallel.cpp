@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "shardit/core/compat.h"
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
@@ -142,7 +143,7 @@ INSTANTIATE_TEST_SUITE_P(Degrees, SpatialParallelGoldenVae, ::testing::Values(2,
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) { instance_ = this; }
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) SHARDIT_ALLOCATE_CONST override {
     c10::DataPtr inner = base_->allocate(n);
     const c10::Device device = inner.device();
     void* data = inner.get();
@@ -156,6 +157,11 @@ class CountingAllocator final : public c10::Allocator {
     return {data, data, &release, device};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
+#if SHARDIT_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
   /// Restarts the high-water mark at the bytes live now; returns them.
   int64_t reset_peak() const {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -45,7 +45,9 @@ CpuFeatures read_cpu_features() {
 std::string CpuFeatures::to_string() const {
   std::string out;
   const auto add = [&out](bool present, const char* name) {
-    if (present) out += (out.empty() ? "" : " ") + std::string(name);
+    if (!present) return;
+    if (!out.empty()) out += ' ';
+    out += name;
   };
   add(avx2, "avx2");
   add(fma, "fma");

@@ -189,8 +189,11 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
         pending.push_back(send ? transport.send(tensors, peer, kNeighbourTag) : transport.recv(tensors, peer, kNeighbourTag));
       };
 #if SHARDIT_WITH_NCCL
-      const bool nccl = send_previous.defined() ? send_previous.is_cuda() : send_next.is_cuda();
-      if (nccl) c10d::ProcessGroupNCCL::groupStart();
+      // CUDA tensors go to the NCCL backend (backend()). Its group calls are static in LibTorch
+      // 1.x and members from 2.0 on; called on the object, the one line is both.
+      const bool on_nccl = send_previous.defined() ? send_previous.is_cuda() : send_next.is_cuda();
+      auto* nccl = on_nccl ? static_cast<c10d::ProcessGroupNCCL*>(&transport) : nullptr;
+      if (nccl) nccl->groupStart();
 #endif
       if (has_previous) {
         post(true, send_previous, rank_ - 1);
@@ -201,7 +204,7 @@ class C10dGroup final : public Group, public std::enable_shared_from_this<C10dGr
         post(false, from_next, rank_ + 1);
       }
 #if SHARDIT_WITH_NCCL
-      if (nccl) c10d::ProcessGroupNCCL::groupEnd();
+      if (nccl) nccl->groupEnd();
 #endif
       for (auto& work : pending) work->wait();
     });

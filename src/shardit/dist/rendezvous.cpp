@@ -192,8 +192,15 @@ void agree_through_store(c10d::Store& store, const std::string& prefix, int rank
   // Values are compared whole up to 64 KiB; longer ones (tensor tables of big checkpoints) by a
   // digest, with their start kept for the message.
   constexpr size_t kWhole = 64 * 1024;
-  const std::string record =
-      topic + "\n" + (value.size() <= kWhole ? value : "#" + std::to_string(std::hash<std::string>{}(value)) + " " + value.substr(0, 200));
+  std::string record = topic + "\n";
+  if (value.size() <= kWhole) {
+    record += value;
+  } else {
+    record += '#';
+    record += std::to_string(std::hash<std::string>{}(value));
+    record += ' ';
+    record += value.substr(0, 200);
+  }
   const auto start = Clock::now();
   const auto fail = [&](const std::string& cause) { fail_agreement(rank, cause, start, timeout); };
   try {

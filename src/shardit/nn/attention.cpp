@@ -109,7 +109,7 @@ at::Tensor attention(const HeadsQKV& qkv, const RotaryEmbedding* rope, const std
         .to(rotated.query.scalar_type());
   }
   // [B, H_local, S, hd]
-  const at::Tensor attended = scaled_dot_product_attention(
+  const at::Tensor attended = nn::scaled_dot_product_attention(
       rotated.query.transpose(1, 2), rotated.key.transpose(1, 2), rotated.value.transpose(1, 2), mask, scale);
   // [B, S, H_local * hd]
   return attended.transpose(1, 2).flatten(2).to(rotated.query.scalar_type());

@@ -48,11 +48,11 @@ at::Tensor SpatialParallelLayer::convolve_rows(
 }
 
 at::Tensor FeatureMapAttention::attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) const {
-  if (!spatial_group_) return scaled_dot_product_attention(query, key, value);
+  if (!spatial_group_) return nn::scaled_dot_product_attention(query, key, value);
   // One gather for both: [B, heads, S_band, 2D] -> [B, heads, S, 2D]
   const at::Tensor key_value = gather_rows(at::cat({key, value}, -1), 2, *spatial_group_);
   const auto parts = key_value.split(key.size(-1), -1);
-  return scaled_dot_product_attention(query, parts[0], parts[1]);
+  return nn::scaled_dot_product_attention(query, parts[0], parts[1]);
 }
 
 std::pair<int64_t, int64_t> row_band(int64_t rows, int64_t degree, int64_t rank) {

@@ -4,6 +4,10 @@
 
 #include <cmath>
 
+#if SHARDIT_WITH_SLEEF
+#include <sleef.h>
+#endif
+
 namespace shardit::nn {
 
 at::Tensor timestep_frequencies(int64_t num_channels, double downscale_freq_shift, double max_period) {
@@ -16,7 +20,22 @@ at::Tensor timestep_frequencies(int64_t num_channels, double downscale_freq_shif
   const at::Tensor k = at::arange(half, at::TensorOptions().dtype(at::kFloat));
   const at::Tensor exponent = (k * static_cast<float>(-std::log(max_period))) /
                               static_cast<float>(static_cast<double>(half) - downscale_freq_shift);
+#if SHARDIT_WITH_SLEEF
+  // The exp a LibTorch without MKL computes (Debian's; the torch the references were made with):
+  // Sleef's expf within 1.0 ULP, whose scalar form gives the bits of the vector forms LibTorch
+  // calls. A LibTorch with MKL
+  // (PyPI's) takes MKL's vsExp instead, whose last bit differs for some entries, and the sinusoid
+  // multiplies the entry by timesteps of up to ~1000 (guidance x 1000 in FLUX.2): one ulp of a
+  // frequency moves sin/cos by ~1e-4. Computing the table here gives it the same bits on either
+  // LibTorch.
+  at::Tensor freqs = at::empty_like(exponent);
+  const float* in = exponent.data_ptr<float>();
+  float* out = freqs.data_ptr<float>();
+  for (int64_t i = 0; i < half; ++i) out[i] = Sleef_expf_u10(in[i]);
+  return freqs;
+#else
   return at::exp(exponent);
+#endif
 }
 
 Timesteps::Timesteps(const TimestepsOptions& options)
