@@ -19,14 +19,9 @@ if [ "$SHARDIT_LIBTORCH" = pip ]; then
     echo "build: $TORCH_VENV has no Python: run SHARDIT_LIBTORCH=pip bash scripts/setup.sh first" >&2
     exit 1
   fi
-  torch_dir=$(pip_libtorch_dir)
-  # The wheel's NCCL (nvidia-nccl), the one its LibTorch loads: its header and library, so that
-  # shardit and c10d use one NCCL.
-  nccl_dir="$(dirname "$torch_dir")/nvidia/nccl"
   # The CUDA toolkit where NVIDIA's installer puts it, when nvcc is not on PATH.
   command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
-  LIBTORCH_ARGS=(-DSHARDIT_LIBTORCH_DIR="$torch_dir" -DSHARDIT_NCCL=ON
-                 -DSHARDIT_NCCL_INCLUDE_DIR="$nccl_dir/include" -DSHARDIT_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2")
+  mapfile -t LIBTORCH_ARGS < <(pip_libtorch_cmake_args "$(pip_libtorch_dir)")
 fi
 # Linking LibTorch programs takes ~1 GiB each; keep parallel jobs within memory.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "${LIBTORCH_ARGS[@]}" "$@"

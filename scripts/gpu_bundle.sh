@@ -19,7 +19,7 @@ DIFFUSERS_VERSION=0.42.1
 BUNDLE_DIR=.gpu_bundle
 packages=(
   nlohmann-json3-dev libcli11-dev libfmt-dev libfmt9 libpng-dev libpng16-16 zlib1g zlib1g-dev
-  libjpeg62-turbo-dev libjpeg62-turbo libcpp-httplib-dev libcpp-httplib0.11 libbrotli1
+  libjpeg62-turbo-dev libjpeg62-turbo libcpp-httplib-dev libcpp-httplib0.11 libbrotli1 libbrotli-dev libssl-dev
   libsentencepiece-dev libsentencepiece0 libpcre2-dev libpcre2-8-0 libicu-dev libicu72
   libgtest-dev libgmock-dev libgloo-dev pkgconf pkgconf-bin libpkgconf3 xz-utils liblzma5
 )
@@ -34,13 +34,14 @@ for deb in "$work"/debs/*.deb; do
   dpkg-deb -f "$deb" Package Version | paste -sd' ' >>"$work/bundle/MANIFEST"
 done
 
-# Pruned to what building and running needs. LibTorch's OpenSSL users (cpp-httplib) find libssl3
-# on any machine with Python's ssl module, so it is not carried.
+# Pruned to what building and running needs. cpp-httplib is built with OpenSSL, Brotli and zlib:
+# their headers and pkg-config files come along; the OpenSSL libraries themselves (libssl3) are on
+# any machine whose Python has its ssl module, so they are not carried.
 deps="$work/bundle/deps"
 lib="$deps/usr/lib/x86_64-linux-gnu"
 rm -rf "$deps/usr/share/doc" "$deps/usr/share/man" "$deps/usr/share/lintian" "$deps/usr/share/info" "$deps/usr/share/icu"
 find "$deps" -name '*.a' ! -name 'libgtest*.a' ! -name 'libgmock*.a' -delete
-rm -f "$lib"/libsentencepiece_train.so* "$lib"/libpcre2-16.so* "$lib"/libpcre2-32.so* "$lib"/libpcre2-posix.so* \
+rm -f "$lib"/libpcre2-16.so* "$lib"/libpcre2-32.so* "$lib"/libpcre2-posix.so* \
       "$lib"/libicuio.so* "$lib"/libicutest.so* "$lib"/libicutu.so*
 find "$deps" -xtype l -delete  # links to what was pruned
 

@@ -69,6 +69,10 @@ if [ -f .gpu_bundle/bundle.tar.xz ]; then
   DEPS=$(cd "$BUILD/bundle/deps" && pwd)
   export PATH="$DEPS/usr/bin:$PATH"
   export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The prefix stands where /usr would on a Debian machine: headers found without -I (Gloo's, which
+  # LibTorch's c10d headers include), libraries without -L.
+  export CPATH="$DEPS/usr/include:$DEPS/usr/include/x86_64-linux-gnu${CPATH:+:$CPATH}"
+  export LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export PKG_CONFIG_SYSROOT_DIR="$DEPS"
   export PKG_CONFIG_LIBDIR="$DEPS/usr/lib/x86_64-linux-gnu/pkgconfig:$DEPS/usr/share/pkgconfig"
   export PYTHONPATH="$(cd "$BUILD/bundle/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -82,8 +86,10 @@ fi
 # architecture from the device: Hopper (the lent machines) unless TORCH_CUDA_ARCH_LIST says.
 t=$SECONDS
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDIT_LIBTORCH_DIR="$TORCH_DIR" \
-     -DSHARDIT_BUILD_FUZZ=OFF "${cmake_extra[@]}"; then
+source scripts/libtorch.sh  # the same LibTorch and NCCL arguments as SHARDIT_LIBTORCH=pip's build
+mapfile -t libtorch_args < <(pip_libtorch_cmake_args "$TORCH_DIR")
+if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${libtorch_args[@]}" -DSHARDIT_BUILD_FUZZ=OFF \
+     "${cmake_extra[@]}"; then
   record configure failed $((SECONDS - t)); exit 1
 fi
 record configure passed $((SECONDS - t))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Rehearses scripts/gpu_check.sh here, in a clean root that has only what the GPU machine has:
 # Debian's minimal base with Python 3, g++, CMake and ninja, PyPI's torch in a venv (the GPU
-# machine's is at /opt/torch/.venv, with numpy, Pillow, huggingface-hub, regex, safetensors) and
-# the CUDA toolkit, no -dev package of ours and no network while the check runs. The repository's
+# machine's is at /opt/torch/.venv, with numpy, Pillow, huggingface-hub, regex, safetensors,
+# requests, filelock: diffusers' dependencies, which that machine has) and
+# the CUDA toolkit, no -dev package of ours and no network while the check runs. A second run
+# keeps the root and its build-gpu/ (an incremental build). The repository's
 # tracked files and .gpu_bundle/ (make it first: scripts/gpu_bundle.sh) are copied in, as they
 # travel to that machine. Without a GPU the check's CUDA steps report "rehearsed" (docs/building.md,
 # "On a GPU").
@@ -28,11 +30,14 @@ if [ ! -x "$ROOT/opt/torch/.venv/bin/python3" ]; then
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
   cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/host-ca-certificates.crt"
   chroot "$ROOT" env -i PATH=/usr/bin:/bin HOME=/root PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt bash -c "python3 -m venv /opt/torch/.venv &&
-    /opt/torch/.venv/bin/pip install -q torch==$TORCH_VERSION numpy pillow huggingface_hub regex safetensors"
+    /opt/torch/.venv/bin/pip install -q torch==$TORCH_VERSION numpy pillow huggingface_hub regex safetensors \
+      requests filelock"
 fi
 
 # The tree as it travels: tracked files (links as links) and the bundle.
-rm -rf "$ROOT/src" && mkdir -p "$ROOT/src" "$ROOT/out" "$ROOT$CUDA"
+mkdir -p "$ROOT/src" "$ROOT/out" "$ROOT$CUDA"
+find "$ROOT/src" -mindepth 1 -maxdepth 1 ! -name build-gpu -exec rm -rf {} +
+rm -rf "$ROOT/out"/*
 git ls-files -z | tar --null -T - -cf - .gpu_bundle | tar -C "$ROOT/src" -xf -
 mountpoint -q "$ROOT$CUDA" || mount --bind -o ro "$CUDA" "$ROOT$CUDA"
 mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"

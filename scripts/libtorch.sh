@@ -24,3 +24,13 @@ pip_libtorch_dir() {
   site=$("$TORCH_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site/torch"
 }
+
+# The CMake arguments that build against the LibTorch of a torch wheel at $1 (its torch/ folder):
+# that LibTorch, with NCCL required, and the wheel's own NCCL (nvidia-nccl beside it: its header
+# and library, the NCCL its LibTorch loads), so that shardit and c10d use one NCCL.
+pip_libtorch_cmake_args() {
+  local torch_dir=$1 nccl_dir
+  nccl_dir="$(dirname "$torch_dir")/nvidia/nccl"
+  printf '%s\n' "-DSHARDIT_LIBTORCH_DIR=$torch_dir" -DSHARDIT_NCCL=ON \
+    "-DSHARDIT_NCCL_INCLUDE_DIR=$nccl_dir/include" "-DSHARDIT_NCCL_LIBRARY=$nccl_dir/lib/libnccl.so.2"
+}
