@@ -93,13 +93,10 @@ ContextParallelCase flux2_case() {
   return c;
 }
 
-ContextParallelCase qwenimage_case() {
+ContextParallelCase qwenimage_case(const std::string& name) {
   ContextParallelCase c;
-  c.load_model = golden_model("qwenimage_b2_nonsquare");
-  // B = 2, a 3 x 5 grid, 7 text tokens, sample 1 with 4 valid ones.
-  c.forward = [](TensorParallelModule& model) {
-    return shardit::testing::run_case(model, golden_path("qwenimage_b2_nonsquare"));
-  };
+  c.load_model = golden_model(name);
+  c.forward = [name](TensorParallelModule& model) { return shardit::testing::run_case(model, golden_path(name)); };
   return c;
 }
 
@@ -115,8 +112,17 @@ TEST(CpFlux2, GoldenOddLengthsMatchSingleRankOnEveryMesh) {
   expect_context_parallel_matches(c);
 }
 
+// B = 2, a 3 x 5 grid, 7 text tokens, sample 1 with 4 valid ones.
 TEST(CpQwenImage, GoldenMaskedTextMatchesSingleRankOnEveryMesh) {
-  const ContextParallelCase c = qwenimage_case();
+  const ContextParallelCase c = qwenimage_case("qwenimage_b2_nonsquare");
+  if (is_worker()) return context_parallel_worker(c);
+  expect_context_parallel_matches(c);
+}
+
+// zero_cond_t (Qwen-Image-Edit-2511): 29 image tokens in three grids, the reference-token mask
+// split with them, so a rank's share can start inside a reference grid.
+TEST(CpQwenImage, GoldenZeroCondTMatchesSingleRankOnEveryMesh) {
+  const ContextParallelCase c = qwenimage_case("qwenimage_edit_zero_cond_t_b2");
   if (is_worker()) return context_parallel_worker(c);
   expect_context_parallel_matches(c);
 }

@@ -198,6 +198,18 @@ TEST(TpQwenImage, GoldenTp4MatchesTp1) {
   expect_golden_tp_matches(4, "qwenimage_b1_square");
 }
 
+// Qwen-Image-Edit-2511's zero_cond_t: the reference grids' tokens take timestep 0's modulation,
+// which the sharded (gathered) modulation must keep per token.
+TEST(TpQwenImage, GoldenZeroCondTTp2MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(2, "qwenimage_edit_zero_cond_t_b2");
+}
+
+TEST(TpQwenImage, GoldenZeroCondTTp4MatchesTp1) {
+  if (is_worker()) return tp_worker();
+  expect_golden_tp_matches(4, "qwenimage_edit_zero_cond_t_b2");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The reference plans (diffusers' `_tp_plan`: modulation whole on every rank) give the same
 // outputs as TP=1 too.

@@ -36,7 +36,8 @@ std::shared_ptr<parallel::TensorParallelModule> load_case_transformer(const std:
 const std::vector<std::string>& golden_transformer_cases() {
   static const std::vector<std::string> cases = {
       "flux_b1_square",  "flux_b2_nonsquare",  "flux_schnell_b2_nonsquare", "flux2_b1_square",
-      "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare", "qwenimage_b1_square", "qwenimage_b2_nonsquare"};
+      "flux2_b2_nonsquare", "flux2_klein_b2_nonsquare", "qwenimage_b1_square", "qwenimage_b2_nonsquare",
+      "qwenimage_edit_zero_cond_t_b2"};
   return cases;
 }
 

@@ -58,8 +58,13 @@ at::Tensor RMSNorm::forward(const at::Tensor& x) const {
   return y.mul_(weight).to(x.scalar_type());
 }
 
+namespace {
+/// A per-sample [B, D] value as [B, 1, D], broadcast over the sequence; per-token [B, S, D] as is.
+at::Tensor over_sequence(const at::Tensor& value) { return value.dim() == 2 ? value.unsqueeze(1) : value; }
+}  // namespace
+
 at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale) {
-  return normed.mul_(1 + scale.unsqueeze(1)).add_(shift.unsqueeze(1));
+  return normed.mul_(1 + over_sequence(scale)).add_(over_sequence(shift));
 }
 
 at::Tensor modulated_layer_norm(const at::Tensor& x, double eps, const at::Tensor& shift, const at::Tensor& scale) {
@@ -69,7 +74,7 @@ at::Tensor modulated_layer_norm(const at::Tensor& x, double eps, const at::Tenso
 }
 
 at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
-  return at::addcmul(residual, gate.unsqueeze(1), update);
+  return at::addcmul(residual, over_sequence(gate), update);
 }
 
 AdaLayerNormContinuous::AdaLayerNormContinuous(const AdaLayerNormContinuousOptions& options) : eps_(options.eps) {

@@ -72,15 +72,16 @@ class RMSNorm : public Module {
 };
 
 /// AdaLN modulation: normed * (1 + scale) + shift with per-sample [B, D] values broadcast over the
-/// sequence of normed [B, S, D], in place on the freshly normalised tensor (the reference's two
-/// ops, same roundings).
+/// sequence of normed [B, S, D] (or per-token [B, S, D] values), in place on the freshly
+/// normalised tensor (the reference's two ops, same roundings).
 at::Tensor modulate(at::Tensor normed, const at::Tensor& shift, const at::Tensor& scale);
 
 /// modulate(layer_norm(x, eps), shift, scale): adaLN's normalised, shifted and scaled input. In
 /// bf16 on the CPU one fused pass (nn/cpu/fused.h) with the same roundings.
 at::Tensor modulated_layer_norm(const at::Tensor& x, double eps, const at::Tensor& shift, const at::Tensor& scale);
 
-/// residual + gate * update with a per-sample [B, D] gate over [B, S, D], in one pass.
+/// residual + gate * update with a per-sample [B, D] (or per-token [B, S, D]) gate over [B, S, D],
+/// in one pass.
 at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update);
 
 struct AdaLayerNormContinuousOptions {

@@ -52,10 +52,11 @@ QwenImageTransformer2DModelConfig QwenImageTransformer2DModelConfig::from_json(c
   config.joint_attention_dim = reader.integer("joint_attention_dim", config.joint_attention_dim, 1, io::kMaxConfigDim);
   config.axes_dims_rope = reader.rope_axes("axes_dims_rope", config.axes_dims_rope, "attention_head_dim",
                                            config.attention_head_dim, /*count=*/3);
-  for (const char* key : {"guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"}) {
+  config.zero_cond_t = reader.boolean("zero_cond_t", config.zero_cond_t);
+  for (const char* key : {"guidance_embeds", "use_additional_t_cond", "use_layer3d_rope"}) {
     reader.require(!reader.boolean(key, false), "'", key,
-                   "' = true selects a Qwen-Image variant that is not supported; only the base model (all four of "
-                   "guidance_embeds, zero_cond_t, use_additional_t_cond, use_layer3d_rope false) is");
+                   "' = true selects a Qwen-Image variant that is not supported; only the base and edit models "
+                   "(guidance_embeds, use_additional_t_cond, use_layer3d_rope all false) are");
   }
   reader.width("num_attention_heads", config.num_attention_heads, "attention_head_dim", config.attention_head_dim);
   return config;
@@ -198,16 +199,28 @@ QwenImageTransformerBlock::QwenImageTransformerBlock(int64_t dim, int64_t num_at
 
 std::pair<at::Tensor, at::Tensor> QwenImageTransformerBlock::forward(
     const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states, const at::Tensor& temb,
-    const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope, const std::optional<at::Tensor>& key_mask) {
+    const nn::RotaryEmbedding& img_rope, const nn::RotaryEmbedding& txt_rope, const std::optional<at::Tensor>& key_mask,
+    const std::optional<at::Tensor>& reference_tokens) {
   SHARDIT_PROFILE_SCOPE("QwenImageTransformerBlock");
-  // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D]
-  // [B, 6D] each: [shift, scale, gate] (attention), [shift, scale, gate] (MLP)
+  // hidden_states [B, N, D], encoder_hidden_states [B, L, D], temb [B, D] ([2B, D] with
+  // reference_tokens)
+  // [B, 6D] each ([2B, 6D] for the image): [shift, scale, gate] (attention), [shift, scale, gate] (MLP)
   const at::Tensor img_params = img_mod->forward(temb);
-  const at::Tensor txt_params = txt_mod->forward(temb);
+  const int64_t batch = hidden_states.size(0);
+  const at::Tensor txt_params = txt_mod->forward(reference_tokens ? temb.narrow(0, 0, batch) : temb);
   emit("img_mod", img_params);
   emit("txt_mod", txt_params);
-  const std::vector<at::Tensor> img = img_params.chunk(6, 1);
+  std::vector<at::Tensor> img = img_params.chunk(6, 1);
   const std::vector<at::Tensor> txt = txt_params.chunk(6, 1);
+  if (reference_tokens) {
+    // Per token: the step's parameters (rows [0, B)) on the noise tokens, timestep 0's (rows
+    // [B, 2B)) on the reference tokens. [B, N, 1] selecting [B, 1, D] -> [B, N, D]
+    const at::Tensor on_reference = reference_tokens->unsqueeze(-1);
+    for (at::Tensor& parameter : img) {
+      parameter = at::where(on_reference, parameter.narrow(0, batch, batch).unsqueeze(1),
+                            parameter.narrow(0, 0, batch).unsqueeze(1));
+    }
+  }
 
   const at::Tensor img_modulated = nn::modulated_layer_norm(hidden_states, eps_, img[0], img[1]);
   const at::Tensor txt_modulated = nn::modulated_layer_norm(encoder_hidden_states, eps_, txt[0], txt[1]);
@@ -466,8 +479,19 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   at::Tensor encoder_hidden_states = txt_in->forward(text_normed);
   emit("txt_in", encoder_hidden_states);
 
-  // [B, D]
-  const at::Tensor temb = time_text_embed->forward(timestep, joint.dtype);
+  // zero_cond_t: the reference images' tokens (every grid after the first) are modulated with
+  // timestep 0's embedding. [B] -> [2B]: the step's timesteps, then zeros.
+  std::optional<at::Tensor> reference_tokens;
+  at::Tensor timesteps = timestep;
+  if (config.zero_cond_t) {
+    const int64_t noise_tokens = shapes[0][0] * shapes[0][1] * shapes[0][2];
+    // [B, N], true after the first grid; this rank's tokens under context parallelism.
+    at::Tensor reference = at::arange(joint.image_len, at::TensorOptions().device(joint.device)).ge(noise_tokens);
+    reference_tokens = joint.cp.point("reference_tokens", reference.unsqueeze(0).expand({joint.batch, joint.image_len}));
+    timesteps = at::cat({timestep, timestep * 0});
+  }
+  // [B, D] ([2B, D] with zero_cond_t)
+  const at::Tensor temb = time_text_embed->forward(timesteps, joint.dtype);
   emit("temb", temb);
 
   const QwenEmbedRope::Tables tables = pos_embed.forward(shapes, joint.text_len, joint.device);
@@ -481,18 +505,22 @@ at::Tensor QwenImageTransformer2DModel::forward(const QwenImageTransformer2DMode
   const nn::RotaryEmbedding img_rope = rotary_from_angles(joint.cp.point("rope.img", tables.img_angles));
   const nn::RotaryEmbedding txt_rope = rotary_from_angles(joint.cp.point("rope.txt", tables.txt_angles));
 
-  run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, temb, img_rope, txt_rope, key_mask);
-  return output_head(joint, hidden_states, temb);
+  run_transformer_blocks(joint, *transformer_blocks, hidden_states, encoder_hidden_states, temb, img_rope, txt_rope,
+                         key_mask, reference_tokens);
+  // The output head takes the step's embeddings. [B, D]
+  return output_head(joint, hidden_states, temb.narrow(0, 0, joint.batch));
 }
 
 const parallel::CpPlan* QwenImageTransformer2DModel::cp_plan() const {
   using parallel::CpAction;
   using parallel::SequenceStream;
-  // diffusers' `_cp_plan`: beside both token streams, the text mask and the rotary tables
-  // (computed for the full grids, then split, so each token keeps its row) along the sequence.
-  // Mask padding is false, so padded text keys stay hidden.
+  // diffusers' `_cp_plan`: beside both token streams, the text mask, the reference-token mask
+  // (diffusers' modulate_index) and the rotary tables (computed for the full grids, then split,
+  // so each token keeps its row) along the sequence. Mask padding is false, so padded text keys
+  // stay hidden.
   static const parallel::CpPlan plan = joint_cp_plan({
       {"encoder_hidden_states_mask", CpAction::Split, 1, SequenceStream::Text, /*optional=*/true},
+      {"reference_tokens", CpAction::Split, 1, SequenceStream::Image, /*optional=*/true},
       {"rope.img", CpAction::Split, 0, SequenceStream::Image},
       {"rope.txt", CpAction::Split, 0, SequenceStream::Text},
   });

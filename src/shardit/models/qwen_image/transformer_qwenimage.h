@@ -3,7 +3,9 @@
 // blocks only, each with its own image/text modulation (SiLU + Linear(D -> 6D)), LayerNorms,
 // joint attention over [text; image] with a key mask that hides padded text tokens, and
 // GELU-tanh feed-forwards. RoPE has three axes (frame, height, width) with centred image positions
-// and text positions placed after the image's. Members are named as the checkpoint keys.
+// and text positions placed after the image's. With `zero_cond_t` (Qwen-Image-Edit-2511) the image
+// tokens after the first grid (the reference images') are modulated with the embedding of
+// timestep 0 instead of the step's. Members are named as the checkpoint keys.
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -37,10 +39,13 @@ struct QwenImageTransformer2DModelConfig {
   int64_t num_attention_heads = 24;
   int64_t joint_attention_dim = 3584;
   std::vector<int64_t> axes_dims_rope = {16, 56, 56};
+  /// Qwen-Image-Edit-2511: the tokens of img_shapes' second and later grids (reference images)
+  /// take the modulation of timestep 0; adds no parameters.
+  bool zero_cond_t = false;
 
   /// Parses and validates a config.json object; `source` names the file in errors. The variants
-  /// this engine does not implement (guidance_embeds, zero_cond_t, use_additional_t_cond,
-  /// use_layer3d_rope set to true) are rejected.
+  /// this engine does not implement (guidance_embeds, use_additional_t_cond, use_layer3d_rope set
+  /// to true) are rejected.
   static QwenImageTransformer2DModelConfig from_json(const nlohmann::json& json, const std::string& source);
 
   int64_t inner_dim() const { return num_attention_heads * attention_head_dim; }
@@ -128,11 +133,14 @@ class QwenImageTransformerBlock : public nn::Module {
   QwenImageTransformerBlock(int64_t dim, int64_t num_attention_heads, int64_t attention_head_dim, double eps = 1e-6);
   std::string type_name() const override { return "QwenImageTransformerBlock"; }
 
-  /// Returns {encoder_hidden_states, hidden_states}, as the reference.
+  /// Returns {encoder_hidden_states, hidden_states}, as the reference. `reference_tokens`
+  /// (zero_cond_t): bool [B, N], true on the reference images' tokens; `temb` is then [2B, D], the
+  /// step's embeddings then timestep 0's, and the text stream takes the first B rows.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                             const at::Tensor& temb, const nn::RotaryEmbedding& img_rope,
                                             const nn::RotaryEmbedding& txt_rope,
-                                            const std::optional<at::Tensor>& key_mask);
+                                            const std::optional<at::Tensor>& key_mask,
+                                            const std::optional<at::Tensor>& reference_tokens);
 
   std::shared_ptr<QwenModulation> img_mod, txt_mod;
   // img_norm1/2, txt_norm1/2: LayerNorm without affine parameters.
@@ -171,7 +179,8 @@ class QwenImageTransformer2DModel : public JointTransformer2DModel {
   std::vector<std::string> high_precision_modules() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
   const parallel::TpPlan* reference_tp_plan() const override;
-  /// Image and text tokens and their rotary rows split along the sequence, the sample gathered.
+  /// Image and text tokens, their rotary rows and the reference-token mask split along the
+  /// sequence, the sample gathered.
   const parallel::CpPlan* cp_plan() const override;
   StepModel step_model(const StepShape& shape) const override;
   at::Tensor forward_from_file(const io::SafetensorsFile& inputs) override;
