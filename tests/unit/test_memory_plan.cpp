@@ -51,6 +51,8 @@ const RealModel kRealModels[] = {
     {"flux1_dev", 11.90e9, 3.29e9, 4.4e9},
     {"flux2_dev", 32.22e9, 0.82e9, 0},
     {"qwen_image", 20.43e9, 6.84e9, 8.5e9},
+    // Qwen-Image-Edit-2511's transformer: Qwen-Image's with zero_cond_t, which adds no parameter.
+    {"qwen_image_edit_2511/transformer", 20.43e9, 6.84e9, 8.5e9},
 };
 
 TEST(MemoryPlan, RealConfigsMatchTheReleasedParameterCounts) {
