@@ -2,14 +2,14 @@
 # Fails when the repository's tree is larger than LIMIT_BYTES. The tree that a checkout of the
 # repository is copied as (to a test machine, for one) is its working tree: the tracked files and
 # the untracked ones git does not ignore, each counted by its own size, a symbolic link as a link
-# (lstat). That copy is limited to 64 MiB; the limit here, 48 MiB, leaves 16 MiB of it to what a
-# run adds beside the tree (a build's carried outputs). tests/golden/README.md says how the golden
-# data stays within it.
+# (lstat). That copy is limited to 64 MiB; the limit here, 49 MiB, leaves 15 MiB of it to what a
+# run adds beside the tree (the GPU check's bundle, scripts/gpu_bundle.sh: 13.9 MiB).
+# tests/golden/README.md says how the golden data stays within it.
 #   usage: bash scripts/check_tree_size.sh [SOURCE_DIR]   (default: this script's repository)
 # The tree is what git lists: outside a git checkout (an exported source tree) the check fails
 # rather than guess which files would travel.
 set -euo pipefail
-LIMIT_BYTES=$((48 * 1024 * 1024))
+LIMIT_BYTES=$((49 * 1024 * 1024))
 SOURCE_DIR=${1:-$(dirname "$0")/..}
 cd "$SOURCE_DIR"
 if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
