@@ -31,10 +31,12 @@ import urllib.error
 import urllib.request
 import zlib
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from pinned_venv import pinned_python  # noqa: E402
+
 # The newest release of the official client when this test was written; its images.edit takes a
 # list of image files (sent as `image[]` parts).
 OPENAI_RELEASE = "3.63.0"
-SKIPPED = 77
 
 PROMPT = "A cat holding a sign that says hello world"
 SIZE = "64x48"
@@ -46,38 +48,10 @@ SEED = 7
 # The client's virtual environment
 
 
-def pypi_unreachable():
-    """Why PyPI cannot be reached ("" when it answers)."""
-    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-    try:
-        with urllib.request.urlopen(index + "/openai/", timeout=30) as answer:
-            answer.read(1)
-        return ""
-    except (urllib.error.URLError, OSError) as error:
-        return f"{index}: {error}"
-
-
 def client_python(venv):
     """The venv's python with openai==OPENAI_RELEASE installed; exits 77 when PyPI is out of reach."""
-    python = os.path.join(venv, "bin", "python")
-    check = [python, "-c", f"import openai, sys; sys.exit(openai.__version__ != '{OPENAI_RELEASE}')"]
-    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    shutil.rmtree(venv, ignore_errors=True)
-    made = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
-    if made.returncode != 0:
-        sys.exit(f"FAILED: python3 -m venv {venv}: {made.stderr.strip()} (Debian: install python3-venv, "
-                 "as scripts/setup.sh does)")
-    pip = subprocess.run([python, "-m", "pip", "install", "--quiet", f"openai=={OPENAI_RELEASE}"],
-                         capture_output=True, text=True)
-    if pip.returncode != 0:
-        reason = pypi_unreachable()
-        if reason:
-            print(f"SKIPPED: PyPI cannot be reached ({reason}); the official openai client could not be installed",
-                  flush=True)
-            sys.exit(SKIPPED)
-        sys.exit(f"FAILED: pip install openai=={OPENAI_RELEASE} failed while PyPI answers:\n{pip.stdout}{pip.stderr}")
-    return python
+    return pinned_python(venv, f"import openai, sys; sys.exit(openai.__version__ != '{OPENAI_RELEASE}')",
+                         [f"openai=={OPENAI_RELEASE}"], "the official openai client", "openai")
 
 
 # ---------------------------------------------------------------------------------------------
