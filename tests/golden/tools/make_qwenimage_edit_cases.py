@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Writes tests/golden/edit_qwenimage/: golden data for Qwen-Image editing, made by diffusers and
+transformers themselves. Run by hand, never by the test suite:
+
+    python3 tests/golden/tools/make_qwenimage_edit_cases.py --components build/tests/golden
+
+`--components` is an unpacked view of the golden set (the build folder's tests/golden): the tiny
+random-weight Qwen-Image components of pipeline_qwenimage/ (Qwen2.5-VL text encoder with its
+vision tower, AutoencoderKLQwenImage with its encoder, the transformer, the scheduler) and the
+reduced Qwen tokenizer of pipeline_flux2_klein/ are reused, so the new case stores no weights.
+The script creates a virtual environment (`--venv`), installs the pinned packages below into it
+(torch from `--wheels` when given) and runs itself there. See README.md beside it for the versions
+and why.
+"""
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+PINNED = ["torch==2.15.0", "diffusers==0.36.0", "transformers==4.57.6", "huggingface_hub==0.36.2",
+          "tokenizers==0.22.2", "pillow==13.0.0", "numpy==2.4.6", "safetensors==0.8.0"]
+
+# The processor's pixel bounds for the tiny cases: small enough that every image is a few dozen
+# patches (the data stays small), large enough that a 2:1 image spans two attention windows.
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 28 * 28 * 20
+
+PROMPT = "Put the red cube on the blue table, keep the lighting"
+# (name, width, height) of the source images; drawn by `make_image`.
+SOURCES = [("wide", 96, 48), ("square", 64, 64), ("tall", 45, 60), ("tiny", 20, 30), ("big", 500, 220),
+           ("thin", 300, 40)]
+# Images straight through the processor (Qwen2VLProcessor's image processor).
+PROCESSOR_CASES = ["wide", "square", "tall", "tiny", "big", "thin"]
+# encode_prompt with 1, 2 and 3 images, as QwenImageEditPlusPipeline.__call__ prepares them.
+ENCODER_CASES = {"one": ["wide"], "two": ["square", "tall"], "three": ["tall", "wide", "big"]}
+# _encode_vae_image on images preprocessed to these sizes (height, width).
+VAE_CASES = {"wide": (32, 48), "tall": (48, 32)}
+
+
+def ensure_venv(args):
+    if os.environ.get("SHARDIT_GOLDEN_VENV") == "1":
+        return
+    python = os.path.join(args.venv, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.check_call([sys.executable, "-m", "venv", args.venv])
+    pip = [python, "-m", "pip", "install", "-q"]
+    if args.wheels:
+        pip += ["--find-links", args.wheels]
+    subprocess.check_call(pip + PINNED)
+    env = dict(os.environ, SHARDIT_GOLDEN_VENV="1")
+    os.execve(python, [python] + sys.argv, env)
+
+
+def make_image(width, height, seed):
+    """A smooth gradient with a few flat rectangles: deterministic, and small as PNG."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    img = np.stack([255 * x / max(width - 1, 1), 255 * y / max(height - 1, 1),
+                    127 + 100 * np.sin((x + y) / 7.0)], axis=-1)
+    for _ in range(4):
+        x0, y0 = rng.integers(0, width), rng.integers(0, height)
+        img[y0:y0 + height // 3 + 1, x0:x0 + width // 3 + 1] = rng.integers(0, 256, size=3)
+    return Image.fromarray(np.clip(np.rint(img), 0, 255).astype(np.uint8), "RGB")
+
+
+def sha256(array):
+    import numpy as np
+    return hashlib.sha256(np.ascontiguousarray(array).astype("<f4").tobytes()).hexdigest()
+
+
+def processor_image(image_processor, image):
+    """The uint8 image the processor normalizes (Image.resize BICUBIC to smart_resize's size, as
+    transformers' resize does it), checked to give the processor's pixel_values exactly."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = image_processor
+    w, h = image.size
+    rh, rw = smart_resize(h, w, factor=ip.patch_size * ip.merge_size, min_pixels=ip.min_pixels,
+                          max_pixels=ip.max_pixels)
+    resized = np.array(image.convert("RGB").resize((rw, rh), resample=Image.BICUBIC))
+    expected = ip(images=[image], return_tensors="np")["pixel_values"]
+    again = ip(images=[Image.fromarray(resized)], return_tensors="np", do_resize=False)["pixel_values"]
+    assert np.array_equal(again, expected), "the resized image does not give the processor's pixel_values"
+    return resized
+
+
+def link(src_rel, dst):
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if os.path.lexists(dst):
+        os.remove(dst)
+    os.symlink(src_rel, dst)
+
+
+def write_folder(args):
+    """The case's model folders: links to the pipeline_qwenimage components and the reduced
+    tokenizer (so the repository stores each file once), and the processor's config."""
+    out = args.out
+    for comp in ["text_encoder", "vae", "transformer", "scheduler"]:
+        src_dir = os.path.join(args.repo_golden, "pipeline_qwenimage", comp)
+        for name in sorted(os.listdir(src_dir)):
+            link(os.path.join("..", "..", "pipeline_qwenimage", comp, name), os.path.join(out, comp, name))
+    tok_dir = os.path.join(args.repo_golden, "pipeline_flux2_klein", "tokenizer")
+    for sub in ["tokenizer", "processor"]:
+        for name in sorted(os.listdir(tok_dir)):
+            link(os.path.join("..", "..", "pipeline_flux2_klein", "tokenizer", name), os.path.join(out, sub, name))
+    processor_config = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_processor_type": "Qwen2VLImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "max_pixels": MAX_PIXELS, "merge_size": 2,
+        "min_pixels": MIN_PIXELS, "patch_size": 14, "processor_class": "Qwen2VLProcessor", "resample": 3,
+        "rescale_factor": 0.00392156862745098, "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
+        "temporal_patch_size": 2,
+    }
+    with open(os.path.join(out, "processor", "preprocessor_config.json"), "w") as f:
+        json.dump(processor_config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    model_index = {
+        "_class_name": "QwenImageEditPlusPipeline", "_diffusers_version": "0.36.0",
+        "processor": ["transformers", "Qwen2VLProcessor"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    with open(os.path.join(out, "model_index.json"), "w") as f:
+        json.dump(model_index, f, indent=2)
+        f.write("\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("--components", required=True, help="an unpacked view of the golden set")
+    parser.add_argument("--out", default=os.path.join(here, "..", "edit_qwenimage"))
+    parser.add_argument("--venv", default="/tmp/shardit-golden-qwenimage-edit")
+    parser.add_argument("--wheels", default=os.path.expanduser("~/.cache/shardit/wheels"),
+                        help="a folder of wheels pip may take torch from (--find-links)")
+    args = parser.parse_args()
+    args.repo_golden = os.path.join(here, "..")
+    ensure_venv(args)
+
+    import numpy as np
+    import torch
+    import diffusers
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE,
+                                                                           calculate_dimensions)
+    from safetensors.torch import save_file
+    from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2TokenizerFast, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor)
+    from transformers.processing_utils import ProcessorMixin
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    os.makedirs(args.out, exist_ok=True)
+    write_folder(args)
+
+    comp = os.path.join(args.components, "pipeline_qwenimage")
+    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        os.path.join(comp, "text_encoder"), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(comp, "vae"), torch_dtype=torch.float32).eval()
+    # The processor of the case's folder: its preprocessor_config.json and the reduced tokenizer
+    # (read from the unpacked view: the folder links the packed files).
+    with open(os.path.join(args.out, "processor", "preprocessor_config.json")) as f:
+        image_processor = Qwen2VLImageProcessor(**json.load(f))
+    tokenizer = Qwen2TokenizerFast.from_pretrained(os.path.join(args.components, "pipeline_flux2_klein", "tokenizer"))
+    # Qwen2VLProcessor wants a video processor, which needs torchvision; no video is processed
+    # here, so its type check is skipped instead of installing torchvision.
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    pipe = QwenImageEditPlusPipeline(scheduler=None, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                     processor=processor, transformer=None)
+
+    images = {}
+    for seed, (name, w, h) in enumerate(SOURCES):
+        images[name] = make_image(w, h, 1000 + seed)
+        images[name].save(os.path.join(args.out, f"source_{name}.png"), optimize=True)
+
+    tensors = {}
+    case = {
+        "producer": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__,
+                     "precision": "float32 on CPU, one thread, transformers eager attention"},
+        "components": "text_encoder, vae, transformer, scheduler: links to pipeline_qwenimage/; tokenizer and "
+                      "processor tokenizer files: links to pipeline_flux2_klein/tokenizer/",
+        "prompt_template_drop_idx": pipe.prompt_template_encode_start_idx,
+        "processor": [], "encoder": [], "vae": [],
+    }
+    for name in PROCESSOR_CASES:
+        out = image_processor(images=[images[name]], return_tensors="pt")
+        pv = out["pixel_values"].numpy()
+        grid = out["image_grid_thw"][0].tolist()
+        case["processor"].append({"image": f"source_{name}.png", "width": images[name].size[0],
+                                  "height": images[name].size[1], "image_grid_thw": grid,
+                                  "pixel_values_shape": list(pv.shape), "pixel_values_sha256": sha256(pv)})
+        tensors[f"processor.{name}.pixel_values_first_row"] = torch.from_numpy(pv[0].copy())
+        tensors[f"processor.{name}.pixel_values_last_row"] = torch.from_numpy(pv[-1].copy())
+        tensors[f"processor.{name}.resized"] = torch.from_numpy(processor_image(image_processor, images[name]))
+
+    with torch.no_grad():
+        for key, names in ENCODER_CASES.items():
+            condition_images, entry = [], {"images": [f"source_{n}.png" for n in names], "prompt": PROMPT,
+                                           "condition_sizes": []}
+            for n in names:
+                w, h = images[n].size
+                cw, ch = calculate_dimensions(CONDITION_IMAGE_SIZE, w / h)
+                resized = pipe.image_processor.resize(images[n], ch, cw)
+                condition_images.append(resized)
+                entry["condition_sizes"].append({"width": cw, "height": ch,
+                                                 "pixels_sha256": hashlib.sha256(resized.tobytes()).hexdigest()})
+                tensors[f"encoder.{key}.processor_image.{len(condition_images) - 1}"] = torch.from_numpy(
+                    processor_image(image_processor, resized))
+            # What _get_qwen_prompt_embeds gives the text encoder.
+            img_prompt = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>"
+                                 for i in range(len(names)))
+            txt = [pipe.prompt_template_encode.format(img_prompt + PROMPT)]
+            inputs = processor(text=txt, images=condition_images, padding=True, return_tensors="pt")
+            entry["text"] = txt[0]
+            entry["image_grid_thw"] = inputs["image_grid_thw"].tolist()
+            entry["pixel_values_sha256"] = sha256(inputs["pixel_values"].numpy())
+            position_ids, _ = text_encoder.model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"], None,
+                                                                attention_mask=inputs["attention_mask"])
+            image_embeds = text_encoder.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+            prompt_embeds, mask = pipe._get_qwen_prompt_embeds([PROMPT], condition_images, torch.device("cpu"))
+            tensors[f"encoder.{key}.input_ids"] = inputs["input_ids"].contiguous()
+            tensors[f"encoder.{key}.attention_mask"] = inputs["attention_mask"].contiguous()
+            tensors[f"encoder.{key}.image_grid_thw"] = inputs["image_grid_thw"].contiguous()
+            tensors[f"encoder.{key}.position_ids"] = position_ids.contiguous()
+            tensors[f"encoder.{key}.image_embeds"] = torch.cat(list(image_embeds)).contiguous()
+            tensors[f"encoder.{key}.prompt_embeds"] = prompt_embeds.contiguous()
+            tensors[f"encoder.{key}.prompt_embeds_mask"] = mask.contiguous()
+            case["encoder"].append(dict(entry, name=key))
+
+        for name, (h, w) in VAE_CASES.items():
+            image = pipe.image_processor.preprocess(images[name], h, w).unsqueeze(2)
+            latents = pipe._encode_vae_image(image=image, generator=None)
+            tensors[f"vae.{name}.image"] = image.contiguous()
+            tensors[f"vae.{name}.image_latents"] = latents.contiguous()
+            case["vae"].append({"name": name, "image": f"source_{name}.png", "height": h, "width": w})
+
+    save_file(tensors, os.path.join(args.out, "outputs.safetensors"))
+    with open(os.path.join(args.out, "case.json"), "w") as f:
+        json.dump(case, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
