@@ -14,7 +14,12 @@ namespace {
 
 // Pillow's libImaging/Resample.c, 8 bits per channel.
 constexpr int kPrecisionBits = 32 - 8 - 2;
-constexpr double kLanczosSupport = 3.0;
+
+/// A Pillow resampling filter: its kernel and support.
+struct Filter {
+  double (*kernel)(double);
+  double support;
+};
 
 double sinc(double x) {
   if (x == 0.0) return 1.0;
@@ -28,6 +33,18 @@ double lanczos(double x) {
   return 0.0;
 }
 
+double bicubic(double x) {
+  // Keys' cubic convolution with a = -0.5.
+  constexpr double a = -0.5;
+  if (x < 0.0) x = -x;
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+  if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+  return 0.0;
+}
+
+constexpr Filter kLanczos{lanczos, 3.0};
+constexpr Filter kBicubic{bicubic, 2.0};
+
 /// One pass's filter: for output position i, `size[i]` input positions from `first[i]` with
 /// fixed-point weights `weights[i * ksize + k]` (Pillow's precompute_coeffs then
 /// normalize_coeffs_8bpc, for the box [0, in_size)).
@@ -38,10 +55,10 @@ struct Coefficients {
   std::vector<int32_t> weights;
 };
 
-Coefficients precompute_coeffs(int64_t in_size, int64_t out_size) {
+Coefficients precompute_coeffs(int64_t in_size, int64_t out_size, const Filter& filter) {
   const double scale = static_cast<double>(static_cast<float>(in_size)) / static_cast<double>(out_size);
   const double filterscale = std::max(scale, 1.0);
-  const double support = kLanczosSupport * filterscale;
+  const double support = filter.support * filterscale;
   Coefficients c;
   c.ksize = static_cast<int64_t>(std::ceil(support)) * 2 + 1;
   c.first.resize(out_size);
@@ -56,7 +73,7 @@ Coefficients precompute_coeffs(int64_t in_size, int64_t out_size) {
     const int64_t xmax = std::min<int64_t>(static_cast<int64_t>(center + support + 0.5), in_size) - xmin;
     double ww = 0.0;
     for (int64_t x = 0; x < xmax; ++x) {
-      const double w = lanczos((static_cast<double>(x + xmin) - center + 0.5) * ss);
+      const double w = filter.kernel((static_cast<double>(x + xmin) - center + 0.5) * ss);
       k[x] = w;
       ww += w;
     }
@@ -78,11 +95,11 @@ inline uint8_t clip8(int32_t value) {
 
 /// One separable pass along `axis` (0: rows = vertical, 1: columns = horizontal) of uint8
 /// [H, W, 3] contiguous pixels.
-at::Tensor resample_pass(const at::Tensor& in, int64_t out_size, int axis) {
+at::Tensor resample_pass(const at::Tensor& in, int64_t out_size, int axis, const Filter& filter) {
   const int64_t height = in.size(0);
   const int64_t width = in.size(1);
   const int64_t in_size = axis == 0 ? height : width;
-  const Coefficients c = precompute_coeffs(in_size, out_size);
+  const Coefficients c = precompute_coeffs(in_size, out_size, filter);
   const int64_t out_height = axis == 0 ? out_size : height;
   const int64_t out_width = axis == 0 ? width : out_size;
   at::Tensor out = at::empty({out_height, out_width, 3}, at::kByte);
@@ -123,17 +140,32 @@ void check_pixels(const at::Tensor& pixels, const char* what) {
 
 }  // namespace
 
-at::Tensor resize_lanczos(const at::Tensor& pixels, int64_t height, int64_t width) {
-  check_pixels(pixels, "resize_lanczos");
-  TORCH_CHECK(height > 0 && width > 0, "resize_lanczos: the target size must be positive, got ", height, "x", width);
+namespace {
+
+at::Tensor resize_with(const at::Tensor& pixels, int64_t height, int64_t width, const Filter& filter, const char* what) {
+  check_pixels(pixels, what);
+  TORCH_CHECK(height > 0 && width > 0, what, ": the target size must be positive, got ", height, "x", width);
   at::Tensor x = pixels.cpu().contiguous();
-  // Image.resize returns a copy when the size does not change; otherwise Pillow runs the
-  // horizontal pass first (when the width changes), then the vertical one, each rounding to 8
-  // bits. (Pillow restricts the horizontal pass to the rows the vertical one reads: the same
-  // numbers.)
-  if (width != x.size(1)) x = resample_pass(x, width, 1);
-  if (height != x.size(0)) x = resample_pass(x, height, 0);
+  // Image.resize returns a copy when the size does not change; otherwise Pillow runs one pass
+  // per axis that changes, each rounding to 8 bits: the horizontal one first, except when the
+  // width grows and the height shrinks (then the vertical one first, as Pillow 13 does; the
+  // order changes pixels by a level or two). (Pillow restricts the first pass to the lines the
+  // second one reads: the same numbers.)
+  const bool vertical_first = width > x.size(1) && height < x.size(0);
+  if (vertical_first) x = resample_pass(x, height, 0, filter);
+  if (width != x.size(1)) x = resample_pass(x, width, 1, filter);
+  if (height != x.size(0)) x = resample_pass(x, height, 0, filter);
   return x.is_same(pixels) ? x.clone() : x;
+}
+
+}  // namespace
+
+at::Tensor resize_lanczos(const at::Tensor& pixels, int64_t height, int64_t width) {
+  return resize_with(pixels, height, width, kLanczos, "resize_lanczos");
+}
+
+at::Tensor resize_bicubic(const at::Tensor& pixels, int64_t height, int64_t width) {
+  return resize_with(pixels, height, width, kBicubic, "resize_bicubic");
 }
 
 void check_flux2_image_input(int64_t height, int64_t width) {

@@ -17,6 +17,9 @@ namespace shardit::pipelines {
 /// (separable, support 3, its fixed-point coefficients and rounding).
 at::Tensor resize_lanczos(const at::Tensor& pixels, int64_t height, int64_t width);
 
+/// Pillow's Image.resize(size, Image.BICUBIC) (support 2, a = -0.5), computed as resize_lanczos.
+at::Tensor resize_bicubic(const at::Tensor& pixels, int64_t height, int64_t width);
+
 /// Flux2ImageProcessor.check_image_input: each side >= 64 and the aspect ratio <= 8:1, else an
 /// error with diffusers' text ("Image too small: 200×50. Both dimensions must be at least 64px").
 void check_flux2_image_input(int64_t height, int64_t width);

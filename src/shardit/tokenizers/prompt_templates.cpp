@@ -11,6 +11,15 @@ constexpr std::string_view kQwenImagePrefix =
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n";
 constexpr std::string_view kQwenImageSuffix = "<|im_end|>\n<|im_start|>assistant\n";
 
+// QwenImageEditPlusPipeline.prompt_template_encode (the same suffix as QwenImagePipeline's), and
+// the text it puts before the prompt for image i (from 1).
+constexpr std::string_view kQwenImageEditPrefix =
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n";
+constexpr std::string_view kImagePad = "<|image_pad|>";
+
 // Qwen3's chat template for one user message, with the generation prompt and the empty think
 // block that enable_thinking=False adds.
 constexpr std::string_view kFlux2KleinPrefix = "<|im_start|>user\n";
@@ -94,6 +103,46 @@ std::vector<Encoding> encode_flux2_dev_prompts(const Tokenizer& tokenizer, const
                                                int64_t max_sequence_length) {
   return tokenizer(templated(PromptTemplate::Flux2Dev, prompts), max_sequence_length, Padding::MaxLength,
                    /*add_special_tokens=*/false);
+}
+
+std::string expand_image_pads(std::string_view text, const std::vector<int64_t>& tokens_per_image) {
+  std::string out;
+  size_t start = 0;
+  size_t image = 0;
+  for (size_t at = text.find(kImagePad); at != std::string_view::npos; at = text.find(kImagePad, start)) {
+    TORCH_CHECK(image < tokens_per_image.size(), "Qwen2VLProcessor: the text has more ", kImagePad,
+                " tokens than the ", tokens_per_image.size(), " images given");
+    out.append(text.substr(start, at - start));
+    for (int64_t i = 0; i < tokens_per_image[image]; ++i) out.append(kImagePad);
+    ++image;
+    start = at + kImagePad.size();
+  }
+  TORCH_CHECK(image == tokens_per_image.size(), "Qwen2VLProcessor: the text has ", image, " ", kImagePad,
+              " tokens but ", tokens_per_image.size(), " images were given");
+  out.append(text.substr(start));
+  return out;
+}
+
+std::string qwenimage_edit_plus_text(std::string_view prompt, int64_t num_images) {
+  TORCH_CHECK(num_images >= 0, "qwenimage_edit_plus_text: negative image count ", num_images);
+  std::string images;
+  for (int64_t i = 1; i <= num_images; ++i) {
+    images.append("Picture ").append(std::to_string(i)).append(": <|vision_start|>").append(kImagePad).append(
+        "<|vision_end|>");
+  }
+  return std::string(kQwenImageEditPrefix).append(images).append(prompt).append(kQwenImageSuffix);
+}
+
+Encoding encode_qwenimage_edit_plus_prompt(const Tokenizer& tokenizer, std::string_view prompt,
+                                           const std::vector<int64_t>& tokens_per_image) {
+  const std::string text =
+      expand_image_pads(qwenimage_edit_plus_text(prompt, static_cast<int64_t>(tokens_per_image.size())),
+                        tokens_per_image);
+  const std::vector<int64_t> ids = tokenizer.encode(text);
+  Encoding out;
+  out.input_ids = ids;
+  out.attention_mask.assign(ids.size(), 1);
+  return out;
 }
 
 }  // namespace shardit::tokenizers

@@ -24,6 +24,9 @@ PromptTemplate parse_prompt_template(const std::string& name);
 /// QwenImagePipeline: the number of template tokens before the prompt, dropped from the encoder
 /// output (`prompt_template_encode_start_idx`).
 constexpr int64_t kQwenImageDropIdx = 34;
+/// QwenImageEditPlusPipeline's `prompt_template_encode_start_idx`: its template's tokens before
+/// the user turn's text.
+constexpr int64_t kQwenImageEditDropIdx = 64;
 /// QwenImagePipeline.tokenizer_max_length: prompt tokens kept after the template prefix.
 constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
 /// Flux2KleinPipeline's default max_sequence_length.
@@ -55,5 +58,21 @@ std::vector<Encoding> encode_flux2_klein_prompts(const Tokenizer& tokenizer, con
 /// the tokenizer's padding side (LEFT with <pad> for FLUX.2 [dev]'s folder).
 std::vector<Encoding> encode_flux2_dev_prompts(const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                                int64_t max_sequence_length = kFlux2DevMaxSequenceLength);
+
+/// Qwen2VLProcessor's text side: the i-th "<|image_pad|>" of `text` repeated
+/// `tokens_per_image[i]` times (grid_t * grid_h * grid_w / merge_size², the tokens image i
+/// becomes after the vision tower's merger). Fewer or more pads than images is an error naming
+/// both counts.
+std::string expand_image_pads(std::string_view text, const std::vector<int64_t>& tokens_per_image);
+
+/// QwenImageEditPlusPipeline._get_qwen_prompt_embeds' text for one prompt and `num_images`
+/// images: "Picture i: <|vision_start|><|image_pad|><|vision_end|>" for each, then the prompt,
+/// in QwenImageEditPlusPipeline.prompt_template_encode (the editing system prompt).
+std::string qwenimage_edit_plus_text(std::string_view prompt, int64_t num_images);
+
+/// That text with its pads expanded, tokenized as the processor does (no truncation; one
+/// prompt, so no padding; the mask all ones).
+Encoding encode_qwenimage_edit_plus_prompt(const Tokenizer& tokenizer, std::string_view prompt,
+                                           const std::vector<int64_t>& tokens_per_image);
 
 }  // namespace shardit::tokenizers
