@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <limits>

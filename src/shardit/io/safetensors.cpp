@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -425,31 +426,169 @@ Checkpoint Checkpoint::open(const std::string& path) {
   return checkpoint;
 }
 
-std::vector<std::string> Checkpoint::names() const {
+std::vector<std::string> Checkpoint::source_names() const {
   std::vector<std::string> out;
   out.reserve(file_index_.size());
   for (const auto& item : file_index_) out.push_back(item.first);
   return out;
 }
 
-bool Checkpoint::contains(const std::string& name) const { return file_index_.count(name) != 0; }
-
-const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
-  const auto it = file_index_.find(name);
-  TORCH_CHECK(it != file_index_.end(), path_, ": checkpoint has no tensor named '", name, "' (it has ",
-              file_index_.size(), " tensors)");
-  return *files_[it->second];
+std::vector<std::string> Checkpoint::names() const {
+  if (!mapped_) return source_names();
+  std::vector<std::string> out;
+  out.reserve(mapped_->size());
+  for (const auto& item : *mapped_) out.push_back(item.first);
+  return out;
 }
 
-const TensorInfo& Checkpoint::info(const std::string& name) const { return file_of(name).info(name); }
+bool Checkpoint::contains(const std::string& name) const {
+  return mapped_ ? mapped_->count(name) != 0 : file_index_.count(name) != 0;
+}
+
+const TensorInfo* Checkpoint::find_source(const std::string& key) const {
+  const auto it = file_index_.find(key);
+  return it == file_index_.end() ? nullptr : &files_[it->second]->info(key);
+}
+
+const TensorInfo& Checkpoint::source_info(const std::string& key) const {
+  const TensorInfo* info = find_source(key);
+  TORCH_CHECK(info != nullptr, path_, ": checkpoint has no tensor named '", key, "' (it has ", file_index_.size(),
+              " tensors)");
+  return *info;
+}
+
+at::Tensor Checkpoint::source_read(const std::string& key, const std::vector<Range>& rows,
+                                   std::optional<at::ScalarType> dtype) const {
+  source_info(key);  // names the checkpoint when absent
+  const SafetensorsFile& file = *files_[file_index_.at(key)];
+  return rows.empty() ? file.read(key, dtype) : file.read_slices(key, 0, rows, dtype);
+}
+
+const Checkpoint::MappedTensor& Checkpoint::mapped_tensor(const std::string& name) const {
+  const auto it = mapped_->find(name);
+  TORCH_CHECK(it != mapped_->end(), path_, ": checkpoint has no tensor mapped to '", name, "' (it maps ",
+              mapped_->size(), " names)");
+  return it->second;
+}
+
+const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
+  const std::string& key = mapped_ ? mapped_tensor(name).pieces.front().key : name;
+  source_info(key);
+  return *files_[file_index_.at(key)];
+}
+
+const TensorInfo& Checkpoint::info(const std::string& name) const {
+  return mapped_ ? mapped_tensor(name).info : source_info(name);
+}
 
 at::Tensor Checkpoint::read(const std::string& name, std::optional<at::ScalarType> dtype) const {
-  return file_of(name).read(name, dtype);
+  if (!mapped_) return source_read(name, {}, dtype);
+  const MappedTensor& tensor = mapped_tensor(name);
+  if (tensor.pieces.size() == 1 && !tensor.pieces.front().rows) return source_read(tensor.pieces.front().key, {}, dtype);
+  const int64_t rows = tensor.info.shape.at(0);
+  return read_slices(name, 0, {{0, rows}}, dtype);
 }
 
 at::Tensor Checkpoint::read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
                                    std::optional<at::ScalarType> dtype) const {
-  return file_of(name).read_slices(name, dim, ranges, dtype);
+  if (!mapped_) return file_of(name).read_slices(name, dim, ranges, dtype);
+  const MappedTensor& tensor = mapped_tensor(name);
+  const TensorPiece& first = tensor.pieces.front();
+  if (tensor.pieces.size() == 1 && !first.rows) return file_of(name).read_slices(first.key, dim, ranges, dtype);
+  const auto ndim = static_cast<int64_t>(tensor.info.shape.size());
+  TORCH_CHECK(dim >= -ndim && dim < ndim, path_, ": tensor '", name, "' has ", ndim, " dimensions; cannot slice dim ",
+              dim);
+  if (dim < 0) dim += ndim;
+  const int64_t extent = tensor.info.shape[static_cast<size_t>(dim)];
+  for (const Range& range : ranges) {
+    TORCH_CHECK(range.begin >= 0 && range.begin <= range.end && range.end <= extent, path_, ": range [", range.begin,
+                ", ", range.end, ") of tensor '", name, "' is outside its dim ", dim, " of size ", extent);
+  }
+  std::vector<at::Tensor> parts;
+  if (dim == 0) {
+    // Each requested range, piece by piece: only the rows inside it are read from each piece;
+    // consecutive rows of one source tensor go out in one read.
+    std::string key;
+    std::vector<Range> rows;
+    const auto flush = [&] {
+      if (!rows.empty()) parts.push_back(source_read(key, rows, dtype));
+      rows.clear();
+    };
+    for (const Range& range : ranges) {
+      int64_t offset = 0;
+      for (const TensorPiece& piece : tensor.pieces) {
+        const Range source = piece.rows ? *piece.rows : Range{0, source_info(piece.key).shape.at(0)};
+        const int64_t begin = std::max(range.begin, offset);
+        const int64_t end = std::min(range.end, offset + source.size());
+        if (begin < end) {
+          if (piece.key != key) flush();
+          key = piece.key;
+          rows.push_back({source.begin + begin - offset, source.begin + end - offset});
+        }
+        offset += source.size();
+      }
+    }
+    flush();
+  } else {
+    // Along another dimension: each piece's rows are read whole, then narrowed.
+    for (const TensorPiece& piece : tensor.pieces) {
+      const at::Tensor rows =
+          piece.rows ? source_read(piece.key, {*piece.rows}, dtype) : source_read(piece.key, {}, dtype);
+      std::vector<at::Tensor> columns;
+      for (const Range& range : ranges) columns.push_back(rows.narrow(dim, range.begin, range.size()));
+      parts.push_back(at::cat(columns, dim));
+    }
+  }
+  if (parts.empty()) {
+    std::vector<int64_t> shape = tensor.info.shape;
+    shape[0] = 0;
+    return at::empty(shape, at::TensorOptions().dtype(dtype.value_or(storage_scalar_type(tensor.info.dtype))));
+  }
+  return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
+}
+
+Checkpoint Checkpoint::with_mapping(const KeyMapping& mapping) const {
+  TORCH_CHECK(!mapped_, path_, ": the checkpoint is already mapped; map its source names once");
+  auto tensors = std::make_shared<std::map<std::string, MappedTensor>>();
+  for (const auto& [name, pieces] : mapping) {
+    TORCH_CHECK(!pieces.empty(), path_, ": the mapping gives '", name, "' no pieces");
+    MappedTensor tensor;
+    tensor.pieces = pieces;
+    TensorInfo& info = tensor.info;
+    info.name = name;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      const TensorPiece& piece = pieces[p];
+      const TensorInfo* source = find_source(piece.key);
+      TORCH_CHECK(source != nullptr, path_, ": '", name, "' is read from tensor '", piece.key,
+                  "', which the file does not hold");
+      TORCH_CHECK(pieces.size() == 1 || !source->shape.empty(), path_, ": '", name, "' joins several pieces, but '",
+                  piece.key, "' is a scalar");
+      if (piece.rows) {
+        const int64_t extent = source->shape.empty() ? 0 : source->shape[0];
+        TORCH_CHECK(piece.rows->begin >= 0 && piece.rows->begin < piece.rows->end && piece.rows->end <= extent,
+                    path_, ": '", name, "' reads rows [", piece.rows->begin, ", ", piece.rows->end, ") of tensor '",
+                    piece.key, "', which has ", extent, " rows (shape ", c10::IntArrayRef(source->shape), ")");
+      }
+      std::vector<int64_t> shape = source->shape;
+      if (piece.rows) shape[0] = piece.rows->size();
+      if (p == 0) {
+        info.dtype = source->dtype;
+        info.shape = shape;
+        continue;
+      }
+      const bool same_rows = std::equal(shape.begin() + 1, shape.end(), info.shape.begin() + 1, info.shape.end());
+      TORCH_CHECK(source->dtype == info.dtype && same_rows, path_, ": '", name, "' joins '", pieces.front().key,
+                  "' (", st_dtype_name(info.dtype), ") and '", piece.key, "' (", st_dtype_name(source->dtype),
+                  ", shape ", c10::IntArrayRef(source->shape), "), which differ in dtype or row shape");
+      info.shape[0] += shape[0];
+    }
+    info.begin = 0;
+    info.end = static_cast<uint64_t>(info.numel() * st_dtype_size(info.dtype));
+    tensors->emplace(name, std::move(tensor));
+  }
+  Checkpoint out = *this;
+  out.mapped_ = std::move(tensors);
+  return out;
 }
 
 }  // namespace shardit::io

@@ -118,8 +118,27 @@ void save_safetensors(const std::string& path,
                       const std::map<std::string, std::string>& metadata = {},
                       const std::map<std::string, StDtype>& stored_as = {});
 
+/// One piece of a mapped tensor (Checkpoint::with_mapping): rows [rows->begin, rows->end) along
+/// dim 0 of the file's tensor `key`, or the whole tensor when `rows` is nullopt.
+struct TensorPiece {
+  std::string key;
+  std::optional<Range> rows;
+};
+
+/// Names a model reads -> the pieces of the file's tensors each is made of, concatenated along
+/// dim 0 in order: a rename is one whole piece; a fused `qkv` gives to_q, to_k and to_v a third of
+/// its rows each; a [shift, scale] modulation read as [scale, shift] is its two halves swapped.
+using KeyMapping = std::map<std::string, std::vector<TensorPiece>>;
+
 /// A checkpoint made of one or several safetensors files: a single file, a folder with one
 /// `*.safetensors` file, or a sharded set described by `*.safetensors.index.json`.
+///
+/// A checkpoint may carry a KeyMapping (with_mapping): it then speaks the model's names, every
+/// accessor below resolving a name to its pieces, and read_slices copies only the bytes of the
+/// requested rows of each piece, so a rank reads only its heads' rows of a fused tensor. The
+/// mapping reaches the files through two private functions alone (source_info, source_read:
+/// a file's tensor by its own name, whole or by ranges of rows); another container format
+/// (quantized row blocks, say) plugs in below the mapping by providing those two for its files.
 class Checkpoint {
  public:
   /// `path` is a .safetensors file, an .index.json file, or a folder holding exactly one of
@@ -140,8 +159,31 @@ class Checkpoint {
   const std::string& path() const { return path_; }
   const ReadStats& stats() const { return *stats_; }
 
+  /// This checkpoint under the names of `mapping` (only those: a file tensor no piece names is
+  /// not listed). Checked before anything is read: every piece's tensor exists, its rows lie inside
+  /// it, and the pieces of one name share their dtype and their trailing dimensions; errors name
+  /// the file, the name and the piece. The files, and their ReadStats, are shared.
+  Checkpoint with_mapping(const KeyMapping& mapping) const;
+  /// True when the names are a mapping's (with_mapping).
+  bool mapped() const { return mapped_ != nullptr; }
+  /// The files' own tensor names, sorted, whatever the mapping.
+  std::vector<std::string> source_names() const;
+  /// A tensor of the files by its own name (the unmapped view), or nullptr when absent.
+  const TensorInfo* find_source(const std::string& key) const;
+
  private:
+  struct MappedTensor {
+    std::vector<TensorPiece> pieces;
+    TensorInfo info;  ///< the assembled tensor: its dtype and shape; begin = 0, end = its byte count
+  };
+  /// The files' tensor `key` ("" for a checkpoint error naming `name`, the mapped name asked for).
+  const TensorInfo& source_info(const std::string& key) const;
+  /// The files' tensor `key`, whole (`rows` empty) or the rows of `rows` (dim 0), concatenated.
+  at::Tensor source_read(const std::string& key, const std::vector<Range>& rows,
+                         std::optional<at::ScalarType> dtype) const;
+  const MappedTensor& mapped_tensor(const std::string& name) const;
   std::string path_;
+  std::shared_ptr<const std::map<std::string, MappedTensor>> mapped_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> file_index_;  // tensor name -> files_ index
   std::shared_ptr<ReadStats> stats_;
