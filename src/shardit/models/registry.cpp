@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <sstream>
 
 #include "shardit/models/clip/modeling_clip.h"
@@ -22,11 +24,19 @@ namespace {
 
 /// A module class built from its `<Class>Config::from_json`.
 template <class Model, class Config>
-ComponentClass module_class(const char* library, const char* class_name, ComponentKind kind) {
+ComponentClass module_class(const char* library, const char* class_name, ComponentKind kind,
+                            std::vector<SingleFileLayout> single_file_layouts = {}) {
   return {library, class_name, kind, [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
             return std::make_shared<Model>(Config::from_json(folder.config, folder.dir + "/config.json"));
           },
-          std::nullopt};
+          std::nullopt, std::move(single_file_layouts)};
+}
+
+/// "'a', 'b'".
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "'" : ", '") + name + "'";
+  return out;
 }
 
 ComponentClass tokenizer_class(const char* class_name, tokenizers::TokenizerKind kind) {
@@ -48,12 +58,15 @@ const char* component_kind_name(ComponentKind kind) {
 
 const std::vector<ComponentClass>& component_classes() {
   static const std::vector<ComponentClass> table = {
-      module_class<FluxTransformer2DModel, FluxTransformer2DModelConfig>("diffusers", "FluxTransformer2DModel",
-                                                                         ComponentKind::Transformer),
-      module_class<Flux2Transformer2DModel, Flux2Transformer2DModelConfig>("diffusers", "Flux2Transformer2DModel",
-                                                                           ComponentKind::Transformer),
+      module_class<FluxTransformer2DModel, FluxTransformer2DModelConfig>(
+          "diffusers", "FluxTransformer2DModel", ComponentKind::Transformer,
+          FluxTransformer2DModel::single_file_layouts()),
+      module_class<Flux2Transformer2DModel, Flux2Transformer2DModelConfig>(
+          "diffusers", "Flux2Transformer2DModel", ComponentKind::Transformer,
+          Flux2Transformer2DModel::single_file_layouts()),
       module_class<QwenImageTransformer2DModel, QwenImageTransformer2DModelConfig>(
-          "diffusers", "QwenImageTransformer2DModel", ComponentKind::Transformer),
+          "diffusers", "QwenImageTransformer2DModel", ComponentKind::Transformer,
+          QwenImageTransformer2DModel::single_file_layouts()),
       {"diffusers", "AutoencoderKL", ComponentKind::Vae,
        [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
          const std::string source = folder.dir + "/config.json";
@@ -117,6 +130,35 @@ const ComponentClass& find_component_class(ComponentKind kind, const std::string
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder) {
   return find_component_class(ComponentKind::Transformer, folder.class_name(), folder.dir + "/config.json")
       .create_module(folder);
+}
+
+io::Checkpoint open_transformer_file(const std::string& path, const std::string& class_name, nn::Module& model) {
+  const ComponentClass& row = find_component_class(ComponentKind::Transformer, class_name, path);
+  TORCH_CHECK(!std::filesystem::is_directory(path), path, ": --transformer takes one .safetensors file, not a folder "
+              "(a diffusers transformer folder is the model folder's transformer/)");
+  const io::Checkpoint file = io::Checkpoint::open(path);
+  std::string prefix;
+  if (const SingleFileLayout* layout = detect_single_file_layout(file, row.single_file_layouts, &prefix)) {
+    return file.with_mapping(single_file_mapping(file, *layout, prefix, model));
+  }
+  for (const ComponentClass& other : component_classes()) {
+    if (other.kind != ComponentKind::Transformer || other.class_name == class_name) continue;
+    if (const SingleFileLayout* layout = detect_single_file_layout(file, other.single_file_layouts, &prefix)) {
+      TORCH_CHECK(false, path, ": holds a ", other.class_name, " (", layout->name, " layout: has ",
+                  quoted_list(layout->markers), "), but the model folder's transformer is ", class_name,
+                  "; give a ", class_name, " file, or the model folder of its family");
+    }
+  }
+  std::ostringstream expected;
+  for (const SingleFileLayout& layout : row.single_file_layouts) {
+    expected << (expected.tellp() > 0 ? "; or " : "") << layout.name << ": " << quoted_list(layout.markers);
+  }
+  const std::vector<std::string> names = file.source_names();
+  const std::vector<std::string> first(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(
+                                                                         std::min<size_t>(names.size(), 5)));
+  TORCH_CHECK(false, path, ": is not a ", class_name, " file in a known layout: expected ", expected.str(),
+              " (with or without the prefix 'model.diffusion_model.'); its ", names.size(), " tensors begin ",
+              names.empty() ? std::string("(none)") : quoted_list(first));
 }
 
 std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folder, const std::string& class_name) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "shardit/io/model_folder.h"
+#include "shardit/models/single_file.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/schedulers/scheduling_flow_match_euler_discrete.h"
 #include "shardit/tokenizers/tokenizer.h"
@@ -31,6 +32,9 @@ struct ComponentClass {
   std::function<std::shared_ptr<parallel::TensorParallelModule>(const io::ComponentFolder& folder)> create_module;
   /// Tokenizer classes: the tokenizer that reads the folder's files.
   std::optional<tokenizers::TokenizerKind> tokenizer_kind;
+  /// Transformer classes: the layouts of the single files it loads (`--transformer FILE`), each
+  /// detected from the keys and mapped by its table (the class's `single_file_layouts()`).
+  std::vector<SingleFileLayout> single_file_layouts = {};
 };
 
 /// Every supported class, of every kind.
@@ -45,6 +49,14 @@ const ComponentClass& find_component_class(ComponentKind kind, const std::string
 /// with its parameters declared on the meta device (load them with TensorParallelModule::load).
 /// Errors name the folder and list the supported classes.
 std::shared_ptr<parallel::TensorParallelModule> create_transformer(const io::ComponentFolder& folder);
+
+/// The transformer weights of the single file `path` as a checkpoint of `model`, an instance of the
+/// transformer class `class_name` (its config from the model folder): the file's layout is
+/// detected from its keys among the class's single-file layouts and mapped to the model's names.
+/// Before anything is read, an error names the file when it is missing or unreadable, when it
+/// holds another registered class's transformer (naming that class), or when no layout matches
+/// (listing the keys each layout expects); single_file_mapping's errors name missing tensors.
+io::Checkpoint open_transformer_file(const std::string& path, const std::string& class_name, nn::Module& model);
 
 /// The tokenizer a pipeline's model_index.json names `class_name` for, read from `folder`.
 std::unique_ptr<tokenizers::Tokenizer> create_tokenizer(const std::string& folder, const std::string& class_name);

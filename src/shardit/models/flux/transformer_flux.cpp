@@ -364,6 +364,58 @@ std::vector<std::string> FluxTransformer2DModel::high_precision_modules() const 
       "proj_out"};
 }
 
+const std::vector<SingleFileLayout>& FluxTransformer2DModel::single_file_layouts() {
+  // Black Forest Labs' FLUX.1 files (flux1-dev.safetensors, ComfyUI's copies under
+  // `model.diffusion_model.`): diffusers' convert_flux_transformer_checkpoint_to_diffusers as data.
+  // The fused qkv and linear1 are split by the model's own row counts (D, D, D, mlp), not by a
+  // fixed width.
+  static const std::vector<SingleFileLayout> layouts = {
+      {"BFL",
+       {"", "model.diffusion_model."},
+       {"double_blocks.0.img_mod.lin.weight"},
+       {
+           {"time_in.in_layer", {"time_text_embed.timestep_embedder.linear_1"}},
+           {"time_in.out_layer", {"time_text_embed.timestep_embedder.linear_2"}},
+           {"vector_in.in_layer", {"time_text_embed.text_embedder.linear_1"}},
+           {"vector_in.out_layer", {"time_text_embed.text_embedder.linear_2"}},
+           {"guidance_in.in_layer", {"time_text_embed.guidance_embedder.linear_1"}},
+           {"guidance_in.out_layer", {"time_text_embed.guidance_embedder.linear_2"}},
+           {"txt_in", {"context_embedder"}},
+           {"img_in", {"x_embedder"}},
+           {"double_blocks.*.img_mod.lin", {"transformer_blocks.*.norm1.linear"}},
+           {"double_blocks.*.txt_mod.lin", {"transformer_blocks.*.norm1_context.linear"}},
+           {"double_blocks.*.img_attn.qkv",
+            {"transformer_blocks.*.attn.to_q", "transformer_blocks.*.attn.to_k", "transformer_blocks.*.attn.to_v"}},
+           {"double_blocks.*.txt_attn.qkv",
+            {"transformer_blocks.*.attn.add_q_proj", "transformer_blocks.*.attn.add_k_proj",
+             "transformer_blocks.*.attn.add_v_proj"}},
+           {"double_blocks.*.img_attn.norm.query_norm", {"transformer_blocks.*.attn.norm_q"}, "scale"},
+           {"double_blocks.*.img_attn.norm.key_norm", {"transformer_blocks.*.attn.norm_k"}, "scale"},
+           {"double_blocks.*.txt_attn.norm.query_norm", {"transformer_blocks.*.attn.norm_added_q"}, "scale"},
+           {"double_blocks.*.txt_attn.norm.key_norm", {"transformer_blocks.*.attn.norm_added_k"}, "scale"},
+           {"double_blocks.*.img_mlp.0", {"transformer_blocks.*.ff.net.0.proj"}},
+           {"double_blocks.*.img_mlp.2", {"transformer_blocks.*.ff.net.2"}},
+           {"double_blocks.*.txt_mlp.0", {"transformer_blocks.*.ff_context.net.0.proj"}},
+           {"double_blocks.*.txt_mlp.2", {"transformer_blocks.*.ff_context.net.2"}},
+           {"double_blocks.*.img_attn.proj", {"transformer_blocks.*.attn.to_out.0"}},
+           {"double_blocks.*.txt_attn.proj", {"transformer_blocks.*.attn.to_add_out"}},
+           {"single_blocks.*.modulation.lin", {"single_transformer_blocks.*.norm.linear"}},
+           {"single_blocks.*.linear1",
+            {"single_transformer_blocks.*.attn.to_q", "single_transformer_blocks.*.attn.to_k",
+             "single_transformer_blocks.*.attn.to_v", "single_transformer_blocks.*.proj_mlp"}},
+           {"single_blocks.*.norm.query_norm", {"single_transformer_blocks.*.attn.norm_q"}, "scale"},
+           {"single_blocks.*.norm.key_norm", {"single_transformer_blocks.*.attn.norm_k"}, "scale"},
+           {"single_blocks.*.linear2", {"single_transformer_blocks.*.proj_out"}},
+           {"final_layer.linear", {"proj_out"}},
+           {"final_layer.adaLN_modulation.1", {"norm_out.linear"}, "weight", /*swapped_halves=*/true},
+       },
+       {kComfyScaledFp8Marker}},
+      {"diffusers", {"", "model.diffusion_model."}, {"transformer_blocks.0.norm1.linear.weight"}, {},
+       {kComfyScaledFp8Marker}},
+  };
+  return layouts;
+}
+
 const parallel::TpPlan& FluxTransformer2DModel::tp_plan() const {
   // diffusers' FLUX.1 plan: q/k/v and the FF input split by heads / hidden columns (colwise), the
   // projections back to D split by rows (rowwise, one all-reduce each). The single block's

@@ -387,6 +387,53 @@ std::vector<std::string> Flux2Transformer2DModel::high_precision_modules() const
       "double_stream_modulation_txt.*", "single_stream_modulation.*", "norm_out.*", "proj_out"};
 }
 
+const std::vector<SingleFileLayout>& Flux2Transformer2DModel::single_file_layouts() {
+  // Black Forest Labs' FLUX.2 files (flux2-dev.safetensors): diffusers'
+  // convert_flux2_transformer_checkpoint_to_diffusers as data. The single blocks' linear1 stays
+  // fused ([q|k|v|gate|up] is the model's to_qkv_mlp_proj); only the double blocks' qkv splits.
+  static const std::vector<SingleFileLayout> layouts = {
+      {"BFL",
+       {"", "model.diffusion_model."},
+       {"single_stream_modulation.lin.weight"},
+       {
+           {"img_in", {"x_embedder"}},
+           {"txt_in", {"context_embedder"}},
+           {"time_in.in_layer", {"time_guidance_embed.timestep_embedder.linear_1"}},
+           {"time_in.out_layer", {"time_guidance_embed.timestep_embedder.linear_2"}},
+           {"guidance_in.in_layer", {"time_guidance_embed.guidance_embedder.linear_1"}},
+           {"guidance_in.out_layer", {"time_guidance_embed.guidance_embedder.linear_2"}},
+           {"double_stream_modulation_img.lin", {"double_stream_modulation_img.linear"}},
+           {"double_stream_modulation_txt.lin", {"double_stream_modulation_txt.linear"}},
+           {"single_stream_modulation.lin", {"single_stream_modulation.linear"}},
+           {"final_layer.linear", {"proj_out"}},
+           {"final_layer.adaLN_modulation.1", {"norm_out.linear"}, "weight", /*swapped_halves=*/true},
+           {"double_blocks.*.img_attn.qkv",
+            {"transformer_blocks.*.attn.to_q", "transformer_blocks.*.attn.to_k", "transformer_blocks.*.attn.to_v"}},
+           {"double_blocks.*.txt_attn.qkv",
+            {"transformer_blocks.*.attn.add_q_proj", "transformer_blocks.*.attn.add_k_proj",
+             "transformer_blocks.*.attn.add_v_proj"}},
+           {"double_blocks.*.img_attn.norm.query_norm", {"transformer_blocks.*.attn.norm_q"}, "scale"},
+           {"double_blocks.*.img_attn.norm.key_norm", {"transformer_blocks.*.attn.norm_k"}, "scale"},
+           {"double_blocks.*.img_attn.proj", {"transformer_blocks.*.attn.to_out.0"}},
+           {"double_blocks.*.img_mlp.0", {"transformer_blocks.*.ff.linear_in"}},
+           {"double_blocks.*.img_mlp.2", {"transformer_blocks.*.ff.linear_out"}},
+           {"double_blocks.*.txt_attn.norm.query_norm", {"transformer_blocks.*.attn.norm_added_q"}, "scale"},
+           {"double_blocks.*.txt_attn.norm.key_norm", {"transformer_blocks.*.attn.norm_added_k"}, "scale"},
+           {"double_blocks.*.txt_attn.proj", {"transformer_blocks.*.attn.to_add_out"}},
+           {"double_blocks.*.txt_mlp.0", {"transformer_blocks.*.ff_context.linear_in"}},
+           {"double_blocks.*.txt_mlp.2", {"transformer_blocks.*.ff_context.linear_out"}},
+           {"single_blocks.*.linear1", {"single_transformer_blocks.*.attn.to_qkv_mlp_proj"}},
+           {"single_blocks.*.linear2", {"single_transformer_blocks.*.attn.to_out"}},
+           {"single_blocks.*.norm.query_norm", {"single_transformer_blocks.*.attn.norm_q"}, "scale"},
+           {"single_blocks.*.norm.key_norm", {"single_transformer_blocks.*.attn.norm_k"}, "scale"},
+       },
+       {kComfyScaledFp8Marker}},
+      {"diffusers", {"", "model.diffusion_model."}, {"single_stream_modulation.linear.weight"}, {},
+       {kComfyScaledFp8Marker}},
+  };
+  return layouts;
+}
+
 const parallel::TpPlan& Flux2Transformer2DModel::tp_plan() const {
   // diffusers' FLUX.2 plan: q/k/v (image and text) and the FF linear_in split colwise, closed by
   // rowwise to_out.0 / to_add_out / linear_out (one all-reduce each). linear_in's output is

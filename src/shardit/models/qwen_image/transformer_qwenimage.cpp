@@ -396,6 +396,20 @@ std::vector<std::string> QwenImageTransformer2DModel::high_precision_modules() c
       "transformer_blocks.*.txt_mod.*", "norm_out.*", "proj_out"};
 }
 
+const std::vector<SingleFileLayout>& QwenImageTransformer2DModel::single_file_layouts() {
+  // ComfyUI's Qwen-Image files (qwen_image_bf16 / _fp8_e4m3fn.safetensors) use diffusers' own
+  // names, with or without the `model.diffusion_model.` prefix: diffusers' from_single_file maps
+  // QwenImageTransformer2DModel's keys as they are.
+  static const std::vector<SingleFileLayout> layouts = {
+      {"ComfyUI",
+       {"model.diffusion_model.", ""},
+       {"txt_norm.weight", "transformer_blocks.0.img_mod.1.weight"},
+       {},
+       {kComfyScaledFp8Marker}},
+  };
+  return layouts;
+}
+
 const parallel::TpPlan& QwenImageTransformer2DModel::tp_plan() const {
   // diffusers' Qwen-Image plan: q/k/v (image and text) split by heads (colwise), the output
   // projections back to D split by rows (rowwise, one all-reduce each), and the GELU FFs split

@@ -19,6 +19,7 @@
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/joint_transformer.h"
+#include "shardit/models/single_file.h"
 #include "shardit/nn/attention.h"
 #include "shardit/nn/timestep_embeddings.h"
 #include "shardit/nn/linear.h"
@@ -175,6 +176,8 @@ class QwenImageTransformer2DModel : public JointTransformer2DModel {
   std::string type_name() const override { return "QwenImageTransformer2DModel"; }
 
   const parallel::TpPlan& tp_plan() const override;
+  /// How its single files name its tensors (a registry row carries them; models/single_file.h).
+  static const std::vector<SingleFileLayout>& single_file_layouts();
 
   std::vector<std::string> high_precision_modules() const override;
   /// diffusers' `_tp_plan` for this class, entry for entry (modulation replicated).
