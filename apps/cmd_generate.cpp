@@ -218,7 +218,8 @@ int generate(const GenerateOptions& given) {
   const std::vector<std::string> pngs = io::image_paths(options.out, num_prompts * options.num_images);
   if (world.rank() == 0) {
     // The model folder stands for every file under it (weights, configs, tokenizer files).
-    std::vector<std::string> inputs = {options.model, options.prompt_embeds, options.latents, options.compare_to};
+    std::vector<std::string> inputs = {options.model, options.prompt_embeds, options.latents, options.compare_to,
+                                       options.pipeline.transformer_file};
     inputs.insert(inputs.end(), options.images.begin(), options.images.end());
     for (const models::LoraRequest& lora : lora_requests(options.pipeline.lora)) inputs.push_back(lora.path);
     for (const auto& png : pngs) io::check_output_path(png, inputs);

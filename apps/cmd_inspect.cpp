@@ -46,7 +46,19 @@ struct InspectOptions {
   std::string attention = "math";
   double device_memory = 0;  ///< GiB; > 0: a verdict per TP degree
   std::string model;  ///< the transformer a LoRA file is inspected for
+  std::string transformer_file;  ///< --transformer FILE: the transformer's weights from a single file
 };
+
+/// The component's weights: the folder's, or for the transformer with --transformer, the single
+/// file mapped to the model's names (a file of another family is refused here).
+io::Checkpoint weights_of(const io::ComponentFolder& component, const InspectOptions& options) {
+  const models::ComponentClass* entry = find_module_class(component.class_name());
+  if (options.transformer_file.empty() || entry == nullptr || entry->kind != models::ComponentKind::Transformer) {
+    return component.weights();
+  }
+  const auto model = entry->create_module(component);
+  return models::open_transformer_file(options.transformer_file, component.class_name(), *model);
+}
 
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string out = "[";
@@ -79,9 +91,9 @@ void print_tensor_table(const io::Checkpoint& checkpoint) {
 
 /// The dtype the checkpoint stores its floating-point weights in (the most bytes), fp32 when it
 /// has none or the weights cannot be opened.
-at::ScalarType checkpoint_dtype(const io::ComponentFolder& component) {
+at::ScalarType checkpoint_dtype(const io::ComponentFolder& component, const InspectOptions& options) {
   try {
-    const io::Checkpoint weights = component.weights();
+    const io::Checkpoint weights = weights_of(component, options);
     std::map<at::ScalarType, uint64_t> bytes;
     for (const auto& name : weights.names()) {
       const io::TensorInfo& info = weights.info(name);
@@ -107,7 +119,7 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
   TORCH_CHECK(component.has_value(),
               "inspect --plan needs a model folder (config.json names the model class), not a bare weights file");
   const auto model = models::create_module_component(*component);
-  const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component) : parse_compute_dtype(options.dtype);
+  const at::ScalarType dtype = options.dtype.empty() ? checkpoint_dtype(*component, options) : parse_compute_dtype(options.dtype);
   parallel::TpPlanKind kind = parallel::parse_tp_plan_kind(options.tp_plan);
   if (kind == parallel::TpPlanKind::Reference && model->reference_tp_plan() == nullptr) {
     fmt::print("({} has no reference plan: showing the full plan)\n", model->type_name());
@@ -128,7 +140,7 @@ MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const Inspe
   } else {
     // fp32 when there is no transformer or its folder cannot be opened (the summary names why).
     try {
-      request.dtype = checkpoint_dtype(folder.component(folder.is_pipeline() ? "transformer" : ""));
+      request.dtype = checkpoint_dtype(folder.component(folder.is_pipeline() ? "transformer" : ""), options);
     } catch (const std::exception&) {
       request.dtype = at::kFloat;
     }
@@ -164,6 +176,12 @@ void print_component(const io::ComponentFolder& component, const InspectOptions&
     }
   } else {
     print_tensor_table(component.weights());
+  }
+  if (!options.transformer_file.empty() && find_module_class(class_name) != nullptr &&
+      find_module_class(class_name)->kind == models::ComponentKind::Transformer) {
+    // Errors (a missing file, another family) propagate: the command fails naming the file.
+    fmt::print("transformer weights from {} (--transformer), under the model's names:\n", options.transformer_file);
+    print_tensor_table(weights_of(component, options));
   }
   // In a pipeline only the classes with plan entries show a plan table; a component folder given
   // directly must be of a class the registry builds.
@@ -211,6 +229,9 @@ int run_inspect(const InspectOptions& options) {
   }
   TORCH_CHECK(fs::exists(fs::symlink_status(options.path)), options.path, ": no such file or directory");
 
+  TORCH_CHECK(options.transformer_file.empty() || fs::is_directory(options.path), "inspect --transformer ",
+              options.transformer_file, ": give the model folder whose transformer config the file fits as the path, "
+              "not ", options.path);
   if (!fs::is_directory(options.path)) {
     const io::Checkpoint checkpoint = io::Checkpoint::open(options.path);
     fmt::print("== {}\n", options.path);
@@ -263,6 +284,7 @@ void register_inspect(CLI::App& app, CommandBody& body) {
       "inspect", "Show the config and tensors of a .safetensors file, a component folder or a pipeline folder");
   command->add_option("path", options->path, "a .safetensors (or .safetensors.index.json) file, or a model folder (default: the built-in tiny model)");
   command->add_flag("--plan", options->plan, "also show the tensor-parallel plan resolved for --tp");
+  add_transformer_file_option(command, options->transformer_file);
   command->add_option("--model", options->model,
                       "for a LoRA file: the transformer (component or pipeline folder) it is for; prints its format, "
                       "rank, alpha, targets and the bytes per rank at --tp (with --plan)");

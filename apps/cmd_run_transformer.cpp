@@ -29,6 +29,7 @@ namespace {
 
 struct RunTransformerOptions {
   std::string model;
+  std::string transformer_file;  ///< --transformer FILE: the weights from a single file
   std::string inputs;
   std::string out;
   std::string dtype = "f32";
@@ -57,7 +58,11 @@ int run_transformer(const RunTransformerOptions& given) {
   // Everything is opened and checked before the model is built, loaded or run, and before any
   // rank waits on another: bad input fails in milliseconds, naming the file.
   const io::ComponentFolder component = io::open_component(options.model, "transformer");
-  const io::Checkpoint weights = component.weights();
+  std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
+  const io::Checkpoint weights = options.transformer_file.empty()
+                                     ? component.weights()
+                                     : models::open_transformer_file(options.transformer_file,
+                                                                     component.class_name(), *model);
   const CaseInputs case_inputs = read_case_inputs(options.inputs, component);
   const auto inputs_file = io::SafetensorsFile::open(case_inputs.file);
   const std::vector<models::LoraRequest> loras = lora_requests(options.lora);
@@ -65,10 +70,10 @@ int run_transformer(const RunTransformerOptions& given) {
     std::vector<std::string> inputs = {case_inputs.file, case_inputs.json_file, options.model, component.dir, options.inputs,
                                        weights.path()};
     for (const auto& file : weights.files()) inputs.push_back(file->path());
+    if (!options.transformer_file.empty()) inputs.push_back(options.transformer_file);
     for (const auto& lora : loras) inputs.push_back(lora.path);
     io::check_output_path(options.out, inputs);
   }
-  std::shared_ptr<parallel::TensorParallelModule> model = models::create_transformer(component);
   const std::vector<models::LoraFile> adapter_files = models::open_lora_files(loras, *model);
 
   // Ranks given different work would meet in a collective with different shapes (a transport
@@ -131,6 +136,7 @@ void register_run_transformer(CLI::App& app, CommandBody& body) {
       app.add_subcommand("run-transformer", "run one transformer forward on a case folder and write `sample`");
   command->add_option("--model", options->model,
                       "transformer component folder (or pipeline folder); default: the built-in tiny model");
+  add_transformer_file_option(command, options->transformer_file);
   command->add_option("--inputs", options->inputs,
                       "case folder with inputs.safetensors (+ inputs.json), or the file; required with --model");
   command->add_option("--out", options->out, "output .safetensors file (tensor `sample`, float32)")->required();

@@ -107,6 +107,7 @@ struct PipelineCliOptions {
   LoraCliOptions lora;
   std::string cache;  ///< --cache KIND:key=value,... as given; empty: no step cache
   std::string pipeline_class;  ///< --pipeline CLASS; empty: the class model_index.json names
+  std::string transformer_file;  ///< --transformer FILE; empty: the folder's transformer weights
   std::string weights_dtype = "checkpoint";  ///< --weights-dtype: the transformer's Linears in 8 bits
   bool int8_compute = false;                 ///< --int8-compute: those Linears multiply in int8
   /// The mesh degrees (unresolved: tp 0 takes the rest of the world).
@@ -129,6 +130,8 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
 /// --tiled-vae, --vae-parallel, --cache and the LoRA options to a pipeline command.
 void add_pipeline_options(CLI::App* command, PipelineCliOptions& options);
 /// Adds --dtype (the compute dtype: core's parse_compute_dtype).
+/// `--transformer FILE`: the transformer's weights from a single file (generate, serve, run-transformer, inspect).
+void add_transformer_file_option(CLI::App* command, std::string& file);
 void add_dtype_option(CLI::App* command, std::string& dtype);
 /// Adds the mesh degrees: --tp, --ulysses, --ring and --cfg-parallel (PipelineCliOptions::dims()).
 void add_parallel_options(CLI::App* command, PipelineCliOptions& options);

@@ -52,9 +52,17 @@ pipelines::PipelineLoadOptions pipeline_load_options(dist::World& world, const P
   load.lora_scale = options.lora.scale;
   load.fuse_lora = options.lora.fuse;
   if (!options.pipeline_class.empty()) load.pipeline_class = options.pipeline_class;
+  if (!options.transformer_file.empty()) load.transformer_file = options.transformer_file;
   load.weights = nn::parse_weights_dtype(options.weights_dtype);
   load.int8_compute = options.int8_compute;
   return load;
+}
+
+void add_transformer_file_option(CLI::App* command, std::string& file) {
+  command->add_option("--transformer", file,
+                      "the transformer's weights from this single .safetensors file instead of the folder's "
+                      "transformer/ (Black Forest Labs' FLUX.1 / FLUX.2 files, ComfyUI's, FP8 ones included; "
+                      "the rest, and the transformer's config, from --model); see docs/checkpoints.md");
 }
 
 void add_dtype_option(CLI::App* command, std::string& dtype) {
@@ -91,6 +99,7 @@ void add_pipeline_options(CLI::App* command, PipelineCliOptions& options) {
   command->add_option("--pipeline", options.pipeline_class,
                       "load the folder as this pipeline class instead of the one model_index.json names, e.g. "
                       "FluxKontextPipeline on a FLUX.1 folder (diffusers' FluxKontextPipeline.from_pretrained)");
+  add_transformer_file_option(command, options.transformer_file);
   add_dtype_option(command, options.dtype);
   add_weights_dtype_option(command, options.weights_dtype, options.int8_compute);
   add_parallel_options(command, options);
@@ -132,7 +141,7 @@ void BackendCliOptions::apply() const {
 }
 
 std::string PipelineCliOptions::agreement() const {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", pipeline_class, dtype, weights_dtype, int8_compute,
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", pipeline_class, transformer_file, dtype, weights_dtype, int8_compute,
                      dims().to_string(), text_encoder_tp, tiled_vae, vae_parallel, cache,
                      fmt::join(lora.files, "\x1f"), lora.scale, lora.fuse);
 }

@@ -207,7 +207,6 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
               "already splits the activations over the ranks: choose one");
   TORCH_CHECK(!(options_.vae_parallel && options_.load_vae == std::optional<bool>(false)), pipeline_class,
               ": vae_parallel needs the VAE on every rank, but load_vae is false here");
-  transformer_weights_ = transformer_folder.weights();
   vae_weights_ = vae_folder.weights();
   vae_model_ = models::create_vae(vae_folder);
   vae_scale_factor_ = vae_model_->vae_scale_factor();
@@ -218,6 +217,9 @@ DiffusionPipeline::DiffusionPipeline(io::ModelFolder folder, const PipelineLoadO
                                scheduler_entry.at(1).get<std::string>())
           .config();
   transformer_ = models::create_transformer(transformer_folder);
+  transformer_weights_ = options_.transformer_file ? models::open_transformer_file(*options_.transformer_file,
+                                                                                   transformer_class, *transformer_)
+                                                   : transformer_folder.weights();
   TORCH_INTERNAL_ASSERT(dynamic_cast<models::JointTransformer2DModel*>(transformer_.get()) != nullptr, pipeline_class,
                         ": ", transformer_class, " is not a joint-stream transformer");
   // The adapter files are opened and checked against the transformer before any weight is read.

@@ -206,6 +206,11 @@ struct PipelineLoadOptions {
   /// diffusers' `FluxKontextPipeline.from_pretrained(flux1_folder)`: it must take the folder's
   /// transformer class (FluxPipeline and FluxKontextPipeline share FLUX.1's).
   std::optional<std::string> pipeline_class;
+  /// The transformer's weights from this single file instead of the folder's transformer/
+  /// (diffusers' `from_pretrained(folder, transformer=Model.from_single_file(file))`): its layout
+  /// (BFL, ComfyUI, FP8) detected and mapped by the class's registry row
+  /// (models::open_transformer_file); the config, and every other component, from the folder.
+  std::optional<std::string> transformer_file;
   /// Whether the mesh's replicas (a world larger than cfg x ulysses x ring x tp) run different
   /// requests, as `serve` runs them: each replica then also encodes prompts on its own ranks (the
   /// text encoders' degree divides the replica's size), its first rank loads the VAE (unless
