@@ -9,6 +9,7 @@
 #   file_of_<Suite>     the test file (without .cpp) that defines each suite
 #   starts_ranks_<file> ON when cases of that file start ranks
 #   light_ranks_<file>  ON when those rank groups keep a core busy or less (their own lock)
+#   fixtures_<file>     CTest fixtures its entries require (made by setup entries beside them)
 # The executable lists its cases once, and again only after it is rebuilt (the list is kept beside
 # it). A case whose suite no file defines (a TEST the configure step could not read) gets an entry
 # that fails naming it, so no case drops out of the suite unseen.
@@ -97,6 +98,9 @@ foreach(file IN LISTS files)
       # A thread spinning at an OpenMP barrier while its partner waits for a core (two entries
       # share the cores) makes a run many times slower; waiting passively changes no arithmetic.
       ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env};OMP_WAIT_POLICY=passive")
+    if(DEFINED fixtures_${file})
+      set_tests_properties("${name}" PROPERTIES FIXTURES_REQUIRED "${fixtures_${file}}")
+    endif()
     if(starts_ranks_${file})
       # One rank group at a time (never two sharing the cores), beside at most one single-process
       # entry (CTest's -j); first, since together they are the longest path. Light groups
