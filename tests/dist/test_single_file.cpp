@@ -166,8 +166,8 @@ std::string dequantized_copy(const Checkpoint& fp8) {
     at::Tensor codes = fp8.read(name);
     if (codes.scalar_type() != at::kByte) codes = codes.view(at::kByte);
     const std::string scale = name.substr(0, name.size() - 7) + ".scale_weight";
-    dense.emplace_back(name, shardit::fp8_decode(codes, shardit::Fp8Format::E4M3, at::kFloat) *
-                                 fp8.read(scale, at::kFloat));
+    const at::Tensor values = shardit::fp8_decode(codes, shardit::Fp8Format::E4M3, at::kFloat);
+    dense.emplace_back(name, fp8.contains(scale) ? values * fp8.read(scale, at::kFloat) : values);
   }
   const std::string path = shardit::testing::make_temp_dir("fp8-dense") + "/dense.safetensors";
   shardit::io::save_safetensors(path, dense);
@@ -203,12 +203,16 @@ void fp8_worker() {
                             1e-5 * scale, 0.0));
 }
 
-TEST(SingleFile, GoldenFp8ScaledFileHoldsHalfOfBf16AtTp2) {
+TEST(SingleFile, GoldenFp8FilesHoldHalfOfBf16AtTp2) {
   if (is_worker()) return fp8_worker();
-  EXPECT_EQ(run_ranks(2, {{"SHARDIT_SF_MODEL", golden_path("flux_b1_square")},
-                          {"SHARDIT_SF_FILE", single_file("flux1_bfl")},
-                          {"SHARDIT_SF_FP8", single_file("flux1_bfl_fp8_scaled")}}),
-            0);
+  // ComfyUI's "fp8 scaled" (per-tensor scale_weight) and plain fp8_e4m3fn (no scales) forms.
+  for (const char* fp8 : {"flux1_bfl_fp8_scaled", "flux1_bfl_fp8_e4m3fn"}) {
+    EXPECT_EQ(run_ranks(2, {{"SHARDIT_SF_MODEL", golden_path("flux_b1_square")},
+                            {"SHARDIT_SF_FILE", single_file("flux1_bfl")},
+                            {"SHARDIT_SF_FP8", single_file(fp8)}}),
+              0)
+        << fp8;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ diffusion_pytorch_model.safetensors) it writes, into --out:
                                 the same under ComfyUI's `model.diffusion_model.` prefix, every Linear
                                 weight in F8_E4M3 with a per-tensor `scale_weight` (fp32) beside it and
                                 ComfyUI's `scaled_fp8` marker, as ComfyUI's "fp8 scaled" files are
+  flux1_bfl_fp8_e4m3fn.safetensors
+                                the same with the weights' values rounded to F8_E4M3 and no scales,
+                                as ComfyUI's plain `*_fp8_e4m3fn` files are
   flux2_bfl.safetensors         FLUX.2 in Black Forest Labs' keys (fused double-block `qkv`; the single
                                 blocks' linear1 stays [q | k | v | gate | up])
   pipeline_flux1_bfl.safetensors
@@ -235,14 +238,17 @@ def qwenimage_to_comfyui(sd, config):
     return dict(sd)
 
 
-def fp8_scaled(bfl):
+def fp8_scaled(bfl, scaled=True):
     """ComfyUI's "fp8 scaled" form of a BFL state dict: prefixed keys, each 2-D weight in F8_E4M3
-    with a per-tensor fp32 `scale_weight` (max|w| / 448), the rest fp32, and the `scaled_fp8` marker."""
+    with a per-tensor fp32 `scale_weight` (max|w| / 448), the rest fp32, and the `scaled_fp8` marker.
+    scaled=False: the plain `fp8_e4m3fn` form, the weights' values rounded to F8_E4M3, no scales."""
     import numpy as np
     tensors = []
     for name in sorted(bfl):
         value = bfl[name]
-        if name.endswith(".weight") and value.ndim == 2:
+        if name.endswith(".weight") and value.ndim == 2 and not scaled:
+            tensors.append((COMFY_PREFIX + name, "F8_E4M3", value.shape, to_e4m3(value).tobytes()))
+        elif name.endswith(".weight") and value.ndim == 2:
             scale = np.float32(np.abs(value).max() / 448.0)
             codes = to_e4m3(value.astype(np.float32) / scale)
             tensors.append((COMFY_PREFIX + name, "F8_E4M3", value.shape, codes.tobytes()))
@@ -250,7 +256,8 @@ def fp8_scaled(bfl):
                             np.array(scale, dtype=np.float32).tobytes()))
         else:
             tensors.append((COMFY_PREFIX + name, *f32(value)))
-    tensors.append((COMFY_PREFIX + "scaled_fp8", "F8_E4M3", (0,), b""))
+    if scaled:
+        tensors.append((COMFY_PREFIX + "scaled_fp8", "F8_E4M3", (0,), b""))
     return tensors
 
 
@@ -269,6 +276,7 @@ def write_cases(golden, out):
                           [(key, *f32(converted[key])) for key in sorted(converted)])
         if name == "flux1_bfl":
             write_safetensors(os.path.join(out, "flux1_bfl_fp8_scaled.safetensors"), fp8_scaled(converted))
+            write_safetensors(os.path.join(out, "flux1_bfl_fp8_e4m3fn.safetensors"), fp8_scaled(converted, False))
         print(f"wrote {name}.safetensors from {case} ({len(converted)} tensors)")
 
 
