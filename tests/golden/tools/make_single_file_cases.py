@@ -39,10 +39,11 @@ gives exactly the folder's state dict. Run by hand; the result is recorded in RE
 import argparse
 import json
 import os
-import shutil
 import struct
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "support"))
+from pinned_venv import pinned_python  # noqa: E402
 
 NUMPY_RELEASE = "2.4.6"
 SAFETENSORS_RELEASE = "0.8.0"
@@ -58,24 +59,11 @@ CASES = {
 
 
 def tool_python(venv):
-    """The venv's python with the pinned numpy and safetensors; made once."""
-    python = os.path.join(venv, "bin", "python")
-    check = [python, "-c", "import numpy, safetensors, sys; sys.exit(numpy.__version__ != '%s' or "
-             "safetensors.__version__ != '%s')" % (NUMPY_RELEASE, SAFETENSORS_RELEASE)]
-    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    shutil.rmtree(venv, ignore_errors=True)
-    made = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
-    if made.returncode != 0:
-        sys.exit(f"FAILED: python3 -m venv {venv}: {made.stderr.strip()} (Debian: install python3-venv)")
-    pip = subprocess.run([python, "-m", "pip", "install", "--quiet", f"numpy=={NUMPY_RELEASE}",
-                          f"safetensors=={SAFETENSORS_RELEASE}"], capture_output=True, text=True)
-    if pip.returncode != 0:
-        shutil.rmtree(venv, ignore_errors=True)
-        print(f"SKIPPED: pip could not install numpy=={NUMPY_RELEASE} safetensors=={SAFETENSORS_RELEASE} "
-              f"(is PyPI reachable?):\n{pip.stdout}{pip.stderr}", flush=True)
-        sys.exit(SKIPPED)
-    return python
+    """The venv's python with the pinned numpy and safetensors; made once (tests/support/pinned_venv.py)."""
+    check = ("import numpy, safetensors, sys; sys.exit(numpy.__version__ != '%s' or safetensors.__version__ != '%s')"
+             % (NUMPY_RELEASE, SAFETENSORS_RELEASE))
+    return pinned_python(venv, check, [f"numpy=={NUMPY_RELEASE}", f"safetensors=={SAFETENSORS_RELEASE}"],
+                         f"numpy {NUMPY_RELEASE} and safetensors {SAFETENSORS_RELEASE}", "numpy")
 
 
 # ------------------------------------------------------------------------------------------------
