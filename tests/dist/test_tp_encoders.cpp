@@ -23,6 +23,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "shardit/verify/encoder_case.h"
 #include "support/multiprocess.h"
+#include "support/qwen_edit_case.h"
 #include "support/test_support.h"
 
 namespace test_tp_encoders {
@@ -154,6 +155,42 @@ TEST(TpQwen2_5_VL, GoldenTp2MatchesTp1) {
 TEST(TpQwen2_5_VL, GoldenTp4ReplicatesKeyValueHeads) {
   if (is_worker()) return tp_worker();
   expect_golden_tp_matches(4, "qwen2_5_vl_text");
+}
+
+// Qwen2.5-VL with its vision tower (2 heads, so TP=2 splits every vision head pair) on the
+// Qwen-Image editing cases (1, 2, 3 images): each rank's image tokens, positions and prompt
+// embeddings against transformers' golden tensors, at the parity suite's fp32 tolerance, through
+// both load paths.
+void vision_worker() {
+  auto& world = shardit::dist::World::init();
+  const std::string path = env_or("SHARDIT_TP_PATH");
+  LoadOptions options;
+  if (path == "shard-on-load") {
+    options.tensor_parallel = ParallelDims{1, 1, 1, 0}.build(world).tensor_parallel();
+  }
+  auto model = shardit::testing::load_edit_text_encoder(options);
+  if (path == "enable-parallelism") model->enable_parallelism(shardit::testing::world_tensor_parallel());
+  ASSERT_NE(model->resolved_plan(), nullptr);
+  EXPECT_LT(model->resolved_plan()->spec("visual.blocks.0.attn.qkv.weight").local_shape(world.rank())[0], 96);
+  const auto produced = shardit::testing::run_edit_encoder_cases(*model);
+  const auto golden = shardit::io::SafetensorsFile::open(golden_path("edit_qwenimage") + "/outputs.safetensors");
+  for (const auto& [name, value] : produced) {
+    const at::Tensor expected = golden->read(name);
+    if (name.find("position_ids") != std::string::npos || name.find("mask") != std::string::npos) {
+      EXPECT_TRUE(at::equal(value.to(at::kLong), expected.to(at::kLong))) << name << " at TP=" << world.size();
+    } else {
+      EXPECT_TRUE(tensors_close(name + " at TP=" + std::to_string(world.size()) + " (" + path + ")", value, expected,
+                                1e-4, 1e-4));
+    }
+  }
+  EXPECT_EQ(produced.size(), 12u);
+}
+
+TEST(TpQwen2_5_VLVision, GoldenEditEncoderTp2) {
+  if (is_worker()) return vision_worker();
+  for (const std::string load_path : {"shard-on-load", "enable-parallelism"}) {
+    EXPECT_EQ(run_ranks(2, {{"SHARDIT_TP_PATH", load_path}}), 0) << "TP=2 through " << load_path;
+  }
 }
 
 TEST(TpMistral3, GoldenTp2MatchesTp1) {

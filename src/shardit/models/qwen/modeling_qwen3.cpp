@@ -137,6 +137,17 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, bool qk_norm, std::string type
 DecoderHiddenStates Qwen3Model::forward(const at::Tensor& input_ids, const std::optional<at::Tensor>& key_mask,
                                         const at::Tensor& positions, const std::vector<int64_t>& hidden_states,
                                         bool last_hidden_state) {
+  const at::Device device = norm->weight.device();
+  // [B, S, D]
+  const at::Tensor hidden = embed_tokens->forward(input_ids.to(device, at::kLong));
+  // [B or 1, S, hd]
+  const nn::RotaryEmbedding rope = nn::rotary_pos_embed_rotate_half(config_.head_dim, positions.to(device), config_.rope_theta);
+  return forward_embeds(hidden, key_mask, rope, hidden_states, last_hidden_state);
+}
+
+DecoderHiddenStates Qwen3Model::forward_embeds(const at::Tensor& inputs_embeds, const std::optional<at::Tensor>& key_mask,
+                                               const nn::RotaryEmbedding& rope, const std::vector<int64_t>& hidden_states,
+                                               bool last_hidden_state) {
   const int64_t num_layers = config_.num_hidden_layers;
   int64_t layers_needed = last_hidden_state ? num_layers : 0;
   for (const int64_t index : hidden_states) {
@@ -150,11 +161,9 @@ DecoderHiddenStates Qwen3Model::forward(const at::Tensor& input_ids, const std::
               " decoder layers, but this model was built with its first ", built, " of ", num_layers,
               " only (what its pipeline reads); build it whole to read later hidden states");
   const at::Device device = norm->weight.device();
-  const int64_t seq_len = input_ids.size(1);
+  const int64_t seq_len = inputs_embeds.size(1);
   // [B, S, D]
-  at::Tensor hidden = embed_tokens->forward(input_ids.to(device, at::kLong));
-  // [B or 1, S, hd]
-  const nn::RotaryEmbedding rope = nn::rotary_pos_embed_rotate_half(config_.head_dim, positions.to(device), config_.rope_theta);
+  at::Tensor hidden = inputs_embeds;
   // [B or 1, 1, S, S]
   const at::Tensor mask = nn::additive_attention_mask(seq_len, key_mask, /*causal=*/true, hidden.scalar_type(), device);
   std::optional<at::Tensor> row_scale;

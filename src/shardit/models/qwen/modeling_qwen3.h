@@ -131,6 +131,11 @@ class Qwen3Model : public nn::Module {
   DecoderHiddenStates forward(const at::Tensor& input_ids, const std::optional<at::Tensor>& key_mask,
                               const at::Tensor& positions, const std::vector<int64_t>& hidden_states,
                               bool last_hidden_state);
+  /// The same from the embeddings `inputs_embeds` [B, S, D] (on the model's device) and RoPE
+  /// tables already made (Qwen2.5-VL's M-RoPE).
+  DecoderHiddenStates forward_embeds(const at::Tensor& inputs_embeds, const std::optional<at::Tensor>& key_mask,
+                                     const nn::RotaryEmbedding& rope, const std::vector<int64_t>& hidden_states,
+                                     bool last_hidden_state);
 
   std::shared_ptr<nn::Embedding> embed_tokens;
   std::shared_ptr<nn::ModuleList<Qwen3DecoderLayer>> layers;
