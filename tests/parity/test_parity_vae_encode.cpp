@@ -214,12 +214,34 @@ INSTANTIATE_TEST_SUITE_P(Golden, VaeEncodeParity,
                                            EncodeCase{"edit_flux1_kontext", "pipeline_flux1"}),
                          [](const auto& info) { return info.param.edit; });
 
-// Qwen-Image's VAE keeps no encoder in shardit.
-TEST(VaeEncodeErrors, GoldenQwenImageVaeHasNoEncoder) {
-  auto vae = load_golden_vae("pipeline_qwenimage");
-  EXPECT_FALSE(vae->has_encoder());
-  const std::string message = error_of([&] { vae->encode(at::zeros({1, 3, 1, 64, 64})); });
-  EXPECT_NE(message.find("AutoencoderKLQwenImage has no encoder"), std::string::npos) << message;
+// Qwen-Image's VAE encoder (causal 3-D convolutions on one frame) against diffusers'
+// QwenImageEditPlusPipeline._encode_vae_image (tests/golden/edit_qwenimage): the posterior's mode,
+// normalised with latents_mean / latents_std. fp32 within the golden set's VAE tolerance
+// (1e-4 + 1e-4 |expected|).
+TEST(VaeEncodeQwenImage, GoldenEncodeVaeImageMatchesDiffusers) {
+  auto vae = load_golden_vae("edit_qwenimage");
+  ASSERT_TRUE(vae->has_encoder());
+  const auto outputs = io::SafetensorsFile::open(golden_path("edit_qwenimage") + "/outputs.safetensors");
+  int compared = 0;
+  for (const std::string name : {"wide", "tall"}) {
+    const at::Tensor image = outputs->read("vae." + name + ".image");  // [1, 3, 1, H, W]
+    const at::Tensor expected = outputs->read("vae." + name + ".image_latents");
+    const at::Tensor latents = vae->normalize_latents(vae->encode(image.squeeze(2)));
+    std::cout << name << ": max |diff| " << (latents - expected).abs().max().item<double>() << " of max |expected| "
+              << expected.abs().max().item<double>() << "\n";
+    EXPECT_TRUE(tensors_close("vae." + name + ".image_latents", latents, expected, 1e-4, 1e-4));
+    ++compared;
+  }
+  EXPECT_EQ(compared, 2);
+}
+
+TEST(VaeEncodeQwenImage, TilingAndOddSizesAreNamedErrors) {
+  auto vae = load_golden_vae("edit_qwenimage");
+  std::string message = error_of([&] { vae->encode(at::zeros({1, 4, 32, 32})); });
+  EXPECT_NE(message.find("AutoencoderKLQwenImage: image has shape"), std::string::npos) << message;
+  vae->enable_tiling();
+  message = error_of([&] { vae->encode(at::zeros({1, 3, 32, 32})); });
+  EXPECT_NE(message.find("tiled encoding is not supported yet"), std::string::npos) << message;
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "shardit/io/model_folder.h"
@@ -86,27 +87,39 @@ at::Tensor QwenImageRMS_norm::forward(const at::Tensor& x) const {
   return normalized * scale_ * gamma;
 }
 
-QwenImageResample::Sequential::Sequential(int64_t dim) {
-  conv = register_module("1", std::make_shared<nn::Conv2d>(nn::Conv2dOptions(dim, dim / 2, 3).with_padding(1)));
+QwenImageResample::Sequential::Sequential(int64_t dim, bool down) {
+  conv = register_module("1", std::make_shared<nn::Conv2d>(down ? nn::Conv2dOptions(dim, dim, 3).with_stride(2)
+                                                                : nn::Conv2dOptions(dim, dim / 2, 3).with_padding(1)));
 }
 
 QwenImageResample::QwenImageResample(int64_t dim, const std::string& mode) : mode_(mode) {
-  TORCH_CHECK(mode == "upsample2d" || mode == "upsample3d", "QwenImageResample: mode '", mode,
-              "' is not supported by the decoder; expected upsample2d or upsample3d");
-  resample = register_module("resample", std::make_shared<Sequential>(dim));
+  TORCH_CHECK(mode == "upsample2d" || mode == "upsample3d" || mode == "downsample2d" || mode == "downsample3d",
+              "QwenImageResample: mode '", mode,
+              "' is not supported; expected upsample2d, upsample3d, downsample2d or downsample3d");
+  resample = register_module("resample", std::make_shared<Sequential>(dim, mode.rfind("down", 0) == 0));
   if (mode == "upsample3d") {
     time_conv = register_module("time_conv",
                                 std::make_shared<QwenImageCausalConv3d>(dim, dim * 2, std::array<int64_t, 3>{3, 1, 1},
                                                                         std::array<int64_t, 3>{1, 0, 0}));
+  } else if (mode == "downsample3d") {
+    // Stride 2 over frames in the reference; never run on one frame.
+    time_conv = register_module(
+        "time_conv", std::make_shared<QwenImageCausalConv3d>(dim, dim, std::array<int64_t, 3>{3, 1, 1}));
   }
 }
 
 at::Tensor QwenImageResample::forward(const at::Tensor& x) {
-  // [B, C, T, H, W]. With one frame, upsample3d's time_conv is not applied (the reference
-  // marks the first chunk "Rep" and skips it).
+  // [B, C, T, H, W]. With one frame, the 3d modes' time_conv is not applied (the reference
+  // caches the first chunk and skips it).
   const int64_t b = x.size(0), c = x.size(1), t = x.size(2), h = x.size(3), w = x.size(4);
+  TORCH_CHECK(t == 1 || !time_conv, "QwenImageResample: ", t, " frames; only single-frame images are supported");
   // [B * T, C, H, W]
   at::Tensor frames = x.permute({0, 2, 1, 3, 4}).reshape({b * t, c, h, w});
+  if (mode_.rfind("down", 0) == 0) {
+    // ZeroPad2d((0, 1, 0, 1)), then the stride-2 convolution: [B * T, C, H / 2, W / 2]
+    frames = resample->conv->forward(at::constant_pad_nd(frames, {0, 1, 0, 1}, 0.0));
+    return frames.view({b, t, frames.size(1), frames.size(2), frames.size(3)}).permute({0, 2, 1, 3, 4});
+  }
   // nearest-exact at scale 2 picks the same source pixels as nearest; computed in fp32.
   frames = at::upsample_nearest2d(frames.to(at::kFloat), {2 * h, 2 * w}).to(x.scalar_type());
   frames = resample->conv->forward(frames);  // [B * T, C / 2, 2H, 2W]
@@ -241,9 +254,67 @@ at::Tensor QwenImageDecoder3d::forward(const at::Tensor& x) {
   return y;
 }
 
+QwenImageEncoder3d::QwenImageEncoder3d(const AutoencoderKLQwenImageConfig& config, int64_t z_channels) {
+  // dims = dim * [1] + dim_mult
+  std::vector<int64_t> dims{config.base_dim};
+  for (const int64_t m : config.dim_mult) dims.push_back(config.base_dim * m);
+  const std::array<int64_t, 3> k3{3, 3, 3};
+  const std::array<int64_t, 3> p1{1, 1, 1};
+  conv_in = register_module("conv_in", std::make_shared<QwenImageCausalConv3d>(config.input_channels, dims[0], k3, p1));
+  down_blocks = register_module("down_blocks", std::make_shared<nn::ModuleList<nn::Module>>());
+  double scale = 1.0;
+  int64_t out_dim = dims[0];
+  for (size_t i = 0; i + 1 < dims.size(); ++i) {
+    int64_t in_dim = dims[i];
+    out_dim = dims[i + 1];
+    for (int64_t r = 0; r < config.num_res_blocks; ++r) {
+      auto block = std::make_shared<QwenImageResidualBlock>(in_dim, out_dim);
+      down_blocks->push_back(block);
+      down_forwards_.push_back([block](const at::Tensor& x) { return block->forward(x); });
+      if (std::find(config.attn_scales.begin(), config.attn_scales.end(), scale) != config.attn_scales.end()) {
+        auto attention = std::make_shared<QwenImageAttentionBlock>(out_dim);
+        down_blocks->push_back(attention);
+        down_forwards_.push_back([attention](const at::Tensor& x) { return attention->forward(x); });
+      }
+      in_dim = out_dim;
+    }
+    if (i + 1 != config.dim_mult.size()) {
+      const bool temporal = i < config.temperal_downsample.size() && config.temperal_downsample[i];
+      auto resample = std::make_shared<QwenImageResample>(out_dim, temporal ? "downsample3d" : "downsample2d");
+      down_blocks->push_back(resample);
+      down_forwards_.push_back([resample](const at::Tensor& x) { return resample->forward(x); });
+      scale /= 2.0;
+    }
+  }
+  mid_block = register_module("mid_block", std::make_shared<QwenImageMidBlock>(out_dim, 1));
+  norm_out = register_module("norm_out", std::make_shared<QwenImageRMS_norm>(out_dim, /*images=*/false));
+  conv_out = register_module("conv_out", std::make_shared<QwenImageCausalConv3d>(out_dim, z_channels, k3, p1));
+}
+
+at::Tensor QwenImageEncoder3d::forward(const at::Tensor& x) {
+  // [B, 3, 1, H, W]
+  at::Tensor y = conv_in->forward(x);
+  emit("conv_in", y);
+  for (size_t i = 0; i < down_forwards_.size(); ++i) {
+    y = down_forwards_[i](y);
+    emit("down_blocks." + std::to_string(i), y);
+  }
+  y = mid_block->forward(y);
+  emit("mid_block", y);
+  y = norm_out->forward(y);
+  emit("norm_out", y);
+  y = conv_out->forward(at::silu(y));  // [B, 2 z_dim, 1, h, w]
+  emit("conv_out", y);
+  return y;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 AutoencoderKLQwenImage::AutoencoderKLQwenImage(const AutoencoderKLQwenImageConfig& config) : config_(config) {
+  encoder = register_module("encoder", std::make_shared<QwenImageEncoder3d>(config, 2 * config.z_dim));
+  quant_conv = register_module(
+      "quant_conv",
+      std::make_shared<QwenImageCausalConv3d>(2 * config.z_dim, 2 * config.z_dim, std::array<int64_t, 3>{1, 1, 1}));
   post_quant_conv = register_module(
       "post_quant_conv",
       std::make_shared<QwenImageCausalConv3d>(config.z_dim, config.z_dim, std::array<int64_t, 3>{1, 1, 1}));
@@ -265,6 +336,32 @@ at::Tensor AutoencoderKLQwenImage::denormalize_latents(const at::Tensor& latents
   at::Tensor z = latents / std_inverse + mean;
   emit("z", z);
   return z;
+}
+
+at::Tensor AutoencoderKLQwenImage::normalize_latents(const at::Tensor& z) const {
+  check_latents(type_name(), z, 5, config_.z_dim, "[B, C, 1, h, w]");
+  // _encode_vae_image: float32 tensors of the config values, (z - mean) / std.
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor mean = at::tensor(config_.latents_mean, options).view({1, -1, 1, 1, 1}).to(z.device(), z.scalar_type());
+  const at::Tensor std = at::tensor(config_.latents_std, options).view({1, -1, 1, 1, 1}).to(z.device(), z.scalar_type());
+  return (z - mean) / std;
+}
+
+at::Tensor AutoencoderKLQwenImage::_encode(const at::Tensor& image) {
+  TORCH_CHECK(parallel_decode_degree() == 1, type_name(), ": encoding over ", parallel_decode_degree(),
+              " ranks is not supported yet; encode on one rank (without --vae-parallel)");
+  TORCH_CHECK(!use_tiling_, type_name(), ": tiled encoding is not supported yet; disable tiling to encode");
+  // [B, 3, 1, H, W]
+  const at::Tensor frame = image.dim() == 4 ? image.unsqueeze(2) : image;
+  TORCH_CHECK(frame.dim() == 5 && frame.size(2) == 1, type_name(), ": image has shape ", image.sizes(),
+              "; only single images [B, 3, H, W] (or [B, 3, 1, H, W]) are encoded");
+  check_image(type_name(), frame.squeeze(2), config_.input_channels, vae_scale_factor());
+  const at::Tensor x = encoder->forward(frame.to(quant_conv->weight.device(), quant_conv->weight.scalar_type()));
+  // [B, 2 z_dim, 1, h, w]: mean | log-variance
+  const at::Tensor moments = quant_conv->forward(x);
+  emit("quant_conv", moments);
+  emit("moments", moments);
+  return moments.slice(1, 0, config_.z_dim);
 }
 
 at::Tensor AutoencoderKLQwenImage::decode_frame(const at::Tensor& z) {

@@ -1,12 +1,15 @@
 #pragma once
-// diffusers' AutoencoderKLQwenImage (autoencoder_kl_qwenimage.py), decode side: Qwen-Image's
-// video-style VAE with causal 3-D convolutions, decoding one frame (the image). The pipeline's
+// diffusers' AutoencoderKLQwenImage (autoencoder_kl_qwenimage.py): Qwen-Image's video-style VAE
+// with causal 3-D convolutions, encoding and decoding one frame (the image). The pipeline's
 // latents [B, z_dim, 1, h, w] become z = latents / (1 / latents_std) + latents_mean per channel;
-// the decoded sample is clamped to [-1, 1] (not when tiled, as diffusers).
+// the decoded sample is clamped to [-1, 1] (not when tiled, as diffusers). The editing pipelines
+// encode a reference image to the posterior's mean and normalise it, (z - latents_mean) /
+// latents_std.
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,20 +66,23 @@ class QwenImageRMS_norm : public nn::Module {
   double scale_;
 };
 
-/// 2x nearest upsampling of every frame followed by a 3x3 Conv2d halving the channels
-/// (`resample.1`); mode "upsample3d" also has a causal `time_conv` that doubles the frames after
-/// the first (not reached when decoding one frame).
+/// Decoder ("upsample2d", "upsample3d"): 2x nearest upsampling of every frame followed by a 3x3
+/// Conv2d halving the channels (`resample.1`). Encoder ("downsample2d", "downsample3d"): one zero
+/// row and column padded at the bottom and right, then a 3x3 Conv2d of stride 2 (`resample.1`).
+/// The 3d modes also have a causal `time_conv` over frames (doubling them after the first, or
+/// halving them with stride 2), not reached for one frame: the reference skips it on the first
+/// chunk.
 class QwenImageResample : public nn::Module {
  public:
   QwenImageResample(int64_t dim, const std::string& mode);
   std::string type_name() const override { return "QwenImageResample"; }
-  /// [B, C, T, H, W] -> [B, C / 2, T, 2H, 2W].
+  /// Up: [B, C, T, H, W] -> [B, C / 2, T, 2H, 2W]; down: [B, C, T, H, W] -> [B, C, T, H / 2, W / 2].
   at::Tensor forward(const at::Tensor& x);
 
-  /// torch.nn.Sequential(Upsample, Conv2d): only `1` has parameters.
+  /// torch.nn.Sequential(Upsample or ZeroPad2d, Conv2d): only `1` has parameters.
   class Sequential : public nn::Module {
    public:
-    explicit Sequential(int64_t dim);
+    Sequential(int64_t dim, bool down);
     std::string type_name() const override { return "Sequential"; }
     std::shared_ptr<nn::Conv2d> conv;  ///< resample.1
   };
@@ -153,6 +159,27 @@ class QwenImageDecoder3d : public nn::Module {
   std::shared_ptr<QwenImageCausalConv3d> conv_out;
 };
 
+/// conv_in, down_blocks (residual blocks, attention blocks at `attn_scales`, resamplers), the mid
+/// block, norm_out, conv_out to `z_channels` (2 * z_dim: mean and log-variance).
+class QwenImageEncoder3d : public nn::Module {
+ public:
+  QwenImageEncoder3d(const AutoencoderKLQwenImageConfig& config, int64_t z_channels);
+  std::string type_name() const override { return "QwenImageEncoder3d"; }
+  /// One frame [B, input_channels, 1, H, W] -> [B, z_channels, 1, H / 8, W / 8]. Emits conv_in,
+  /// down_blocks.{i}, mid_block, norm_out (before the SiLU) and conv_out.
+  at::Tensor forward(const at::Tensor& x);
+  std::shared_ptr<QwenImageCausalConv3d> conv_in;
+  /// Residual blocks, attention blocks and resamplers in one list, as the checkpoint numbers them.
+  std::shared_ptr<nn::ModuleList<nn::Module>> down_blocks;
+  std::shared_ptr<QwenImageMidBlock> mid_block;
+  std::shared_ptr<QwenImageRMS_norm> norm_out;
+  std::shared_ptr<QwenImageCausalConv3d> conv_out;
+
+ private:
+  /// down_blocks' forwards, in order (typed when built).
+  std::vector<std::function<at::Tensor(const at::Tensor&)>> down_forwards_;
+};
+
 class AutoencoderKLQwenImage : public AutoencoderModel {
  public:
   explicit AutoencoderKLQwenImage(const AutoencoderKLQwenImageConfig& config);
@@ -163,6 +190,9 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   int64_t vae_scale_factor() const override;
   /// [B, z_dim, 1, h, w]: latents / (1 / latents_std) + latents_mean (QwenImagePipeline).
   at::Tensor denormalize_latents(const at::Tensor& latents) const override;
+  bool has_encoder() const override { return true; }
+  /// [B, z_dim, 1, h, w]: (z - latents_mean) / latents_std (the edit pipelines' _encode_vae_image).
+  at::Tensor normalize_latents(const at::Tensor& z) const override;
 
   /// diffusers' enable_tiling with its optional arguments (sample pixels; nullopt keeps the value).
   void enable_tiling(std::optional<int64_t> tile_sample_min_height, std::optional<int64_t> tile_sample_min_width,
@@ -178,6 +208,8 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   int64_t tile_sample_stride_height = 192;
   int64_t tile_sample_stride_width = 192;
 
+  std::shared_ptr<QwenImageEncoder3d> encoder;
+  std::shared_ptr<QwenImageCausalConv3d> quant_conv;
   std::shared_ptr<QwenImageCausalConv3d> post_quant_conv;
   std::shared_ptr<QwenImageDecoder3d> decoder;
 
@@ -185,6 +217,10 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   /// z [B, z_dim, 1, h, w] -> sample [B, 3, 1, H, W], clamped to [-1, 1] unless tiled. Emits
   /// post_quant_conv, decoder.* and decoder_out_before_clamp (untiled).
   at::Tensor _decode(const at::Tensor& z) override;
+  /// image [B, 3, H, W] (or one frame [B, 3, 1, H, W]) -> the posterior's mean [B, z_dim, 1, h, w]:
+  /// encoder, quant_conv, the first z_dim channels. Emits encoder.*, quant_conv and moments. Not
+  /// tiled, not split over ranks (both named errors).
+  at::Tensor _encode(const at::Tensor& image) override;
 
  private:
   at::Tensor decode_frame(const at::Tensor& z);
