@@ -82,6 +82,29 @@ TEST_P(SpatialParallelGoldenEncode, EncodeEqualsSingleRankAndDiffusers) {
   EXPECT_EQ(run_ranks(GetParam()), 0);
 }
 
+// Qwen-Image's VAE (causal 3-D convolutions on one frame, stride-2 resamplers reading the first
+// row of the band below, RMS norms per pixel, mid-block attention over the gathered keys): the
+// parallel encode equals the single-rank one, and the normalised latents diffusers'
+// _encode_vae_image gave (tests/golden/edit_qwenimage).
+TEST_P(SpatialParallelGoldenEncode, QwenImageEncodeEqualsSingleRankAndDiffusers) {
+  if (is_worker()) {
+    shardit::dist::World::init();
+    auto vae = load_golden_vae("edit_qwenimage");
+    const auto outputs = shardit::io::SafetensorsFile::open(golden_path("edit_qwenimage") + "/outputs.safetensors");
+    const at::Tensor input = outputs->read("vae.tall.image").squeeze(2);  // 48 x 32: 6 latent rows
+    expect_parallel_equals_single(*vae, input, "Qwen-Image golden input");
+    vae->enable_parallel_decode(shardit::dist::World::get().group());
+    EXPECT_TRUE(tensors_close("Qwen-Image parallel vs diffusers", vae->normalize_latents(vae->encode(input)),
+                              outputs->read("vae.tall.image_latents"), 1e-4, 1e-4));
+    vae->disable_parallel_decode();
+    expect_parallel_equals_single(*vae, random_image({2, 3, 61, 40}, 3), "Qwen-Image 61x40");
+    const int64_t degree = shardit::dist::World::get().size();
+    expect_parallel_equals_single(*vae, random_image({1, 3, 8 * degree, 24}, 4), "Qwen-Image one row each");
+    return;
+  }
+  EXPECT_EQ(run_ranks(GetParam()), 0);
+}
+
 TEST_P(SpatialParallelGoldenEncode, TooFewRowsAndTilingAreRefusedOnEveryRank) {
   if (is_worker()) {
     shardit::dist::World::init();

@@ -116,8 +116,25 @@ at::Tensor QwenImageResample::forward(const at::Tensor& x) {
   // [B * T, C, H, W]
   at::Tensor frames = x.permute({0, 2, 1, 3, 4}).reshape({b * t, c, h, w});
   if (mode_.rfind("down", 0) == 0) {
-    // ZeroPad2d((0, 1, 0, 1)), then the stride-2 convolution: [B * T, C, H / 2, W / 2]
-    frames = resample->conv->forward(at::constant_pad_nd(frames, {0, 1, 0, 1}, 0.0));
+    // ZeroPad2d((0, 1, 0, 1)): the zero column on the right is this band's alone; the row below
+    // is the next band's first row, or zeros.
+    frames = at::constant_pad_nd(frames, {0, 1, 0, 0}, 0.0);
+    at::Tensor bottom;
+    if (spatial_group_) {
+      TORCH_CHECK(h >= 1, "QwenImageResample '", path(), "': spatial parallelism on group '", spatial_group_->name(),
+                  "': member ", spatial_group_->rank(), " holds no rows; use fewer members for this height");
+      bottom = spatial_group_->neighbour_exchange(frames.narrow(2, 0, 1), frames.narrow(2, h - 1, 1)).second;
+      TORCH_CHECK(!bottom.defined() || h % 2 == 0, "QwenImageResample '", path(), "': member ", spatial_group_->rank(),
+                  " of group '", spatial_group_->name(), "' holds a band of ", h,
+                  " rows, an odd count above another band; bands must start at even rows");
+    }
+    if (!bottom.defined()) bottom = at::zeros({frames.size(0), frames.size(1), 1, frames.size(3)}, frames.options());
+    frames = at::cat({frames, bottom}, 2);  // [B * T, C, H + 1, W + 1]
+    // The stride-2 convolution, called directly (stride 2 never bands): [B * T, C, H / 2, W / 2]
+    const nn::Conv2d& conv = *resample->conv;
+    const std::array<int64_t, 2> stride{2, 2};
+    const std::array<int64_t, 2> padding{0, 0};
+    frames = at::conv2d(frames, conv.weight, conv.bias, stride, padding);
     return frames.view({b, t, frames.size(1), frames.size(2), frames.size(3)}).permute({0, 2, 1, 3, 4});
   }
   // nearest-exact at scale 2 picks the same source pixels as nearest; computed in fp32.
@@ -348,8 +365,6 @@ at::Tensor AutoencoderKLQwenImage::normalize_latents(const at::Tensor& z) const 
 }
 
 at::Tensor AutoencoderKLQwenImage::_encode(const at::Tensor& image) {
-  TORCH_CHECK(parallel_decode_degree() == 1, type_name(), ": encoding over ", parallel_decode_degree(),
-              " ranks is not supported yet; encode on one rank (without --vae-parallel)");
   TORCH_CHECK(!use_tiling_, type_name(), ": tiled encoding is not supported yet; disable tiling to encode");
   // [B, 3, 1, H, W]
   const at::Tensor frame = image.dim() == 4 ? image.unsqueeze(2) : image;

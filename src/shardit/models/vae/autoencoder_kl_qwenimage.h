@@ -71,8 +71,10 @@ class QwenImageRMS_norm : public nn::Module {
 /// row and column padded at the bottom and right, then a 3x3 Conv2d of stride 2 (`resample.1`).
 /// The 3d modes also have a causal `time_conv` over frames (doubling them after the first, or
 /// halving them with stride 2), not reached for one frame: the reference skips it on the first
-/// chunk.
-class QwenImageResample : public nn::Module {
+/// chunk. Split over a spatial group (a parallel encode), a downsampler's band must start at an
+/// even row: its last output row reads the first row of the band below (the halo), the last band
+/// reads the zero row, as Downsample2D.
+class QwenImageResample : public nn::Module, public nn::SpatialParallelLayer {
  public:
   QwenImageResample(int64_t dim, const std::string& mode);
   std::string type_name() const override { return "QwenImageResample"; }
@@ -219,7 +221,7 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   at::Tensor _decode(const at::Tensor& z) override;
   /// image [B, 3, H, W] (or one frame [B, 3, 1, H, W]) -> the posterior's mean [B, z_dim, 1, h, w]:
   /// encoder, quant_conv, the first z_dim channels. Emits encoder.*, quant_conv and moments. Not
-  /// tiled, not split over ranks (both named errors).
+  /// tiled (a named error); under a parallel encode, this member's band of rows.
   at::Tensor _encode(const at::Tensor& image) override;
 
  private:
