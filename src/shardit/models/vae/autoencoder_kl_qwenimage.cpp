@@ -365,18 +365,47 @@ at::Tensor AutoencoderKLQwenImage::normalize_latents(const at::Tensor& z) const 
 }
 
 at::Tensor AutoencoderKLQwenImage::_encode(const at::Tensor& image) {
-  TORCH_CHECK(!use_tiling_, type_name(), ": tiled encoding is not supported yet; disable tiling to encode");
   // [B, 3, 1, H, W]
   const at::Tensor frame = image.dim() == 4 ? image.unsqueeze(2) : image;
   TORCH_CHECK(frame.dim() == 5 && frame.size(2) == 1, type_name(), ": image has shape ", image.sizes(),
               "; only single images [B, 3, H, W] (or [B, 3, 1, H, W]) are encoded");
   check_image(type_name(), frame.squeeze(2), config_.input_channels, vae_scale_factor());
-  const at::Tensor x = encoder->forward(frame.to(quant_conv->weight.device(), quant_conv->weight.scalar_type()));
-  // [B, 2 z_dim, 1, h, w]: mean | log-variance
-  const at::Tensor moments = quant_conv->forward(x);
-  emit("quant_conv", moments);
+  const at::Tensor pixels = frame.to(quant_conv->weight.device(), quant_conv->weight.scalar_type());
+  at::Tensor moments;
+  if (use_tiling_ && (pixels.size(4) > tile_sample_min_width || pixels.size(3) > tile_sample_min_height)) {
+    // diffusers' tiled_encode: tiles of the image, their moments blended (tiles run unobserved).
+    const int64_t factor = vae_scale_factor();
+    moments = tiled_decode(pixels, encode_tile_grid(pixels.size(3), pixels.size(4)), [&](const at::Tensor& tile) {
+      TORCH_CHECK(tile.size(-2) >= factor && tile.size(-1) >= factor, type_name(), ": tiled encode: a tile of ",
+                  tile.size(-2), "x", tile.size(-1), " pixels at the edge of an image of ", pixels.size(-2), "x",
+                  pixels.size(-1), " is smaller than the encoder's ", factor,
+                  "-pixel downsampling; change the tile size or stride");
+      return quant_conv->forward(encoder->forward(tile));
+    });
+  } else {
+    // [B, 2 z_dim, 1, h, w]: mean | log-variance
+    moments = quant_conv->forward(encoder->forward(pixels));
+    emit("quant_conv", moments);
+  }
   emit("moments", moments);
   return moments.slice(1, 0, config_.z_dim);
+}
+
+TileGrid AutoencoderKLQwenImage::encode_tile_grid(int64_t height, int64_t width) const {
+  // The decode grid's tiles and strides, in image pixels here; blends and kept sizes in latents.
+  const TileGrid decode = tile_grid(1, 1);
+  const int64_t ratio = vae_scale_factor();
+  TileGrid grid;
+  grid.tile_latent_height = tile_sample_min_height;
+  grid.tile_latent_width = tile_sample_min_width;
+  grid.latent_stride_height = tile_sample_stride_height;
+  grid.latent_stride_width = tile_sample_stride_width;
+  grid.blend_height = decode.tile_latent_height - decode.latent_stride_height;
+  grid.blend_width = decode.tile_latent_width - decode.latent_stride_width;
+  grid.keep_height = decode.latent_stride_height;
+  grid.keep_width = decode.latent_stride_width;
+  grid.crop = std::make_pair(height / ratio, width / ratio);
+  return grid;
 }
 
 at::Tensor AutoencoderKLQwenImage::decode_frame(const at::Tensor& z) {

@@ -203,6 +203,10 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   using AutoencoderModel::enable_tiling;
   /// The tile grid of the current settings for a latent of `height` x `width`.
   TileGrid tile_grid(int64_t height, int64_t width) const;
+  /// diffusers' tiled_encode grid for an image of `height` x `width` pixels: tiles of
+  /// tile_sample_min pixels every tile_sample_stride pixels, their latents blended over
+  /// (min - stride) / 8 rows and columns, kept stride / 8, cut to the image's latent size.
+  TileGrid encode_tile_grid(int64_t height, int64_t width) const;
   const AutoencoderKLQwenImageConfig& config() const { return config_; }
 
   int64_t tile_sample_min_height = 256;
@@ -221,7 +225,8 @@ class AutoencoderKLQwenImage : public AutoencoderModel {
   at::Tensor _decode(const at::Tensor& z) override;
   /// image [B, 3, H, W] (or one frame [B, 3, 1, H, W]) -> the posterior's mean [B, z_dim, 1, h, w]:
   /// encoder, quant_conv, the first z_dim channels. Emits encoder.*, quant_conv and moments. Not
-  /// tiled (a named error); under a parallel encode, this member's band of rows.
+  /// tiled (diffusers' tiled_encode, when tiling is on and a side is larger than a tile; not with
+  /// a parallel encode); under a parallel encode, this member's band of rows.
   at::Tensor _encode(const at::Tensor& image) override;
 
  private:
