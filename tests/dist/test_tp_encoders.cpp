@@ -18,6 +18,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/io/json.h"
 #include "shardit/models/mistral/modeling_mistral3.h"
+#include "shardit/models/qwen/modeling_qwen2_5_vl.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/parallel_dims.h"
 #include "shardit/parallel/tensor_parallel.h"
@@ -279,6 +280,34 @@ TEST(TpEncoderPlan, Flux2DevTextEncoderPlanShowsWhatThePipelineLoads) {
   EXPECT_THAT(output, HasSubstr("not added to the totals"));
   // The totals count the checkpoint once.
   EXPECT_THAT(output, HasSubstr("all components, plan 'full': 2.863B parameters"));
+}
+
+TEST(TpEncoderPlan, RealQwenImageEdit2511TextEncoderCountsTheVisionTower) {
+  // Qwen-Image-Edit-2511's text encoder (Qwen2.5-VL-7B: 28 query / 4 key-value heads of 128, FF
+  // 18944, vocab 152064; vision tower of 32 blocks, 1280 wide, 16 heads, FF 3420, merger to
+  // 3584). Its pipeline folder lists a `processor`, so the registry builds the tower: 7.75B
+  // parameters without lm_head, of which the tower holds 0.68B. TP 2 and 4 shard both; TP 8 is
+  // refused by the text model's 28 heads, listing 1, 2, 4.
+  const std::string dir = std::string(SHARDIT_SOURCE_DIR) + "/tests/fixtures/configs/qwen_image_edit_2511";
+  auto model = shardit::models::create_text_encoder(shardit::io::open_component(dir, "text_encoder"));
+  const auto* vl = dynamic_cast<shardit::models::Qwen2_5_VLForConditionalGeneration*>(model.get());
+  ASSERT_NE(vl, nullptr);
+  ASSERT_NE(vl->visual, nullptr);
+  int64_t tower = 0;
+  for (const auto& slot : vl->visual->named_states()) tower += slot.tensor->numel();
+  EXPECT_NEAR(static_cast<double>(tower), 0.6766e9, 0.001e9);
+  const auto at2 = model->resolve(2, at::kBFloat16);
+  const auto at4 = model->resolve(4, at::kBFloat16);
+  EXPECT_EQ(at2.replicated_bytes() + at2.sharded_bytes(), at4.replicated_bytes() + at4.sharded_bytes());
+  EXPECT_NEAR(static_cast<double>(at2.replicated_bytes() + at2.sharded_bytes()) / 2, 7.747e9, 0.01e9);
+  EXPECT_LT(at4.bytes_on_rank(0), at2.bytes_on_rank(0) * 6 / 10);
+  EXPECT_EQ(at4.spec("visual.blocks.0.attn.qkv.weight").local_shape(0), (std::vector<int64_t>{960, 1280}));
+  const std::string message = shardit::testing::error_of([&] { model->resolve(8, at::kBFloat16); });
+  EXPECT_THAT(message, HasSubstr("degrees that would work (up to 64): 1, 2, 4"));
+  // The text-to-image folder's encoder (no processor) keeps the tower out.
+  const auto t2i = shardit::models::create_text_encoder(
+      shardit::io::open_component(golden_path("pipeline_qwenimage"), "text_encoder"));
+  EXPECT_EQ(dynamic_cast<shardit::models::Qwen2_5_VLForConditionalGeneration*>(t2i.get())->visual, nullptr);
 }
 
 TEST(RunEncoderCli, GoldenTp2WritesEveryGoldenOutput) {

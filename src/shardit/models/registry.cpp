@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "shardit/io/json.h"
 #include "shardit/models/clip/modeling_clip.h"
 #include "shardit/models/flux/transformer_flux.h"
 #include "shardit/models/flux2/transformer_flux2.h"
@@ -41,6 +42,17 @@ std::string quoted_list(const std::vector<std::string>& names) {
 
 ComponentClass tokenizer_class(const char* class_name, tokenizers::TokenizerKind kind) {
   return {"transformers", class_name, ComponentKind::Tokenizer, {}, kind};
+}
+
+/// Whether the pipeline folder holding `folder` lists a `processor` component in its
+/// model_index.json (an image processor: the text encoder then reads images too).
+bool pipeline_has_image_processor(const io::ComponentFolder& folder) {
+  std::filesystem::path dir = std::filesystem::path(folder.dir).lexically_normal();
+  if (!dir.has_filename()) dir = dir.parent_path();  // a trailing separator
+  const std::filesystem::path index = dir.parent_path() / "model_index.json";
+  if (folder.dir.empty() || !std::filesystem::is_regular_file(index)) return false;
+  const nlohmann::json model_index = io::read_json_file(index.string());
+  return model_index.is_object() && model_index.contains("processor") && model_index.at("processor").is_array();
 }
 
 }  // namespace
@@ -86,8 +98,13 @@ const std::vector<ComponentClass>& component_classes() {
       module_class<Qwen3ForCausalLM, Qwen3Config>("transformers", "Qwen3ForCausalLM", ComponentKind::TextEncoder),
       {"transformers", "Qwen2_5_VLForConditionalGeneration", ComponentKind::TextEncoder,
        [](const io::ComponentFolder& folder) -> std::shared_ptr<parallel::TensorParallelModule> {
+         const std::string source = folder.dir + "/config.json";
+         const Qwen3Config text = qwen2_5_vl_text_config_from_json(folder.config, source);
+         // The vision tower is built when the pipeline feeds it images: its folder has an image
+         // processor component (diffusers' Qwen-Image edit pipelines' `processor`).
+         if (!pipeline_has_image_processor(folder)) return std::make_shared<Qwen2_5_VLForConditionalGeneration>(text);
          return std::make_shared<Qwen2_5_VLForConditionalGeneration>(
-             qwen2_5_vl_text_config_from_json(folder.config, folder.dir + "/config.json"));
+             text, qwen2_5_vl_image_config_from_json(folder.config, source, text));
        },
        std::nullopt},
       module_class<Mistral3ForConditionalGeneration, Mistral3Config>("transformers", "Mistral3ForConditionalGeneration",
