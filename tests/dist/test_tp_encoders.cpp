@@ -282,7 +282,7 @@ TEST(TpEncoderPlan, Flux2DevTextEncoderPlanShowsWhatThePipelineLoads) {
   EXPECT_THAT(output, HasSubstr("all components, plan 'full': 2.863B parameters"));
 }
 
-TEST(TpEncoderPlan, RealQwenImageEdit2511TextEncoderCountsTheVisionTower) {
+TEST(TpEncoderPlan, GoldenRealQwenImageEdit2511TextEncoderCountsTheVisionTower) {
   // Qwen-Image-Edit-2511's text encoder (Qwen2.5-VL-7B: 28 query / 4 key-value heads of 128, FF
   // 18944, vocab 152064; vision tower of 32 blocks, 1280 wide, 16 heads, FF 3420, merger to
   // 3584). Its pipeline folder lists a `processor`, so the registry builds the tower: 7.75B
