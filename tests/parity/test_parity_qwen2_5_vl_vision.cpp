@@ -5,12 +5,18 @@
 // full-attention block (1); the images span one to three windows.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include <fstream>
 #include <iostream>
 #include <string>
 
+#include "shardit/io/image.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/qwen/modeling_qwen2_5_vl.h"
+#include "shardit/pipelines/pipeline_qwenimage_edit_plus.h"
+#include "shardit/tokenizers/tokenizer.h"
 #include "support/qwen_edit_case.h"
 #include "support/test_support.h"
 
@@ -43,6 +49,31 @@ TEST(ParityQwen2_5_VLVision, GoldenPromptEmbedsWithImages) {
     ++compared;
   }
   EXPECT_EQ(compared, 12);
+}
+
+// The whole of QwenImageEditPlusPipeline.encode_prompt from the source PNGs: condition sizes,
+// LANCZOS, the processor, the tokens, the tower and the decoder (every step above exact but the
+// fp32 sums).
+TEST(ParityQwen2_5_VLVision, GoldenEditPlusEncodePromptFromSourceImages) {
+  auto model = testing::load_edit_text_encoder();
+  const std::string dir = golden_path("edit_qwenimage");
+  const auto golden = io::SafetensorsFile::open(dir + "/outputs.safetensors");
+  const auto tokenizer = tokenizers::load_tokenizer(dir + "/tokenizer", tokenizers::TokenizerKind::Qwen);
+  std::ifstream config_file(dir + "/processor/preprocessor_config.json");
+  const auto processor =
+      pipelines::Qwen2VLImageProcessorConfig::from_json(nlohmann::json::parse(config_file), "preprocessor_config.json");
+  std::ifstream case_file(dir + "/case.json");
+  const nlohmann::json cases = nlohmann::json::parse(case_file);
+  for (const auto& c : cases.at("encoder")) {
+    std::vector<at::Tensor> images;
+    for (const auto& png : c.at("images")) images.push_back(io::read_image(dir + "/" + png.get<std::string>()));
+    const auto embeds = pipelines::qwenimage_edit_plus_encode_prompt(*model, *tokenizer, processor,
+                                                                     c.at("prompt").get<std::string>(), images);
+    const std::string key = "encoder." + c.at("name").get<std::string>();
+    EXPECT_TRUE(tensors_close(key + ".prompt_embeds from the PNGs", embeds.prompt_embeds,
+                              golden->read(key + ".prompt_embeds"), 1e-4, 1e-4));
+    EXPECT_TRUE(at::equal(embeds.prompt_embeds_mask, golden->read(key + ".prompt_embeds_mask"))) << key;
+  }
 }
 
 TEST(ParityQwen2_5_VLVision, GoldenCheckpointKeysAndPlan) {
