@@ -171,6 +171,20 @@ TEST(QwenImageEditPlusConditioning, GoldenConditionImagesAndInputIds) {
   }
 }
 
+// The VAE's input: VaeImageProcessor.preprocess(image, h, w) (LANCZOS, then [-1, 1]) is the
+// Kontext preparation already here, bit for bit.
+TEST(QwenImageEditPlusConditioning, GoldenVaeImageIsVaeImageProcessorPreprocess) {
+  const auto& g = golden();
+  ASSERT_EQ(g.cases.at("vae").size(), 2u);
+  for (const auto& c : g.cases.at("vae")) {
+    const std::string name = c.at("name");
+    const at::Tensor source = io::read_image(g.dir + "/" + c.at("image").get<std::string>());
+    const at::Tensor image =
+        pipelines::kontext_condition_image(source, c.at("height").get<int64_t>(), c.at("width").get<int64_t>());
+    EXPECT_TRUE(at::equal(image, g.outputs->read("vae." + name + ".image").squeeze(2))) << name;
+  }
+}
+
 TEST(QwenImageEditPlusConditioning, CalculateDimensions) {
   using pipelines::qwenimage_edit_calculate_dimensions;
   EXPECT_EQ(qwenimage_edit_calculate_dimensions(384 * 384, 1.0), Size(384, 384));
