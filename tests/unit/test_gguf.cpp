@@ -7,8 +7,12 @@
 
 #include <c10/util/Half.h>
 
+#include <random>
+
 #include "shardit/io/gguf.h"
 #include "shardit/nn/gguf_dequantize.h"
+#include "shardit/nn/gguf_linear.h"
+#include "shardit/nn/linear.h"
 #include "support/gguf_bytes.h"
 #include "support/test_support.h"
 
@@ -172,6 +176,97 @@ TEST(Gguf, RankSharesOfRowsAndBlocks) {
   EXPECT_THAT(error_of([&] { nn::gguf_rank_rows(info, 5, 0); }),
               HasSubstr("has 12 rows (a colwise split keeps rows whole), which tensor-parallel degree 5 does not split "
                         "evenly; degrees that work: 1, 2, 3, 4, 6, 12"));
+}
+
+
+// Q4_K blocks of random bytes with valid (finite, positive) fp16 scales.
+std::string random_q4_k_blocks(int64_t count, uint32_t seed) {
+  std::mt19937 random(seed);
+  std::string out;
+  for (int64_t b = 0; b < count; ++b) {
+    std::string block(144, '\0');
+    for (char& c : block) c = static_cast<char>(random() & 0xFF);
+    const std::string d = half_bytes(0.001f * static_cast<float>(1 + random() % 50));
+    const std::string dmin = half_bytes(0.0005f * static_cast<float>(1 + random() % 50));
+    block.replace(0, 2, d);
+    block.replace(2, 2, dmin);
+    out += block;
+  }
+  return out;
+}
+
+/// A file with "w": Q4_K [6, 768] (3 blocks a row) and "h": F16 [6, 768].
+std::shared_ptr<GgufFile> linear_file() {
+  GgufBytes file;
+  file.tensor("w", {768, 6}, 12, 0).tensor("h", {768, 6}, 1, 6 * 432);
+  file.data = random_q4_k_blocks(18, 7) + std::string(6 * 768 * 2, '\0');
+  return GgufFile::open(write(file, "gguf-linear"));
+}
+
+at::Tensor bits(const at::Tensor& t) { return t.contiguous().view(at::kInt); }
+
+TEST(GgufLinear, HoldsBlocksAndDequantizesThemPerForward) {
+  const auto gguf = linear_file();
+  const at::Tensor whole = nn::gguf_dequantize(gguf->view("w"), GgmlType::Q4_K);  // [6, 768]
+  nn::Linear linear(nn::LinearOptions(768, 6).with_bias(false));
+  nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::None, 1, 0, at::kFloat);
+  EXPECT_EQ(linear.weight_format(), nn::WeightFormat::GgufQ4_K);
+  EXPECT_EQ(linear.weight.sizes(), (std::vector<int64_t>{6, 3 * 144}));  // held as stored
+  EXPECT_EQ(linear.weight_in_features(), 768);
+  EXPECT_EQ(nn::gguf_linear_rank_bytes(gguf->info("w"), nn::LinearParallel::None, 1), 6 * 432);
+  EXPECT_TRUE(bits(linear.dense_weight(at::kFloat)).equal(bits(whole)));
+  EXPECT_TRUE(linear.dense_weight(at::kBFloat16).equal(whole.to(at::kBFloat16)));
+  const at::Tensor x = at::sin(at::arange(2 * 5 * 768, at::kFloat)).reshape({2, 5, 768});
+  // The product runs on the dequantized weight (its kernel's rounding may differ from matmul's).
+  const at::Tensor reference = at::matmul(x, whole.t());
+  EXPECT_LE((linear.forward(x) - reference).abs().max().item<float>(), 1e-5 * reference.abs().max().item<float>());
+}
+
+TEST(GgufLinear, RanksHoldTheirRowsOrTheirBlocksOfEveryRow) {
+  const auto gguf = linear_file();
+  const GgufTensorInfo& info = gguf->info("w");
+  const at::Tensor whole = nn::gguf_dequantize(gguf->view("w"), GgmlType::Q4_K);  // [6, 768]
+  const at::Tensor x = at::sin(at::arange(4 * 768, at::kFloat)).reshape({4, 768});
+  const at::Tensor full = at::matmul(x, whole.t());
+  for (const int64_t degree : {2, 3}) {
+    for (int64_t rank = 0; rank < degree; ++rank) {
+      nn::Linear colwise(nn::LinearOptions(768, 6).with_bias(false));
+      nn::load_gguf_linear(colwise, *gguf, "w", nn::LinearParallel::Colwise, degree, rank, at::kFloat);
+      const int64_t rows = 6 / degree;
+      EXPECT_TRUE(bits(colwise.dense_weight(at::kFloat)).equal(bits(whole.narrow(0, rank * rows, rows))))
+          << "colwise rank " << rank << " of " << degree;
+      EXPECT_EQ(colwise.weight.numel(), nn::gguf_linear_rank_bytes(info, nn::LinearParallel::Colwise, degree));
+    }
+  }
+  at::Tensor partial_sum = at::zeros_like(full);
+  for (int64_t rank = 0; rank < 3; ++rank) {
+    nn::Linear rowwise(nn::LinearOptions(768, 6).with_bias(false));
+    nn::load_gguf_linear(rowwise, *gguf, "w", nn::LinearParallel::Rowwise, 3, rank, at::kFloat);
+    EXPECT_EQ(rowwise.weight_in_features(), 256);
+    EXPECT_TRUE(bits(rowwise.dense_weight(at::kFloat)).equal(bits(whole.narrow(1, rank * 256, 256))))
+        << "rowwise rank " << rank;
+    EXPECT_EQ(rowwise.weight.numel(), nn::gguf_linear_rank_bytes(info, nn::LinearParallel::Rowwise, 3));
+    partial_sum += rowwise.forward(x.narrow(1, rank * 256, 256));  // what the all-reduce sums
+  }
+  // Three partial dot products summed instead of one: equal within the fp32 rounding of the sums,
+  // relative to the output's scale.
+  EXPECT_LE((partial_sum - full).abs().max().item<float>(), 1e-5 * full.abs().max().item<float>());
+}
+
+TEST(GgufLinear, Refusals) {
+  const auto gguf = linear_file();
+  nn::Linear linear(nn::LinearOptions(768, 6).with_bias(false));
+  EXPECT_THAT(error_of([&] { nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::Rowwise, 2, 0, at::kFloat); }),
+              HasSubstr("has 3 blocks of 256 elements in each row (a rowwise split cuts rows on block boundaries "
+                        "only), which tensor-parallel degree 2 does not split evenly; degrees that work: 1, 3"));
+  EXPECT_THAT(error_of([&] { nn::load_gguf_linear(linear, *gguf, "h", nn::LinearParallel::None, 1, 0, at::kFloat); }),
+              HasSubstr("tensor 'h' is stored as ggml type F16, which a Linear does not hold as blocks"));
+  nn::Linear other(nn::LinearOptions(512, 6).with_bias(false));
+  EXPECT_THAT(error_of([&] { nn::load_gguf_linear(other, *gguf, "w", nn::LinearParallel::None, 1, 0, at::kFloat); }),
+              HasSubstr("tensor 'w' (Q4_K) has LibTorch shape [6, 768], but Linear '"));
+  nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::None, 1, 0, at::kFloat);
+  EXPECT_THAT(error_of([&] { linear.forward(at::zeros({1, 432})); }),
+              HasSubstr("input has 432 features, the weight [6, 432] (gguf-q4_k blocks) expects 768"));
 }
 
 }  // namespace

@@ -57,10 +57,13 @@ Linear::Linear(const LinearOptions& options) : options_(options) {
 at::Tensor Linear::forward(const at::Tensor& x) {
   SHARDIT_PROFILE_SCOPE("Linear");
   // x: [..., in] (None, Colwise, ColwiseGather) or [..., in_local] (Rowwise)
+  const int64_t in_features = weight_in_features();
   TORCH_CHECK(x.dim() >= 1, "Linear '", path(), "' (", mode_name(mode_), "): input is a scalar, expected [..., ",
-              weight.size(1), "]");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "Linear '", path(), "' (", mode_name(mode_), "): input has ", x.size(-1),
-              " features, the weight ", weight.sizes(), " expects ", weight.size(1));
+              in_features, "]");
+  TORCH_CHECK(x.size(-1) == in_features, "Linear '", path(), "' (", mode_name(mode_), "): input has ", x.size(-1),
+              " features, the weight ", weight.sizes(),
+              weight_format_is_gguf(weight_format_) ? c10::str(" (", weight_format_name(weight_format_), " blocks)") : "",
+              " expects ", in_features);
   if (split_by_sample(x)) {
     // Each sample alone (SamplewiseProducts); a quantized weight is then dequantized per sample.
     std::vector<at::Tensor> samples;
@@ -200,6 +203,8 @@ at::Tensor Linear::forward_blocks(const std::vector<at::Tensor>& parts) {
 
 void Linear::set_quantized_weight(at::Tensor codes, WeightFormat format, at::Tensor scale, at::ScalarType dtype) {
   TORCH_INTERNAL_ASSERT(format != WeightFormat::Dense, "Linear::set_quantized_weight: a dense format");
+  TORCH_INTERNAL_ASSERT(!weight_format_is_gguf(format), "Linear::set_quantized_weight: GGUF blocks go through "
+                        "set_gguf_weight");
   // The shape is this rank's, which the loader checked against the plan.
   TORCH_CHECK(codes.dim() == 2, "Linear '", path(), "': quantized weight has shape ", codes.sizes(),
               ", expected [out, in]");
@@ -217,6 +222,27 @@ void Linear::set_quantized_weight(at::Tensor codes, WeightFormat format, at::Ten
     int8_weight_.reset();
     enable_int8_compute();  // pack the new weight (a shard of the old one)
   }
+}
+
+void Linear::set_gguf_weight(at::Tensor codes, io::GgmlType type, at::ScalarType dtype) {
+  const WeightFormat format = gguf_weight_format(type, "Linear '" + path() + "'");
+  const io::GgmlBlock block = io::ggml_block(type);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) % block.type_size == 0, "Linear '",
+              path(), "': GGUF codes have shape ", codes.sizes(), " and dtype ", codes.scalar_type(),
+              ", expected uint8 [out, row_bytes] with rows of whole ", io::ggml_type_name(type), " blocks of ",
+              block.type_size, " bytes");
+  TORCH_CHECK(loras_.empty(), "Linear '", path(), "': set the GGUF weight before adding LoRA adapters");
+  TORCH_CHECK(!int8_weight_, "Linear '", path(), "': int8 compute needs an int8 weight, not GGUF blocks");
+  weight = std::move(codes);
+  weight_scale_ = at::Tensor();
+  weight_format_ = format;
+  dense_dtype_ = dtype;
+}
+
+int64_t Linear::weight_in_features() const {
+  if (!weight_format_is_gguf(weight_format_)) return weight.size(1);
+  const io::GgmlBlock block = io::ggml_block(gguf_type_of(weight_format_));
+  return weight.size(1) / block.type_size * block.block_size;
 }
 
 at::Tensor Linear::product(const at::Tensor& x, const at::Tensor& bias) const {
@@ -279,9 +305,10 @@ void Linear::add_lora(LoraLayer layer, std::shared_ptr<const LoraSelection> sele
   TORCH_CHECK(layer.lora_A.dim() == 2 && layer.lora_B.dim() == 2 && layer.lora_A.size(0) == layer.lora_B.size(1),
               "Linear::add_lora('", layer.adapter, "'): lora_A ", layer.lora_A.sizes(), " and lora_B ",
               layer.lora_B.sizes(), " are not [r, in] and [out, r] of one rank r");
-  TORCH_CHECK(layer.lora_A.size(1) == weight.size(1) && layer.lora_B.size(0) == weight.size(0),
+  TORCH_CHECK(layer.lora_A.size(1) == weight_in_features() && layer.lora_B.size(0) == weight.size(0),
               "Linear::add_lora('", layer.adapter, "'): lora_B @ lora_A is [", layer.lora_B.size(0), ", ",
-              layer.lora_A.size(1), "], expected this rank's weight shape ", weight.sizes());
+              layer.lora_A.size(1), "], expected this rank's weight shape [", weight.size(0), ", ",
+              weight_in_features(), "]");
   TORCH_CHECK(selection != nullptr, "Linear::add_lora('", layer.adapter, "'): no adapter selection given");
   TORCH_CHECK(loras_.empty() || lora_selection_ == selection, "Linear::add_lora('", layer.adapter,
               "'): the layer's other adapters are switched by another selection; keep one per model");

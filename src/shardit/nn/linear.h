@@ -127,6 +127,13 @@ class Linear : public Module {
   /// dequantizes the weight to the input's dtype (nn/quantized_weight.h). `dtype`: the dtype the
   /// weight would have had dense (what adapters and callers that cast inputs use).
   void set_quantized_weight(at::Tensor codes, WeightFormat format, at::Tensor scale, at::ScalarType dtype);
+  /// Holds this rank's weight as GGUF blocks (nn/gguf_linear.h reads them): `codes` uint8
+  /// [out_local, row_bytes], each row whole blocks of `type` (a rowwise layer's rank holds its
+  /// blocks of every row), replace `weight`. Each forward dequantizes them to the input's dtype
+  /// through dequantize_rows, as 8-bit weights are. `dtype`: the dtype the weight would have dense.
+  void set_gguf_weight(at::Tensor codes, io::GgmlType type, at::ScalarType dtype);
+  /// The input features of this rank's weight (its columns once dequantized).
+  int64_t weight_in_features() const;
   /// Multiplies in int8 from now on (nn/int8_compute.h): each token of the input quantized with
   /// its own scale, times the int8 weight, in LibTorch's quantized engine. Needs an Int8 weight on
   /// the CPU. Kept through a later set_quantized_weight (the shard is packed again).

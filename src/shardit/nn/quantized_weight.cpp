@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <utility>
+
 #include "shardit/core/fp8.h"
+#include "shardit/nn/gguf_dequantize.h"
 
 namespace shardit::nn {
 
@@ -41,8 +44,53 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::Fp8E4M3: return "fp8-e4m3";
     case WeightFormat::Fp8E5M2: return "fp8-e5m2";
     case WeightFormat::Int8: return "int8";
+    case WeightFormat::GgufQ4_0: return "gguf-q4_0";
+    case WeightFormat::GgufQ4_1: return "gguf-q4_1";
+    case WeightFormat::GgufQ5_0: return "gguf-q5_0";
+    case WeightFormat::GgufQ5_1: return "gguf-q5_1";
+    case WeightFormat::GgufQ8_0: return "gguf-q8_0";
+    case WeightFormat::GgufQ4_K: return "gguf-q4_k";
+    case WeightFormat::GgufQ5_K: return "gguf-q5_k";
+    case WeightFormat::GgufQ6_K: return "gguf-q6_k";
+    case WeightFormat::GgufQ8_K: return "gguf-q8_k";
   }
   return "?";
+}
+
+namespace {
+
+// The GGUF block formats and their ggml types.
+constexpr std::pair<WeightFormat, io::GgmlType> kGgufFormats[] = {
+    {WeightFormat::GgufQ4_0, io::GgmlType::Q4_0}, {WeightFormat::GgufQ4_1, io::GgmlType::Q4_1},
+    {WeightFormat::GgufQ5_0, io::GgmlType::Q5_0}, {WeightFormat::GgufQ5_1, io::GgmlType::Q5_1},
+    {WeightFormat::GgufQ8_0, io::GgmlType::Q8_0}, {WeightFormat::GgufQ4_K, io::GgmlType::Q4_K},
+    {WeightFormat::GgufQ5_K, io::GgmlType::Q5_K}, {WeightFormat::GgufQ6_K, io::GgmlType::Q6_K},
+    {WeightFormat::GgufQ8_K, io::GgmlType::Q8_K},
+};
+
+}  // namespace
+
+bool weight_format_is_gguf(WeightFormat format) {
+  for (const auto& [f, type] : kGgufFormats) {
+    if (f == format) return true;
+  }
+  return false;
+}
+
+io::GgmlType gguf_type_of(WeightFormat format) {
+  for (const auto& [f, type] : kGgufFormats) {
+    if (f == format) return type;
+  }
+  TORCH_INTERNAL_ASSERT(false, "gguf_type_of: ", weight_format_name(format), " is not a GGUF format");
+}
+
+WeightFormat gguf_weight_format(io::GgmlType type, const std::string& what) {
+  for (const auto& [format, t] : kGgufFormats) {
+    if (t == type) return format;
+  }
+  TORCH_CHECK(false, what, " is stored as ggml type ", io::ggml_type_name(type),
+              ", which a Linear does not hold as blocks (it holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and "
+              "Q8_K; F32, F16 and BF16 weights load dense)");
 }
 
 const char* weights_dtype_name(WeightsDtype dtype) {
@@ -70,14 +118,15 @@ float weight_format_max(WeightFormat format) {
     case WeightFormat::Fp8E4M3: return 448.0f;
     case WeightFormat::Fp8E5M2: return 57344.0f;
     case WeightFormat::Int8: return 127.0f;
-    case WeightFormat::Dense: break;
+    default: break;
   }
-  TORCH_INTERNAL_ASSERT(false, "weight_format_max: a dense weight has no code range");
+  TORCH_INTERNAL_ASSERT(false, "weight_format_max: a ", weight_format_name(format), " weight has no code range");
 }
 
 at::Tensor dequantize_rows(const at::Tensor& codes, WeightFormat format, const at::Tensor& scale,
                            at::ScalarType dtype) {
   TORCH_INTERNAL_ASSERT(format != WeightFormat::Dense);
+  if (weight_format_is_gguf(format)) return gguf_dequantize(codes, gguf_type_of(format), dtype);
   TORCH_INTERNAL_ASSERT(codes.dim() == 2 && scale.dim() == 1 && scale.size(0) == codes.size(0),
                         "dequantize_rows: codes ", codes.sizes(), " and scale ", scale.sizes(), " do not match");
   TORCH_INTERNAL_ASSERT(codes.scalar_type() == (format == WeightFormat::Int8 ? at::kChar : at::kByte));

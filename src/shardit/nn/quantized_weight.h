@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "shardit/io/gguf.h"
+
 namespace shardit::nn {
 
 /// How a Linear's weight is stored.
@@ -17,9 +19,20 @@ enum class WeightFormat {
   Fp8E4M3,  ///< uint8 bytes of e4m3fn values
   Fp8E5M2,  ///< uint8 bytes of e5m2 values
   Int8,     ///< int8 integers in [-127, 127] (symmetric)
+  /// GGUF (ggml) blocks as a GGUF file stores them: uint8 codes [out, row_bytes], each row whole
+  /// blocks that carry their own scales (no per-row scale); dequantized by nn/gguf_dequantize.h.
+  GgufQ4_0, GgufQ4_1, GgufQ5_0, GgufQ5_1, GgufQ8_0, GgufQ4_K, GgufQ5_K, GgufQ6_K, GgufQ8_K,
 };
-/// "dense", "fp8-e4m3", "fp8-e5m2", "int8".
+/// "dense", "fp8-e4m3", "fp8-e5m2", "int8", "gguf-q4_k", ...
 const char* weight_format_name(WeightFormat format);
+
+/// True for the GGUF block formats.
+bool weight_format_is_gguf(WeightFormat format);
+/// The ggml type of a GGUF block format (an internal error for the others).
+io::GgmlType gguf_type_of(WeightFormat format);
+/// The format a Linear holds `type`'s blocks in; refuses (naming `what`) the types it does not hold
+/// as blocks: F32, F16 and BF16 load dense, and types gguf_dequantize does not handle.
+WeightFormat gguf_weight_format(io::GgmlType type, const std::string& what);
 
 /// Which low-precision storage quantize-on-load produces (`--weights-dtype`).
 enum class WeightsDtype { Checkpoint, Fp8, Int8 };
@@ -35,7 +48,8 @@ float weight_format_max(WeightFormat format);
 
 /// [out, in] `codes` of `format` times the per-row `scale` ([out] fp32), in `dtype`. Each element
 /// is computed in fp32 and rounded once, so equal codes and scales give bit-equal weights
-/// whichever rank holds them.
+/// whichever rank holds them. GGUF formats: `codes` are [out, row_bytes] blocks and `scale` is
+/// unused (undefined); the values are gguf_dequantize's.
 at::Tensor dequantize_rows(const at::Tensor& codes, WeightFormat format, const at::Tensor& scale, at::ScalarType dtype);
 
 /// Symmetric per-row scales for `row_absmax` ([out], the largest |w| of each whole row): absmax /

@@ -63,6 +63,10 @@ ResolvedPlan apply_tensor_parallel(nn::Module& model, const TpPlan& plan, const 
     if (!spec.is_sharded()) continue;
     nn::Linear* linear = linear_of_weight(slots[i]);
     if (linear != nullptr && linear->weight_format() != nn::WeightFormat::Dense) {
+      TORCH_CHECK(!nn::weight_format_is_gguf(linear->weight_format()), "Linear '", linear->path(), "' holds ",
+                  nn::weight_format_name(linear->weight_format()),
+                  " blocks, which each rank reads as its own share (nn/gguf_linear.h); they are not resharded after "
+                  "loading");
       // The per-row scales go with the rows: split like dim 0 when the rows are, else whole.
       linear->set_quantized_weight(shard_tensor(linear->weight, spec, rank), linear->weight_format(),
                                    row_scales_for_rank(linear->weight_scale(), spec, rank), linear->weight_dtype());

@@ -1,0 +1,47 @@
+#include "shardit/nn/gguf_linear.h"
+
+#include <c10/util/Exception.h>
+
+#include "shardit/nn/gguf_dequantize.h"
+
+namespace shardit::nn {
+
+namespace {
+
+bool splits_rows(LinearParallel mode) { return mode == LinearParallel::Colwise || mode == LinearParallel::ColwiseGather; }
+
+}  // namespace
+
+at::Tensor read_gguf_linear_codes(const io::GgufFile& file, const std::string& name, LinearParallel mode,
+                                  int64_t tp_degree, int64_t tp_rank) {
+  const io::GgufTensorInfo& tensor = file.info(name);
+  if (splits_rows(mode)) return file.read_rows(name, gguf_rank_rows(tensor, tp_degree, tp_rank));
+  const io::Range rows{0, tensor.rows()};
+  if (mode == LinearParallel::Rowwise) {
+    return file.read_row_blocks(name, rows, gguf_rank_blocks(tensor, tp_degree, tp_rank));
+  }
+  return file.read_rows(name, rows);
+}
+
+int64_t gguf_linear_rank_bytes(const io::GgufTensorInfo& tensor, LinearParallel mode, int64_t tp_degree) {
+  const int64_t row_bytes = static_cast<int64_t>(tensor.row_bytes());
+  if (splits_rows(mode)) return gguf_rank_rows(tensor, tp_degree, 0).size() * row_bytes;
+  if (mode == LinearParallel::Rowwise) {
+    return tensor.rows() * gguf_rank_blocks(tensor, tp_degree, 0).size() * io::ggml_block(tensor.type).type_size;
+  }
+  return tensor.rows() * row_bytes;
+}
+
+void load_gguf_linear(Linear& linear, const io::GgufFile& file, const std::string& name, LinearParallel mode,
+                      int64_t tp_degree, int64_t tp_rank, at::ScalarType dtype) {
+  const io::GgufTensorInfo& tensor = file.info(name);
+  const LinearOptions& options = linear.options();
+  const std::vector<int64_t> expected{options.out_features, options.in_features};
+  TORCH_CHECK(tensor.shape() == expected, file.path(), ": tensor '", name, "' (", io::ggml_type_name(tensor.type),
+              ") has LibTorch shape ", c10::IntArrayRef(tensor.shape()), ", but Linear '", linear.path(),
+              "' expects ", c10::IntArrayRef(expected));
+  gguf_weight_format(tensor.type, file.path() + ": tensor '" + name + "'");  // refuses dense and unknown types first
+  linear.set_gguf_weight(read_gguf_linear_codes(file, name, mode, tp_degree, tp_rank), tensor.type, dtype);
+}
+
+}  // namespace shardit::nn
