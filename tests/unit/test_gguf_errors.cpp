@@ -5,6 +5,7 @@
 
 #include "shardit/io/gguf.h"
 #include "shardit/nn/gguf_dequantize.h"
+#include "shardit/nn/gguf_linear.h"
 #include "support/gguf_bytes.h"
 #include "support/test_support.h"
 
@@ -232,6 +233,32 @@ TEST(GgufErrors, ReadsOutOfRangeAndUnsupportedTypes) {
   EXPECT_THAT(error_of([&] { nn::gguf_dequantize(gguf->view("iq"), GgmlType::IQ2_XXS, at::kFloat, "tensor 'iq'"); }),
               HasSubstr("tensor 'iq' is stored as ggml type IQ2_XXS, which shardit does not dequantize (supported: "
                         "F32, F16, BF16, Q4_0"));
+}
+
+
+TEST(GgufErrors, NonFiniteScalesAreRefusedOnLoad) {
+  // Q8_0 [4, 64] (2 blocks a row): block 1 of row 2 has d = NaN, block 0 of row 3 d = +inf.
+  GgufBytes file;
+  file.tensor("w", {64, 4}, 8, 0);
+  for (int r = 0; r < 4; ++r) {
+    for (int b = 0; b < 2; ++b) {
+      const uint16_t d = r == 2 && b == 1 ? 0x7e00 : (r == 3 && b == 0 ? 0x7c00 : 0x3c00);
+      file.data += std::string(reinterpret_cast<const char*>(&d), 2) + std::string(32, '\1');
+    }
+  }
+  const std::string path = file.write(testing::make_temp_dir("gguf-nan") + "/x.gguf");
+  const auto gguf = GgufFile::open(path);  // the header is valid: values are checked where they are read
+  nn::Linear linear(nn::LinearOptions(64, 4).with_bias(false));
+  EXPECT_EQ(error_of([&] { nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::None, 1, 0, at::kFloat); }),
+            path + ": tensor 'w' (Q8_0) has a non-finite scale (nan) in block 1 of row 2 (blocks read with one: 2); "
+                   "the file is corrupt (download it again, or quantize it again)");
+  // Each rank checks its own share, and names the block in the whole tensor.
+  EXPECT_THAT(error_of([&] { nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::Colwise, 2, 1, at::kFloat); }),
+              HasSubstr("in block 1 of row 2 (blocks read with one: 2)"));
+  nn::Linear rowwise(nn::LinearOptions(64, 4).with_bias(false));
+  EXPECT_THAT(error_of([&] { nn::load_gguf_linear(rowwise, *gguf, "w", nn::LinearParallel::Rowwise, 2, 0, at::kFloat); }),
+              HasSubstr("non-finite scale (inf) in block 0 of row 3 (blocks read with one: 1)"));
+  EXPECT_NO_THROW(nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::Colwise, 2, 0, at::kFloat));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 namespace shardit::nn {
 
@@ -167,6 +168,42 @@ bool gguf_dequantize_supported(io::GgmlType type) {
 
 const char* gguf_dequantize_supported_names() {
   return "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q8_K";
+}
+
+void check_gguf_scales(const at::Tensor& bytes, io::GgmlType type, const std::string& what, int64_t first_row,
+                       int64_t first_block) {
+  // Where each type's fp16 scales sit in its block (Q8_K's is an fp32 at byte 0).
+  std::vector<int64_t> fp16_at;
+  switch (type) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q5_0:
+    case GgmlType::Q8_0: fp16_at = {0}; break;
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: fp16_at = {0, 2}; break;
+    case GgmlType::Q6_K: fp16_at = {208}; break;
+    case GgmlType::Q8_K: break;
+    default: return;  // plain types: their values are the weights
+  }
+  const io::GgmlBlock block = io::ggml_block(type);
+  if (bytes.numel() == 0) return;
+  const at::Tensor blocks = bytes.contiguous().view({-1, block.type_size});
+  std::vector<at::Tensor> scales;
+  for (const int64_t at : fp16_at) scales.push_back(f16_at(blocks, at));
+  if (type == GgmlType::Q8_K) scales.push_back(bytes_at(blocks, 0, 4).contiguous().view(at::kFloat));
+  const at::Tensor all = at::cat(scales, 1).cpu();                              // [n, scales per block]
+  const at::Tensor bad = all.isfinite().logical_not().any(1).nonzero();         // [k, 1]
+  if (bad.numel() == 0) return;
+  const int64_t index = bad[0][0].item<int64_t>();
+  const int64_t per_row = bytes.size(1) / block.type_size;
+  const at::Tensor values = all[index];
+  const float value = values.isfinite().logical_not().nonzero().numel() > 0
+                          ? values[values.isfinite().logical_not().nonzero()[0][0]].item<float>()
+                          : 0.0f;
+  TORCH_CHECK(false, what, " (", io::ggml_type_name(type), ") has a non-finite scale (", value, ") in block ",
+              first_block + index % per_row, " of row ", first_row + index / per_row, " (blocks read with one: ", bad.size(0),
+              "); the file is corrupt (download it again, or quantize it again)");
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& bytes, io::GgmlType type, at::ScalarType dtype, const std::string& what) {

@@ -26,6 +26,13 @@ const char* gguf_dequantize_supported_names();
 at::Tensor gguf_dequantize(const at::Tensor& bytes, io::GgmlType type, at::ScalarType dtype = at::kFloat,
                            const std::string& what = "GGUF tensor");
 
+/// Refuses `bytes` (as for gguf_dequantize) when a block's scale (d, dmin) is NaN or infinite,
+/// naming `what`, the row and the block of the whole tensor (a rank's share starts at row
+/// `first_row` and, in each row, at block `first_block`) and the value: a corrupt file, caught
+/// before any compute.
+void check_gguf_scales(const at::Tensor& bytes, io::GgmlType type, const std::string& what, int64_t first_row = 0,
+                       int64_t first_block = 0);
+
 /// The rows (the outer dimension, LibTorch's dim 0) that rank `tp_rank` of `tp_degree` holds when
 /// the tensor is split colwise: whole rows, an equal share each. Refuses, naming the tensor and
 /// listing the degrees that work, when `tp_degree` does not divide the rows.

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <utility>
+
 #include "shardit/nn/gguf_dequantize.h"
 
 namespace shardit::nn {
@@ -41,7 +43,11 @@ void load_gguf_linear(Linear& linear, const io::GgufFile& file, const std::strin
               ") has LibTorch shape ", c10::IntArrayRef(tensor.shape()), ", but Linear '", linear.path(),
               "' expects ", c10::IntArrayRef(expected));
   gguf_weight_format(tensor.type, file.path() + ": tensor '" + name + "'");  // refuses dense and unknown types first
-  linear.set_gguf_weight(read_gguf_linear_codes(file, name, mode, tp_degree, tp_rank), tensor.type, dtype);
+  at::Tensor codes = read_gguf_linear_codes(file, name, mode, tp_degree, tp_rank);
+  const int64_t first_row = splits_rows(mode) ? gguf_rank_rows(tensor, tp_degree, tp_rank).begin : 0;
+  const int64_t first_block = mode == LinearParallel::Rowwise ? gguf_rank_blocks(tensor, tp_degree, tp_rank).begin : 0;
+  check_gguf_scales(codes, tensor.type, file.path() + ": tensor '" + name + "'", first_row, first_block);
+  linear.set_gguf_weight(std::move(codes), tensor.type, dtype);
 }
 
 }  // namespace shardit::nn

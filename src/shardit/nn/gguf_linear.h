@@ -28,7 +28,8 @@ at::Tensor read_gguf_linear_codes(const io::GgufFile& file, const std::string& n
 int64_t gguf_linear_rank_bytes(const io::GgufTensorInfo& tensor, LinearParallel mode, int64_t tp_degree);
 
 /// Reads this rank's codes of `name` into `linear` (Linear::set_gguf_weight), after checking that
-/// the tensor is 2-D with the layer's full shape [out_features, in_features] (LibTorch order).
+/// the tensor is 2-D with the layer's full shape [out_features, in_features] (LibTorch order), and
+/// that every scale of the rank's blocks is finite (check_gguf_scales).
 /// `dtype`: the dtype the weight would have dense.
 void load_gguf_linear(Linear& linear, const io::GgufFile& file, const std::string& name, LinearParallel mode,
                       int64_t tp_degree, int64_t tp_rank, at::ScalarType dtype);
