@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "shardit/io/gguf.h"
 #include "shardit/nn/gguf_dequantize.h"
 #include "shardit/nn/gguf_linear.h"
@@ -259,6 +261,16 @@ TEST(GgufErrors, NonFiniteScalesAreRefusedOnLoad) {
   EXPECT_THAT(error_of([&] { nn::load_gguf_linear(rowwise, *gguf, "w", nn::LinearParallel::Rowwise, 2, 0, at::kFloat); }),
               HasSubstr("non-finite scale (inf) in block 0 of row 3 (blocks read with one: 1)"));
   EXPECT_NO_THROW(nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::Colwise, 2, 0, at::kFloat));
+}
+
+
+TEST(GgufErrors, FileTruncatedWhileOpenGivesAnErrorOnRead) {
+  GgufBytes file = one_f32(0, 64);
+  const std::string path = file.write(testing::make_temp_dir("gguf-shrunk") + "/x.gguf");
+  const auto gguf = GgufFile::open(path);
+  std::filesystem::resize_file(path, 80);  // the data section now ends inside "w"
+  EXPECT_THAT(error_of([&] { gguf->read_rows("w", {0, 1}); }),
+              HasSubstr(path + ": reading tensor 'w' failed at byte 80: unexpected end of file (was it truncated?)"));
 }
 
 }  // namespace

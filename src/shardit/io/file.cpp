@@ -86,6 +86,17 @@ UniqueFd open_regular_file(const std::string& path, uint64_t* size, bool follow_
   return fd;
 }
 
+void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::string& path, const std::string& name) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd, dst + done, size - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    TORCH_CHECK(got > 0, path, ": reading tensor '", name, "' failed at byte ", offset + done, ": ",
+                got < 0 ? std::strerror(errno) : "unexpected end of file (was it truncated?)");
+    done += static_cast<size_t>(got);
+  }
+}
+
 std::string read_regular_file(const std::string& path, uint64_t max_bytes, bool follow_links) {
   uint64_t size = 0;
   const UniqueFd fd = open_regular_file(path, &size, follow_links);

@@ -36,6 +36,11 @@ class UniqueFd {
 /// symbolic link at `path` is refused (for files served to others from a folder).
 UniqueFd open_regular_file(const std::string& path, uint64_t* size = nullptr, bool follow_links = true);
 
+/// Reads exactly `size` bytes at `offset` of `fd` (the file `path`) into `dst`, retrying short
+/// reads; an error names the path, the tensor `name` and the byte (a file truncated while open
+/// gives this error, where a read through a mapping would be killed by SIGBUS).
+void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::string& path, const std::string& name);
+
 /// The whole content of the regular file `path`, refused (naming the path) when it is larger
 /// than `max_bytes`; `follow_links` as for open_regular_file.
 std::string read_regular_file(const std::string& path, uint64_t max_bytes, bool follow_links = true);

@@ -14,12 +14,15 @@ namespace shardit::io {
 
 namespace {
 
-/// The read-only mapping of a whole file; views of its tensors share it.
+/// The read-only mapping of a whole file, which views share, and its descriptor, which reads use
+/// (pread: a file truncated while open gives an error, not SIGBUS).
 struct GgufMapping {
   void* base = MAP_FAILED;
   size_t size = 0;
+  int fd = -1;
   ~GgufMapping() {
     if (base != MAP_FAILED) munmap(base, size);
+    if (fd >= 0) close(fd);
   }
 };
 
@@ -34,12 +37,13 @@ void check_gguf_range(const std::string& path, const GgufTensorInfo& tensor, Ran
 
 std::shared_ptr<GgufFile> GgufFile::open(const std::string& path, std::shared_ptr<ReadStats> stats) {
   uint64_t file_size = 0;
-  const UniqueFd fd = open_regular_file(path, &file_size);
+  UniqueFd fd = open_regular_file(path, &file_size);
   TORCH_CHECK(file_size >= 24, path, ": file is ", file_size,
               " bytes, too short for a GGUF file (it starts with a 24-byte header: magic, version, counts)");
   auto mapping = std::make_shared<GgufMapping>();
   mapping->size = static_cast<size_t>(file_size);
-  mapping->base = mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+  mapping->fd = fd.release();
+  mapping->base = mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, mapping->fd, 0);
   TORCH_CHECK(mapping->base != MAP_FAILED, path, ": mmap of ", file_size, " bytes failed: ", std::strerror(errno));
 
   std::shared_ptr<GgufFile> file(new GgufFile());
@@ -91,10 +95,11 @@ at::Tensor GgufFile::read_row_blocks(const std::string& name, Range rows, Range 
   const uint64_t row_bytes = tensor.row_bytes();
   const uint64_t span = static_cast<uint64_t>(blocks.size()) * type_size;
   at::Tensor out = at::empty({rows.size(), static_cast<int64_t>(span)}, at::TensorOptions().dtype(at::kByte));
-  auto* dst = out.data_ptr<uint8_t>();
-  const uint8_t* src = base_ + header_.data_offset + tensor.offset + static_cast<uint64_t>(blocks.begin) * type_size;
-  for (int64_t r = rows.begin; r < rows.end; ++r) {
-    std::memcpy(dst, src + static_cast<uint64_t>(r) * row_bytes, span);
+  auto* dst = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
+  const int fd = static_cast<const GgufMapping*>(mapping_.get())->fd;
+  const uint64_t start = header_.data_offset + tensor.offset + static_cast<uint64_t>(blocks.begin) * type_size;
+  for (int64_t r = rows.begin; r < rows.end && span > 0; ++r) {
+    pread_exact(fd, dst, span, start + static_cast<uint64_t>(r) * row_bytes, path_, name);
     dst += span;
   }
   if (stats_) {

@@ -39,19 +39,6 @@ struct Mapping {
   }
 };
 
-/// Reads exactly `size` bytes at `offset`, retrying short reads.
-void pread_exact(int fd, char* dst, size_t size, uint64_t offset, const std::string& path,
-                 const std::string& name) {
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t got = ::pread(fd, dst + done, size - done, static_cast<off_t>(offset + done));
-    if (got < 0 && errno == EINTR) continue;
-    TORCH_CHECK(got > 0, path, ": reading tensor '", name, "' failed at byte ", offset + done, ": ",
-                got < 0 ? std::strerror(errno) : "unexpected end of file (was it truncated?)");
-    done += static_cast<size_t>(got);
-  }
-}
-
 at::Tensor maybe_convert(at::Tensor tensor, StDtype stored, std::optional<at::ScalarType> dtype) {
   if (!dtype || *dtype == tensor.scalar_type()) return tensor;
   if (st_dtype_is_fp8(stored) && tensor.scalar_type() == at::kByte) {
