@@ -13,6 +13,7 @@
 #include "shardit/nn/gguf_dequantize.h"
 #include "shardit/nn/gguf_linear.h"
 #include "shardit/nn/linear.h"
+#include "shardit/parallel/tensor_parallel.h"
 #include "support/gguf_bytes.h"
 #include "support/test_support.h"
 
@@ -267,6 +268,25 @@ TEST(GgufLinear, Refusals) {
   nn::load_gguf_linear(linear, *gguf, "w", nn::LinearParallel::None, 1, 0, at::kFloat);
   EXPECT_THAT(error_of([&] { linear.forward(at::zeros({1, 432})); }),
               HasSubstr("input has 432 features, the weight [6, 432] (gguf-q4_k blocks) expects 768"));
+}
+
+
+// The plan counts a GGUF weight as stored: Q4_K holds 256 elements in 144 bytes.
+TEST(GgufLinear, PlanCountsBlocksAsStored) {
+  parallel::ShardSpec spec;
+  spec.parameter = "blocks.0.w";
+  spec.full_shape = {3072, 3072};
+  spec.dim = 1;  // rowwise at TP 4: 768 columns = 3 blocks of each row per rank
+  for (int64_t r = 0; r < 4; ++r) spec.ranges_per_rank.push_back({Range{r * 768, (r + 1) * 768}});
+  spec.count_as_gguf_blocks(GgmlType::Q4_K);
+  EXPECT_TRUE(spec.quantized);
+  EXPECT_EQ(spec.full_bytes(), 3072 * 12 * 144);
+  EXPECT_EQ(spec.bytes_on_rank(1), 3072 * 3 * 144);
+  GgufTensorInfo info;
+  info.name = spec.parameter;
+  info.type = GgmlType::Q4_K;
+  info.dims = {3072, 3072};
+  EXPECT_EQ(spec.bytes_on_rank(1), nn::gguf_linear_rank_bytes(info, nn::LinearParallel::Rowwise, 4));
 }
 
 }  // namespace

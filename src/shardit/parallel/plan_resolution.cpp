@@ -496,10 +496,17 @@ std::vector<int64_t> ShardSpec::local_shape(int tp_rank) const {
   return shape;
 }
 
-int64_t ShardSpec::full_bytes() const { return c10::multiply_integers(full_shape) * element_size; }
+int64_t ShardSpec::full_bytes() const { return c10::multiply_integers(full_shape) / block_elements * element_size; }
 
 int64_t ShardSpec::bytes_on_rank(int tp_rank) const {
-  return c10::multiply_integers(local_shape(tp_rank)) * element_size;
+  return c10::multiply_integers(local_shape(tp_rank)) / block_elements * element_size;
+}
+
+void ShardSpec::count_as_gguf_blocks(io::GgmlType type) {
+  const io::GgmlBlock block = io::ggml_block(type);
+  quantized = true;
+  block_elements = block.block_size;
+  element_size = block.type_size;
 }
 
 int64_t ResolvedPlan::replicated_bytes() const {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "shardit/dist/group.h"
+#include "shardit/io/gguf.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/nn/module.h"
 #include "shardit/nn/quantized_weight.h"
@@ -59,12 +60,19 @@ struct ShardSpec {
   /// (ModelTraits::replicable_heads), whose rank r holds head r / replicas whole.
   int64_t replicas = 1;
   int64_t element_size = 4;         ///< bytes per element in the loaded dtype
-  /// A Linear weight held in 8 bits (element_size 1; its fp32 per-row scales are not counted).
+  /// GGUF blocks (count_as_gguf_blocks): elements per stored block, element_size then being one
+  /// block's bytes; 1 otherwise.
+  int64_t block_elements = 1;
+  /// A Linear weight held in 8 bits (element_size 1; its fp32 per-row scales are not counted) or
+  /// as GGUF blocks (their scales counted: they are part of each block).
   bool quantized = false;
   bool is_buffer = false;
   bool is_floating = true;
 
   bool is_sharded() const { return dim >= 0; }
+  /// Counts this Linear weight as held in GGUF blocks of `type` (Q4_K: 144 bytes per 256
+  /// elements), as stored: what a loader of GGUF weights (nn/gguf_linear.h) sets.
+  void count_as_gguf_blocks(io::GgmlType type);
   std::vector<int64_t> local_shape(int tp_rank) const;
   int64_t full_bytes() const;
   int64_t bytes_on_rank(int tp_rank) const;
