@@ -70,6 +70,23 @@ TEST(MemoryPlan, RealConfigsMatchTheReleasedParameterCounts) {
   }
 }
 
+// Qwen-Image's VAE (Qwen-Image-Edit-2511's vae/ config) with its encoder, as the editing
+// pipelines load it: 126,892,531 parameters counted from diffusers' AutoencoderKLQwenImage built
+// from this config (encoder 53,595,872 + quant_conv 1,056 + post_quant_conv 272 + decoder
+// 73,295,331), replicated on every rank at any degree.
+constexpr int64_t kQwenImageVaeParameters = 126892531;
+
+TEST(MemoryPlan, QwenImageVaeCountsEncoderAndDecoder) {
+  const auto vae = shardit::models::create_vae(shardit::io::open_component(fixture("qwen_image_edit_2511"), "vae"));
+  ASSERT_TRUE(vae->has_encoder());
+  // The VAE's plan is empty (the planner's "replicated"): everything whole on each of 8 ranks.
+  const ComponentMemory counted = shardit::models::memory_of(vae->resolve(8, at::kBFloat16, TpPlanKind::Full));
+  EXPECT_EQ(counted.parameters_total, kQwenImageVaeParameters);
+  EXPECT_EQ(counted.parameters_replicated, kQwenImageVaeParameters);
+  EXPECT_EQ(counted.per_rank_parameters, kQwenImageVaeParameters);
+  EXPECT_EQ(counted.per_rank_bytes, kQwenImageVaeParameters * 2);
+}
+
 TEST(MemoryPlan, FullPlanAtTp8IsAnEighthPlusTheUnshardableRemainder) {
   for (const auto& model : kRealModels) {
     SCOPED_TRACE(model.fixture);
@@ -161,6 +178,25 @@ TEST(MemoryPlanCli, ConfigOnlyFolderGivesTheSummaryAsJson) {
   EXPECT_LT(component["plans"]["full"]["per_rank_bytes"].get<int64_t>(), component["per_rank_bytes"].get<int64_t>());
   EXPECT_GT(json["activations"]["transformer_step_bytes_per_rank"].get<int64_t>(), 0);
   EXPECT_EQ(json["verdicts"].size(), 8u);  // TP 1, 2, 4, 8 x both plans
+}
+
+// `inspect --plan` on the vae/ folder and on the pipeline folder: the VAE row counts the encoder.
+TEST(MemoryPlanCli, QwenImageVaeCountsEncoderAndDecoder) {
+  for (const std::string folder : {"qwen_image_edit_2511/vae", "qwen_image_edit_2511"}) {
+    SCOPED_TRACE(folder);
+    int status = 0;
+    const nlohmann::json json = inspect_json("--tp 2 --dtype bf16 --height 1024 --width 1024 " + fixture(folder), &status);
+    ASSERT_EQ(status, 0);
+    int found = 0;
+    for (const auto& component : json["components"]) {
+      if (component["class_name"] != "AutoencoderKLQwenImage") continue;
+      ++found;
+      EXPECT_EQ(component["plan"], "replicated");
+      EXPECT_EQ(component["parameters_total"].get<int64_t>(), kQwenImageVaeParameters);
+      EXPECT_EQ(component["per_rank_bytes"].get<int64_t>(), kQwenImageVaeParameters * 2);
+    }
+    EXPECT_EQ(found, 1);
+  }
 }
 
 TEST(MemoryPlanCli, UnknownClassHasTheSameErrorAsWithWeights) {
