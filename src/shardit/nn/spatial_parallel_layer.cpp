@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "shardit/nn/attention.h"
@@ -45,6 +46,31 @@ at::Tensor SpatialParallelLayer::convolve_rows(
         .copy_(conv(at::cat({x.narrow(dim, rows - 2 * pad, 2 * pad), from_next}, dim), 0));
   }
   return out;
+}
+
+at::Tensor SpatialParallelLayer::downsample_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                                const std::string& layer) const {
+  // [N, C, H, W]
+  TORCH_CHECK(x.dim() == 4 && x.size(1) == weight.size(1), layer, ": input has shape ", x.sizes(), ", expected [B, ",
+              weight.size(1), ", H, W]");
+  const int64_t rows = x.size(2);
+  // The zero column on the right is this band's alone.
+  at::Tensor padded = at::constant_pad_nd(x, {0, 1, 0, 0}, 0.0);
+  at::Tensor bottom;  // the row below this band: the next band's first row, or zeros
+  if (spatial_group_) {
+    TORCH_CHECK(rows >= 1, layer, ": spatial parallelism on group '", spatial_group_->name(), "': member ",
+                spatial_group_->rank(), " holds no rows; use fewer members for this height");
+    // Our first row goes to the band above; the band below sends us its first row.
+    bottom = spatial_group_->neighbour_exchange(padded.narrow(2, 0, 1), padded.narrow(2, rows - 1, 1)).second;
+    TORCH_CHECK(!bottom.defined() || rows % 2 == 0, layer, ": member ", spatial_group_->rank(), " of group '",
+                spatial_group_->name(), "' holds a band of ", rows,
+                " rows, an odd count above another band; bands must start at even rows");
+  }
+  if (!bottom.defined()) bottom = at::zeros({padded.size(0), padded.size(1), 1, padded.size(3)}, padded.options());
+  padded = at::cat({padded, bottom}, 2);  // [N, C, H + 1, W + 1]
+  const std::array<int64_t, 2> stride{2, 2};
+  const std::array<int64_t, 2> padding{0, 0};
+  return at::conv2d(padded, weight, bias, stride, padding);  // [N, out, H / 2, W / 2]
 }
 
 at::Tensor FeatureMapAttention::attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) const {

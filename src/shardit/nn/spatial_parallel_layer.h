@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "shardit/dist/group.h"
@@ -41,6 +42,14 @@ class SpatialParallelLayer {
   /// halo, exchanged with the neighbours), without copying the band.
   at::Tensor convolve_rows(const at::Tensor& x, int64_t dim, int64_t pad,
                            const std::function<at::Tensor(const at::Tensor& input, int64_t pad_h)>& conv) const;
+
+  /// The VAE encoders' downsampler: F.pad(x, (0, 1, 0, 1)), then a 3x3 convolution of stride 2
+  /// without padding, `weight` [out, C, 3, 3]: x [N, C, H, W] -> [N, out, floor(H / 2),
+  /// floor(W / 2)]. Split over a group, the row below a band is the first row of the band below
+  /// (zeros under the last band), and every band above another must hold an even number of
+  /// rows. `layer` names the layer in errors.
+  at::Tensor downsample_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                             const std::string& layer) const;
 
   std::shared_ptr<dist::Group> spatial_group_;
 };

@@ -116,25 +116,9 @@ at::Tensor QwenImageResample::forward(const at::Tensor& x) {
   // [B * T, C, H, W]
   at::Tensor frames = x.permute({0, 2, 1, 3, 4}).reshape({b * t, c, h, w});
   if (mode_.rfind("down", 0) == 0) {
-    // ZeroPad2d((0, 1, 0, 1)): the zero column on the right is this band's alone; the row below
-    // is the next band's first row, or zeros.
-    frames = at::constant_pad_nd(frames, {0, 1, 0, 0}, 0.0);
-    at::Tensor bottom;
-    if (spatial_group_) {
-      TORCH_CHECK(h >= 1, "QwenImageResample '", path(), "': spatial parallelism on group '", spatial_group_->name(),
-                  "': member ", spatial_group_->rank(), " holds no rows; use fewer members for this height");
-      bottom = spatial_group_->neighbour_exchange(frames.narrow(2, 0, 1), frames.narrow(2, h - 1, 1)).second;
-      TORCH_CHECK(!bottom.defined() || h % 2 == 0, "QwenImageResample '", path(), "': member ", spatial_group_->rank(),
-                  " of group '", spatial_group_->name(), "' holds a band of ", h,
-                  " rows, an odd count above another band; bands must start at even rows");
-    }
-    if (!bottom.defined()) bottom = at::zeros({frames.size(0), frames.size(1), 1, frames.size(3)}, frames.options());
-    frames = at::cat({frames, bottom}, 2);  // [B * T, C, H + 1, W + 1]
-    // The stride-2 convolution, called directly (stride 2 never bands): [B * T, C, H / 2, W / 2]
-    const nn::Conv2d& conv = *resample->conv;
-    const std::array<int64_t, 2> stride{2, 2};
-    const std::array<int64_t, 2> padding{0, 0};
-    frames = at::conv2d(frames, conv.weight, conv.bias, stride, padding);
+    // ZeroPad2d((0, 1, 0, 1)) and the stride-2 convolution: [B * T, C, H / 2, W / 2]
+    frames = downsample_rows(frames, resample->conv->weight, resample->conv->bias,
+                             "QwenImageResample '" + path() + "'");
     return frames.view({b, t, frames.size(1), frames.size(2), frames.size(3)}).permute({0, 2, 1, 3, 4});
   }
   // nearest-exact at scale 2 picks the same source pixels as nearest; computed in fp32.
@@ -375,13 +359,12 @@ at::Tensor AutoencoderKLQwenImage::_encode(const at::Tensor& image) {
   if (use_tiling_ && (pixels.size(4) > tile_sample_min_width || pixels.size(3) > tile_sample_min_height)) {
     // diffusers' tiled_encode: tiles of the image, their moments blended (tiles run unobserved).
     const int64_t factor = vae_scale_factor();
-    moments = tiled_decode(pixels, encode_tile_grid(pixels.size(3), pixels.size(4)), [&](const at::Tensor& tile) {
-      TORCH_CHECK(tile.size(-2) >= factor && tile.size(-1) >= factor, type_name(), ": tiled encode: a tile of ",
-                  tile.size(-2), "x", tile.size(-1), " pixels at the edge of an image of ", pixels.size(-2), "x",
-                  pixels.size(-1), " is smaller than the encoder's ", factor,
-                  "-pixel downsampling; change the tile size or stride");
-      return quant_conv->forward(encoder->forward(tile));
-    });
+    const std::string settings = "tile_sample_min_height " + std::to_string(tile_sample_min_height) +
+                                 ", tile_sample_min_width " + std::to_string(tile_sample_min_width) +
+                                 ", tile_sample_stride_height " + std::to_string(tile_sample_stride_height) +
+                                 ", tile_sample_stride_width " + std::to_string(tile_sample_stride_width);
+    moments = tiled_encode(pixels, encode_tile_grid(pixels.size(3), pixels.size(4)), factor, type_name(), settings,
+                           [&](const at::Tensor& tile) { return quant_conv->forward(encoder->forward(tile)); });
   } else {
     // [B, 2 z_dim, 1, h, w]: mean | log-variance
     moments = quant_conv->forward(encoder->forward(pixels));

@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <array>
-
 namespace shardit::models {
 
 ResnetBlock2D::ResnetBlock2D(const ResnetBlock2DOptions& options) : options_(options) {
@@ -49,29 +47,9 @@ Downsample2D::Downsample2D(int64_t channels, int64_t out_channels) {
 }
 
 at::Tensor Downsample2D::forward(const at::Tensor& hidden_states) {
-  // [B, C, H, W]
-  TORCH_CHECK(hidden_states.dim() == 4 && hidden_states.size(1) == conv->options().in_channels,
-              "Downsample2D '", path(), "': input has shape ", hidden_states.sizes(), ", expected [B, ",
-              conv->options().in_channels, ", H, W]");
-  const int64_t rows = hidden_states.size(2);
-  // F.pad(x, (0, 1, 0, 1)): the zero column on the right is this band's alone.
-  at::Tensor x = at::constant_pad_nd(hidden_states, {0, 1, 0, 0}, 0.0);
-  at::Tensor bottom;  // the row below this band: the next band's first row, or zeros
-  if (spatial_group_) {
-    TORCH_CHECK(rows >= 1, "Downsample2D '", path(), "': spatial parallelism on group '", spatial_group_->name(),
-                "': member ", spatial_group_->rank(), " holds no rows; use fewer members for this height");
-    // Our first row goes to the band above; the band below sends us its first row.
-    bottom = spatial_group_->neighbour_exchange(x.narrow(2, 0, 1), x.narrow(2, rows - 1, 1)).second;
-    TORCH_CHECK(!bottom.defined() || rows % 2 == 0, "Downsample2D '", path(), "': member ",
-                spatial_group_->rank(), " of group '", spatial_group_->name(), "' holds a band of ", rows,
-                " rows, an odd count above another band; bands must start at even rows");
-  }
-  if (!bottom.defined()) bottom = at::zeros({x.size(0), x.size(1), 1, x.size(3)}, x.options());
-  x = at::cat({x, bottom}, 2);  // [B, C, H + 1, W + 1]
-  // The inner Conv2d is a "same" layer only in name: called directly, as stride 2 never bands.
-  const std::array<int64_t, 2> stride{2, 2};
-  const std::array<int64_t, 2> padding{0, 0};
-  return at::conv2d(x, conv->weight, conv->bias, stride, padding);  // [B, out, H / 2, W / 2]
+  // [B, C, H, W] -> [B, out, H / 2, W / 2]. The inner Conv2d is a "same" layer only in name: its
+  // weights run through downsample_rows, as stride 2 never bands.
+  return downsample_rows(hidden_states, conv->weight, conv->bias, "Downsample2D '" + path() + "'");
 }
 
 }  // namespace shardit::models

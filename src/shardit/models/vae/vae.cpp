@@ -226,6 +226,18 @@ TileGrid AutoencoderKLTiling::encode_grid() const {
   return square_tile_grid(tile_sample_min_size, tile_latent_min_size, tile_overlap_factor);
 }
 
+at::Tensor tiled_encode(const at::Tensor& image, const TileGrid& grid, int64_t factor, const std::string& model,
+                        const std::string& tile_settings,
+                        const std::function<at::Tensor(const at::Tensor& tile)>& moments_of) {
+  return tiled_decode(image, grid, [&](const at::Tensor& tile) {
+    TORCH_CHECK(tile.size(-2) >= factor && tile.size(-1) >= factor, model, ": tiled encode: a tile of ",
+                tile.size(-2), "x", tile.size(-1), " pixels at the edge of an image of ", image.size(-2), "x",
+                image.size(-1), " is smaller than the encoder's ", factor, "-pixel downsampling; change the tile size (",
+                tile_settings, ") or disable tiling");
+    return moments_of(tile);
+  });
+}
+
 at::Tensor encode_2d(const nn::Module& vae, Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
                      const AutoencoderKLTiling* tiling) {
   const auto moments_of = [&](const at::Tensor& pixels) {
@@ -239,13 +251,8 @@ at::Tensor encode_2d(const nn::Module& vae, Encoder& encoder, nn::Conv2d* quant_
   at::Tensor moments;
   if (tiling != nullptr && tiling->applies_to_image(image)) {
     const int64_t factor = int64_t{1} << (encoder.down_blocks->size() - 1);
-    moments = tiled_decode(image, tiling->encode_grid(), [&](const at::Tensor& tile) {
-      TORCH_CHECK(tile.size(-2) >= factor && tile.size(-1) >= factor, "tiled encode: a tile of ", tile.size(-2), "x",
-                  tile.size(-1), " pixels at the edge of an image of ", image.size(-2), "x", image.size(-1),
-                  " is smaller than the encoder's ", factor, "-pixel downsampling; change the tile size ",
-                  "(tile_sample_min_size ", tiling->tile_sample_min_size, ") or disable tiling");
-      return moments_of(tile);
-    });
+    moments = tiled_encode(image, tiling->encode_grid(), factor, vae.type_name(),
+                           "tile_sample_min_size " + std::to_string(tiling->tile_sample_min_size), moments_of);
   } else {
     moments = moments_of(image);
   }

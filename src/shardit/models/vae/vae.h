@@ -145,6 +145,14 @@ at::Tensor decode_2d(const nn::Module& vae, nn::Conv2d* post_quant_conv, Decoder
 at::Tensor encode_2d(const nn::Module& vae, Encoder& encoder, nn::Conv2d* quant_conv, const at::Tensor& image,
                      const AutoencoderKLTiling* tiling);
 
+/// diffusers' tiled_encode loop: `moments_of` on each tile of `image`'s last two dimensions laid
+/// out by `grid` (tiles and strides in pixels, blends and kept sizes in latents), blended as
+/// tiled_decode. A tile at the image's edge with a side under `factor` pixels (the encoder's
+/// downsampling) is refused, naming `model` and `tile_settings` (the settings to change).
+at::Tensor tiled_encode(const at::Tensor& image, const TileGrid& grid, int64_t factor, const std::string& model,
+                        const std::string& tile_settings,
+                        const std::function<at::Tensor(const at::Tensor& tile)>& moments_of);
+
 /// Checks an image for an encoder of `channels` input channels and `factor` pixels per latent
 /// pixel, naming `model`: float [B, channels, H, W], every size positive, H and W at least
 /// `factor`, finite values.
