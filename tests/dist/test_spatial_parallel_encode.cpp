@@ -2,8 +2,9 @@
 // rows (bands start at multiples of the encoder's downsampling factor; each stride-2
 // Downsample2D reads the first row of the band below, 3x3 convolutions exchange halo rows,
 // GroupNorm statistics and mid-block attention span the group) and the gathered mode equals the
-// single-rank encode of the same process. FLUX.1's and FLUX.2's VAEs, 2 and 3 ranks, heights
-// that the degree does not divide and that are not multiples of the factor; the errors.
+// single-rank encode of the same process. FLUX.1's, FLUX.2's and Qwen-Image's VAEs, 2 and 3
+// ranks, heights that the degree does not divide and that are not multiples of the factor; the
+// errors.
 #include <gtest/gtest.h>
 
 #include <iostream>
@@ -85,19 +86,23 @@ TEST_P(SpatialParallelGoldenEncode, EncodeEqualsSingleRankAndDiffusers) {
 // Qwen-Image's VAE (causal 3-D convolutions on one frame, stride-2 resamplers reading the first
 // row of the band below, RMS norms per pixel, mid-block attention over the gathered keys): the
 // parallel encode equals the single-rank one, and the normalised latents diffusers'
-// _encode_vae_image gave (tests/golden/edit_qwenimage).
+// _encode_vae_image gave (tests/golden/edit_qwenimage), for both golden images as the pipeline
+// passes them ([1, 3, 1, H, W]: the bands cut the rows, dimension 3) and as [B, 3, H, W].
 TEST_P(SpatialParallelGoldenEncode, QwenImageEncodeEqualsSingleRankAndDiffusers) {
   if (is_worker()) {
     shardit::dist::World::init();
     auto vae = load_golden_vae("edit_qwenimage");
     const auto outputs = shardit::io::SafetensorsFile::open(golden_path("edit_qwenimage") + "/outputs.safetensors");
-    const at::Tensor input = outputs->read("vae.tall.image").squeeze(2);  // 48 x 32: 6 latent rows
-    expect_parallel_equals_single(*vae, input, "Qwen-Image golden input");
-    vae->enable_parallel_decode(shardit::dist::World::get().group());
-    EXPECT_TRUE(tensors_close("Qwen-Image parallel vs diffusers", vae->normalize_latents(vae->encode(input)),
-                              outputs->read("vae.tall.image_latents"), 1e-4, 1e-4));
-    vae->disable_parallel_decode();
-    expect_parallel_equals_single(*vae, random_image({2, 3, 61, 40}, 3), "Qwen-Image 61x40");
+    for (const std::string name : {"wide", "tall"}) {  // 32 x 48 and 48 x 32: 4 and 6 latent rows
+      const at::Tensor input = outputs->read("vae." + name + ".image");  // [1, 3, 1, H, W]
+      expect_parallel_equals_single(*vae, input, "Qwen-Image golden " + name);
+      expect_parallel_equals_single(*vae, input.squeeze(2), "Qwen-Image golden " + name + " as [B, 3, H, W]");
+      vae->enable_parallel_decode(shardit::dist::World::get().group());
+      EXPECT_TRUE(tensors_close("Qwen-Image parallel vs diffusers " + name, vae->normalize_latents(vae->encode(input)),
+                                outputs->read("vae." + name + ".image_latents"), 1e-4, 1e-4));
+      vae->disable_parallel_decode();
+    }
+    expect_parallel_equals_single(*vae, random_image({2, 3, 1, 61, 40}, 3), "Qwen-Image 61x40");
     const int64_t degree = shardit::dist::World::get().size();
     expect_parallel_equals_single(*vae, random_image({1, 3, 8 * degree, 24}, 4), "Qwen-Image one row each");
     return;
@@ -123,6 +128,21 @@ TEST_P(SpatialParallelGoldenEncode, TooFewRowsAndTilingAreRefusedOnEveryRank) {
     vae->disable_tiling();
     vae->disable_parallel_decode();
     expect_parallel_equals_single(*vae, random_image({1, 3, 8 * degree, 16}, 2), "after errors");
+    // Qwen-Image's VAE, its rows in dimension 3 of [B, 3, 1, H, W]; more than one frame.
+    auto qwen = load_golden_vae("edit_qwenimage");
+    qwen->enable_parallel_decode(shardit::dist::World::get().group());
+    const std::string rows = error_of([&] { qwen->encode(random_image({1, 3, 1, 8 * (degree - 1) + 7, 16}, 1)); });
+    EXPECT_NE(rows.find("AutoencoderKLQwenImage: an image of " + std::to_string(8 * (degree - 1) + 7) + " rows"),
+              std::string::npos)
+        << rows;
+    EXPECT_NE(rows.find("too few to encode over " + std::to_string(degree) + " ranks"), std::string::npos) << rows;
+    EXPECT_NE(rows.find("the largest degree that works for this height is " + std::to_string(degree - 1)),
+              std::string::npos)
+        << rows;
+    const std::string frames = error_of([&] { qwen->encode(random_image({1, 3, 2, 8 * degree, 16}, 1)); });
+    EXPECT_NE(frames.find("2 frames; only one frame"), std::string::npos) << frames;
+    qwen->disable_parallel_decode();
+    expect_parallel_equals_single(*qwen, random_image({1, 3, 1, 8 * degree, 16}, 2), "Qwen-Image after errors");
     return;
   }
   EXPECT_EQ(run_ranks(GetParam()), 0);

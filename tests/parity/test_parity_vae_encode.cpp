@@ -1,9 +1,10 @@
 // The VAE encoders (AutoencoderKL for FLUX.1 Kontext, AutoencoderKLFlux2 for FLUX.2 [klein] and
-// [dev]) against diffusers' golden editing runs: every vae.encode call of every run, the
-// processed image in, the posterior's mode out, through the real load path of the pipeline
-// folders' vae/ (encoder weights included). Tolerance 1e-4 + 1e-4|mode| (the golden README's VAE
-// tolerance: the reference's own 1- vs 2-thread spread is a few 1e-6). Then tiled encoding on a
-// small tile, normalize_latents against the pipelines' formulas, and the errors.
+// [dev], AutoencoderKLQwenImage for Qwen-Image editing) against diffusers' golden editing runs:
+// every vae.encode call of every run, the processed image in, the posterior's mode out, through
+// the real load path of the pipeline folders' vae/ (encoder weights included). Tolerance 1e-4 +
+// 1e-4|mode| (the golden README's VAE tolerance: the reference's own 1- vs 2-thread spread is a
+// few 1e-6). Then tiled encoding on a small tile, normalize_latents against the pipelines'
+// formulas, Qwen-Image's encoder in bf16, and the errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -227,7 +228,12 @@ TEST(VaeEncodeQwenImage, GoldenEncodeVaeImageMatchesDiffusers) {
   for (const std::string name : {"wide", "tall"}) {
     const at::Tensor image = outputs->read("vae." + name + ".image");  // [1, 3, 1, H, W]
     const at::Tensor expected = outputs->read("vae." + name + ".image_latents");
-    const at::Tensor latents = vae->normalize_latents(vae->encode(image.squeeze(2)));
+    // The pipeline's own input, one frame [1, 3, 1, H, W]; the same image as [1, 3, H, W] gives
+    // the same bits.
+    const at::Tensor z = vae->encode(image);
+    ASSERT_EQ(z.sizes(), (std::vector<int64_t>{1, vae->latent_channels(), 1, image.size(3) / 8, image.size(4) / 8}));
+    EXPECT_TRUE(at::equal(vae->encode(image.squeeze(2)), z)) << name << ": 4-D and 5-D inputs differ";
+    const at::Tensor latents = vae->normalize_latents(z);
     std::cout << name << ": max |diff| " << (latents - expected).abs().max().item<double>() << " of max |expected| "
               << expected.abs().max().item<double>() << "\n";
     EXPECT_TRUE(tensors_close("vae." + name + ".image_latents", latents, expected, 1e-4, 1e-4));
@@ -236,10 +242,39 @@ TEST(VaeEncodeQwenImage, GoldenEncodeVaeImageMatchesDiffusers) {
   EXPECT_EQ(compared, 2);
 }
 
-TEST(VaeEncodeQwenImage, WrongChannelsAreNamed) {
+// bf16 weights and activations (the RMS norms in fp32, as the reference) against the fp32
+// golden latents (|latents| up to 0.59): bf16 rounds to 8 mantissa bits (4e-3 relative per
+// rounding) through the encoder's convolutions; measured at most 9.1e-3 off (wide 7.8e-3, tall
+// 9.1e-3). Bound 3e-2 + 3e-2 |latents| (the parallel bf16 decode's bound), about 3x the
+// measured error.
+TEST(VaeEncodeQwenImage, GoldenBf16EncodeIsWithinTheMeasuredBound) {
   auto vae = load_golden_vae("edit_qwenimage");
-  const std::string message = error_of([&] { vae->encode(at::zeros({1, 4, 32, 32})); });
+  vae->to(at::kCPU, at::kBFloat16);
+  const auto outputs = io::SafetensorsFile::open(golden_path("edit_qwenimage") + "/outputs.safetensors");
+  for (const std::string name : {"wide", "tall"}) {
+    const at::Tensor z = vae->encode(outputs->read("vae." + name + ".image").to(at::kBFloat16));
+    ASSERT_EQ(z.scalar_type(), at::kBFloat16);
+    const at::Tensor latents = vae->normalize_latents(z).to(at::kFloat);
+    const at::Tensor expected = outputs->read("vae." + name + ".image_latents");
+    std::cout << name << " bf16: max |diff| " << (latents - expected).abs().max().item<double>()
+              << ", max |diff| / (1 + |expected|) "
+              << ((latents - expected).abs() / (expected.abs() + 1)).max().item<double>() << "\n";
+    EXPECT_TRUE(tensors_close("bf16 vae." + name + ".image_latents", latents, expected, 3e-2, 3e-2));
+  }
+}
+
+TEST(VaeEncodeQwenImage, BadShapesAreNamed) {
+  auto vae = load_golden_vae("edit_qwenimage");
+  std::string message = error_of([&] { vae->encode(at::zeros({1, 4, 32, 32})); });
   EXPECT_NE(message.find("AutoencoderKLQwenImage: image has shape"), std::string::npos) << message;
+  message = error_of([&] { vae->encode(at::zeros({1, 4, 1, 32, 32})); });
+  EXPECT_NE(message.find("AutoencoderKLQwenImage: image has shape [1, 4, 1, 32, 32]"), std::string::npos) << message;
+  // A video: more than one frame is refused by name.
+  message = error_of([&] { vae->encode(at::zeros({1, 3, 2, 32, 32})); });
+  EXPECT_NE(message.find("2 frames; only one frame [B, C, 1, H, W] (an image) is encoded"), std::string::npos)
+      << message;
+  message = error_of([&] { vae->encode(at::zeros({1, 1, 3, 1, 32, 32})); });
+  EXPECT_NE(message.find("expected [B, C, H, W] (or one frame [B, C, 1, H, W]"), std::string::npos) << message;
 }
 
 // Tiles of 32 pixels every 24 over a 48x72 image (2x3 tiles, latents blended over one row and
@@ -263,6 +298,13 @@ TEST(VaeEncodeQwenImage, TiledEncodeFollowsDiffusersTileLoop) {
       image, qwen->encode_tile_grid(48, 72), [&](const at::Tensor& tile) { return vae->encode(tile).squeeze(2); });
   EXPECT_TRUE(
       tensors_close("Qwen-Image tiled mean vs diffusers' tile loop", tiled.squeeze(2), reference, 1e-6, 1e-6));
+  // 52 rows in 32-pixel tiles every 24 leave an edge tile of 4 rows (48..51), fewer than the
+  // encoder's 8-pixel downsampling: refused by name, with the settings to change.
+  qwen->enable_tiling(32, 32, 24, 24);
+  const std::string message = error_of([&] { vae->encode(at::zeros({1, 3, 1, 52, 32})); });
+  EXPECT_NE(message.find("AutoencoderKLQwenImage: tiled encode: a tile of 4x32 pixels"), std::string::npos) << message;
+  EXPECT_NE(message.find("8-pixel downsampling"), std::string::npos) << message;
+  EXPECT_NE(message.find("tile_sample_min_height 32"), std::string::npos) << message;
 }
 
 }  // namespace

@@ -353,6 +353,9 @@ at::Tensor AutoencoderKLQwenImage::_encode(const at::Tensor& image) {
   const at::Tensor frame = image.dim() == 4 ? image.unsqueeze(2) : image;
   TORCH_CHECK(frame.dim() == 5 && frame.size(2) == 1, type_name(), ": image has shape ", image.sizes(),
               "; only single images [B, 3, H, W] (or [B, 3, 1, H, W]) are encoded");
+  TORCH_CHECK(frame.size(1) == config_.input_channels, type_name(), ": image has shape ", image.sizes(),
+              ", expected [B, ", config_.input_channels, ", H, W] or [B, ", config_.input_channels,
+              ", 1, H, W] (float pixels in [-1, 1])");
   check_image(type_name(), frame.squeeze(2), config_.input_channels, vae_scale_factor());
   const at::Tensor pixels = frame.to(quant_conv->weight.device(), quant_conv->weight.scalar_type());
   at::Tensor moments;

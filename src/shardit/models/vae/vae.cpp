@@ -299,8 +299,11 @@ at::Tensor AutoencoderModel::decode(const at::Tensor& z) {
 
 at::Tensor AutoencoderModel::encode(const at::Tensor& image) {
   TORCH_CHECK(has_encoder(), type_name(), " has no encoder in shardit: it cannot encode reference images");
-  TORCH_CHECK(image.defined() && image.dim() == 4, type_name(), ": image has shape ",
-              image.defined() ? image.sizes() : c10::IntArrayRef{}, ", expected [B, C, H, W]");
+  TORCH_CHECK(image.defined() && (image.dim() == 4 || image.dim() == 5), type_name(), ": image has shape ",
+              image.defined() ? image.sizes() : c10::IntArrayRef{},
+              ", expected [B, C, H, W] (or one frame [B, C, 1, H, W] for a video VAE)");
+  TORCH_CHECK(image.dim() == 4 || image.size(2) == 1, type_name(), ": image has shape ", image.sizes(), ", ",
+              image.size(2), " frames; only one frame [B, C, 1, H, W] (an image) is encoded");
   // Checked on the whole image, so that every member of a parallel encode refuses it together.
   TORCH_CHECK(!at::isFloatingType(image.scalar_type()) || at::isfinite(image).all().item<bool>(), type_name(),
               ": image of shape ", image.sizes(), " holds non-finite values (NaN or infinity); expected pixels in [-1, 1]");
@@ -311,7 +314,9 @@ at::Tensor AutoencoderModel::encode(const at::Tensor& image) {
   // that each stride-2 convolution sees the rows it sees on the whole image (Downsample2D reads
   // one row of the band below); the last band takes the rows left over.
   const int64_t factor = vae_scale_factor();
-  const int64_t rows = image.size(2);
+  // The rows are the second-to-last dimension, [B, C, H, W] or [B, C, 1, H, W].
+  const int64_t row_dim = image.dim() - 2;
+  const int64_t rows = image.size(row_dim);
   const int64_t units = rows / factor;
   const int degree = spatial_.degree();
   TORCH_CHECK(units >= degree, type_name(), ": an image of ", rows, " rows (", image.sizes(), ") has ", units,
@@ -320,7 +325,7 @@ at::Tensor AutoencoderModel::encode(const at::Tensor& image) {
   const int rank = spatial_.group->rank();
   const auto [first, count] = nn::row_band(units, degree, rank);
   const int64_t length = count * factor + (rank + 1 == degree ? rows % factor : 0);
-  const at::Tensor band = image.narrow(2, first * factor, length);
+  const at::Tensor band = image.narrow(row_dim, first * factor, length);
   return spatial_.gather(_encode(band), -2);
 }
 

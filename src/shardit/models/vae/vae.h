@@ -173,16 +173,18 @@ class AutoencoderModel : public parallel::TensorParallelModule {
   /// The pipeline's final latents, unpacked, to the decoder input z (the de-normalisation each
   /// pipeline applies before vae.decode). Emits "z" (and model-specific steps).
   virtual at::Tensor denormalize_latents(const at::Tensor& latents) const = 0;
-  /// Whether the model holds an encoder (built and loaded with the decoder): AutoencoderKL and
-  /// AutoencoderKLFlux2 do.
+  /// Whether the model holds an encoder (built and loaded with the decoder): AutoencoderKL,
+  /// AutoencoderKLFlux2 and AutoencoderKLQwenImage do.
   virtual bool has_encoder() const { return false; }
   /// vae.encode(image).latent_dist.mode(), the posterior mean (what the editing pipelines take
   /// with sample_mode="argmax"): image float [B, in_channels, H, W] in [-1, 1] -> z [B,
-  /// latent_channels, H / vae_scale_factor, W / vae_scale_factor]. Tiled (diffusers'
-  /// tiled_encode) when use_tiling() and the image is larger than a tile. Under
+  /// latent_channels, H / vae_scale_factor, W / vae_scale_factor]; AutoencoderKLQwenImage takes
+  /// that or one frame [B, in_channels, 1, H, W] (what diffusers' edit pipeline passes) and
+  /// returns [B, latent_channels, 1, h, w]. More than one frame is a named error. Tiled
+  /// (diffusers' tiled_encode) when use_tiling() and the image is larger than a tile. Under
   /// enable_parallel_decode, collective over its group like decode: every member passes the same
-  /// image, encodes a band of its rows and gets the whole z. Errors name the model when it has no
-  /// encoder or the image's shape does not fit. Emits encoder.*, quant_conv (both not while
+  /// image, encodes a band of its rows (the second-to-last dimension) and gets the whole z.
+  /// Errors name the model when it has no encoder or the image's shape does not fit. Emits encoder.*, quant_conv (both not while
   /// tiling) and moments; under a parallel encode, this member's band of each.
   at::Tensor encode(const at::Tensor& image);
   /// The editing pipelines' normalisation of an encoded image z, the inverse of
