@@ -97,20 +97,26 @@ foreach(file IN LISTS files)
       SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
       # A thread spinning at an OpenMP barrier while its partner waits for a core (two entries
       # share the cores) makes a run many times slower; waiting passively changes no arithmetic.
-      ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env};OMP_WAIT_POLICY=passive")
+      ENVIRONMENT "SHARDIT_TEST_LABELS=${labels_env};OMP_WAIT_POLICY=passive"
+      # Two of CTest's slots (scripts/test.sh gives it 2 per core and one more): as many computing
+      # entries at once as there are cores; a light rank group (below) takes the odd slot.
+      PROCESSORS 2)
     if(DEFINED fixtures_${file})
       set_tests_properties("${name}" PROPERTIES FIXTURES_REQUIRED "${fixtures_${file}}")
     endif()
     if(starts_ranks_${file})
       # One rank group at a time (never two sharing the cores), beside at most one single-process
       # entry (CTest's -j); first, since together they are the longest path. Light groups
-      # (light_ranks_<file>) hold a lock of their own and run beside a computing one.
+      # (light_ranks_<file>) hold a lock of their own and take one slot, the odd one: they run
+      # beside a computing rank group and a single-process entry, not instead of the latter.
       set(lock ranks)
+      set(processors 2)
       if(light_ranks_${file})
         set(lock light_ranks)
+        set(processors 1)
       endif()
       math(EXPR cost "${case_count} + 1000")
-      set_tests_properties("${name}" PROPERTIES RESOURCE_LOCK ${lock} COST ${cost})
+      set_tests_properties("${name}" PROPERTIES RESOURCE_LOCK ${lock} COST ${cost} PROCESSORS ${processors})
     endif()
   endforeach()
 endforeach()
