@@ -14,7 +14,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/libtorch.sh
 bash scripts/setup.sh
+# The pinned PyPI packages some tests run (tests/CMakeLists.txt, tests/unit/test_gguf_reference.cpp),
+# each in its virtual environment in the build folder, installed while the build compiles: pip
+# mostly waits on the network, and done by the tests themselves it held a slot of the suite (the
+# OpenAI client's, the `ranks` lock). The tests still make or check their environment; a failure
+# here is only reported (the test that needs it says why).
+mkdir -p "$BUILD_DIR/tests"
+VENV_LOG="$BUILD_DIR/tests/venvs.log"
+(
+  python3 tests/client/test_openai_client.py --venv "$BUILD_DIR/tests/openai-client-venv" --only-venv &
+  python3 tests/golden/tools/make_single_file_cases.py --venv "$BUILD_DIR/tests/single-file-venv" --only-venv &
+  python3 tests/golden/tools/make_gguf_cases.py --venv "$BUILD_DIR/tests/gguf-venv" --only-venv &
+  status=0
+  for job in $(jobs -p); do wait "$job" || status=1; done
+  exit $status
+) >"$VENV_LOG" 2>&1 &
+venvs=$!
 bash scripts/build.sh
+wait "$venvs" || echo "test: a test's virtual environment could not be made now (the test retries): $VENV_LOG"
 JOBS=${SHARDIT_TEST_JOBS:-$(nproc)}
 JUNIT="$(cd "$BUILD_DIR" && pwd)/Testing/junit.xml"
 rm -f "$JUNIT"

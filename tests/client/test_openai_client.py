@@ -305,14 +305,22 @@ def run_cases(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cli", required=True, help="the shardit executable")
-    parser.add_argument("--golden", required=True, help="the golden data's folder (tests/golden in the build)")
-    parser.add_argument("--docs", required=True, help="docs/serving.md")
+    parser.add_argument("--cli", help="the shardit executable (required unless --only-venv)")
+    parser.add_argument("--golden", help="the golden data's folder (tests/golden in the build)")
+    parser.add_argument("--docs", help="docs/serving.md")
     parser.add_argument("--venv", required=True, help="where the client's virtual environment is kept")
+    parser.add_argument("--only-venv", action="store_true",
+                        help="make (or check) the virtual environment, then stop (scripts/test.sh, during the build)")
     parser.add_argument("--in-venv", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.only_venv:
+        missing = [f"--{name}" for name in ("cli", "golden", "docs") if getattr(args, name) is None]
+        if missing:
+            parser.error(f"{', '.join(missing)} required")
     if not args.in_venv:
         python = client_python(args.venv)
+        if args.only_venv:
+            sys.exit(0)
         os.execv(python, [python, os.path.abspath(__file__), *sys.argv[1:], "--in-venv"])
     run_cases(args)
 

@@ -140,11 +140,17 @@ def write_safetensors(path, tensors):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--venv", required=True, help="where the virtual environment is kept")
-    parser.add_argument("--out", required=True, help="the folder to write the cases into")
+    parser.add_argument("--out", help="the folder to write the cases into (required unless --only-venv)")
+    parser.add_argument("--only-venv", action="store_true",
+                        help="make (or check) the virtual environment, then stop (scripts/test.sh, during the build)")
     parser.add_argument("--in-venv", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.only_venv and args.out is None:
+        parser.error("--out is required")
     if not args.in_venv:
         python = venv_python(args.venv)
+        if args.only_venv:
+            sys.exit(0)
         os.execv(python, [python, os.path.abspath(__file__), *sys.argv[1:], "--in-venv"])
     os.makedirs(args.out, exist_ok=True)
     make_cases(args.out)

@@ -321,14 +321,22 @@ def verify(golden, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--golden", required=True, help="the golden set (or the build folder's view of it)")
-    parser.add_argument("--out", required=True, help="where the single files are written")
+    parser.add_argument("--golden", help="the golden set (or the build folder's view of it; required unless --only-venv)")
+    parser.add_argument("--out", help="where the single files are written (required unless --only-venv)")
     parser.add_argument("--venv", help="a virtual environment with the pinned numpy and safetensors (made once)")
+    parser.add_argument("--only-venv", action="store_true",
+                        help="make (or check) the --venv environment, then stop (scripts/test.sh, during the build)")
     parser.add_argument("--verify", action="store_true", help="check the written files with diffusers")
     parser.add_argument("--in-venv", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.only_venv and not args.venv:
+        parser.error("--only-venv needs --venv")
+    if not args.only_venv and (args.golden is None or args.out is None):
+        parser.error("--golden and --out are required")
     if args.venv and not args.in_venv:
         python = tool_python(args.venv)
+        if args.only_venv:
+            sys.exit(0)
         os.execv(python, [python, os.path.abspath(__file__), *sys.argv[1:], "--in-venv"])
     if args.verify:
         sys.exit(1 if verify(args.golden, args.out) else 0)
