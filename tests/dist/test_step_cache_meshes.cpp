@@ -1,9 +1,9 @@
 // Step caching (First-Block Cache, TaylorSeer lite) against diffusers' own hooks, and the same
 // decisions on every mesh:
 // - the golden cache cases (cache_flux1, cache_qwenimage: diffusers' enable_cache on the golden
-//   pipelines, from their prompts, 10 steps): `shardit generate --cache` at one rank, and the API on
-//   4-rank meshes (tp 2, tp 4, and FLUX.1 ulysses 2 x tp 2 / Qwen-Image cfg 2 x ring 2), give every
-//   per-step decision, the ratios compared and the image;
+//   pipelines, from their prompts, 10 steps): the API on 4-rank meshes (tp 2, tp 4, and FLUX.1
+//   ulysses 2 x tp 2 / Qwen-Image cfg 2 x ring 2) gives every per-step decision, the ratios
+//   compared and the image (`shardit generate --cache` at one rank: tests/unit/test_step_cache.cpp);
 // - FLUX.2 [klein] and [dev], which diffusers cannot cache: threshold 0 is the uncached image bit for bit,
 //   and a threshold that skips gives the same decisions and image on every mesh of up to 4 ranks;
 // - the reduction behind the ratio: on an uneven Ulysses split, averaging the ranks' means would
@@ -25,6 +25,7 @@
 #include "shardit/pipelines/pipeline.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
+#include "support/step_cache_case.h"
 #include "support/test_support.h"
 
 namespace test_step_cache_meshes {
@@ -39,93 +40,15 @@ using shardit::testing::is_worker;
 using shardit::testing::PipelineCase;
 using shardit::testing::run_ranks;
 
+using shardit::testing::CacheGolden;
+using shardit::testing::expect_cache_case_matches;
+using shardit::testing::golden_contexts;
+using shardit::testing::kCacheSteps;
+using shardit::testing::read_cache_golden;
+
 constexpr int kRanks = 4;
-constexpr int64_t kCacheSteps = 10;  // the golden cache cases' num_inference_steps
-
-/// A golden cache folder and the pipeline case it was made on (its prompts, latents, 10 steps).
-struct CacheGolden {
-  std::string dir;
-  PipelineCase pipeline;
-  nlohmann::json cases;
-};
-
-CacheGolden read_cache_golden(const std::string& name) {
-  CacheGolden golden;
-  golden.dir = shardit::testing::golden_path(name);
-  const nlohmann::json document = shardit::io::read_json_file(golden.dir + "/case.json");
-  golden.cases = document.at("cases");
-  golden.pipeline = shardit::testing::read_prompt_case(name == "cache_flux1" ? "pipeline_flux1" : "pipeline_qwenimage");
-  shardit::testing::set_case_steps(golden.pipeline, document.at("call").at("num_inference_steps").get<int64_t>());
-  EXPECT_EQ(golden.pipeline.steps, kCacheSteps);
-  return golden;
-}
-
-/// Compares one run of a golden cache case: per step, how many contexts ran the whole stack;
-/// for First-Block Cache every decision and ratio per context; the image (when given).
-void expect_cache_case_matches(const CacheGolden& golden, const nlohmann::json& golden_case,
-                               const std::vector<std::string>& contexts, const at::Tensor& computed,
-                               const at::Tensor& ratio, const at::Tensor& image, const std::string& what) {
-  const std::string name = golden_case.at("name").get<std::string>();
-  ASSERT_TRUE(computed.defined()) << what << ": no cache decisions were reported";
-  ASSERT_EQ(computed.dim(), 2) << what;
-  ASSERT_EQ(computed.size(1), static_cast<int64_t>(contexts.size())) << what;
-  const auto per_step = golden_case.at("full_stack_calls_per_step").get<std::vector<int64_t>>();
-  ASSERT_EQ(computed.size(0), static_cast<int64_t>(per_step.size())) << what;
-  for (size_t s = 0; s < per_step.size(); ++s) {
-    EXPECT_EQ(computed[static_cast<int64_t>(s)].sum().item<int64_t>(), per_step[s]) << what << ": step " << s;
-  }
-  if (golden_case.contains("decisions")) {
-    ASSERT_TRUE(ratio.defined()) << what;
-    for (size_t c = 0; c < contexts.size(); ++c) {
-      int64_t step = 0;
-      for (const nlohmann::json& decision : golden_case.at("decisions")) {
-        if (decision.at("context") != contexts[c]) continue;
-        const auto at_step = [&](const at::Tensor& t) { return t[step][static_cast<int64_t>(c)]; };
-        EXPECT_EQ(at_step(computed).item<int64_t>() == 1, decision.at("compute").get<bool>())
-            << what << ": " << contexts[c] << " step " << step;
-        const double ours = at_step(ratio).item<double>();
-        if (decision.at("ratio").is_null()) {
-          EXPECT_TRUE(std::isnan(ours)) << what << ": " << contexts[c] << " step " << step << " ratio " << ours;
-        } else {
-          // diffusers' float32 means against float64 sums: far inside the >= 2% margins.
-          EXPECT_NEAR(ours, decision.at("ratio").get<double>(), 1e-4 * decision.at("ratio").get<double>())
-              << what << ": " << contexts[c] << " step " << step;
-        }
-        ++step;
-      }
-      EXPECT_EQ(step, kCacheSteps) << what << ": golden decisions of " << contexts[c];
-    }
-  }
-  if (image.defined()) {
-    const auto outputs = shardit::io::SafetensorsFile::open(golden.dir + "/outputs.safetensors");
-    EXPECT_TRUE(shardit::testing::tensors_close(what + ": " + name + ".image", image, outputs->read(name + ".image"),
-                                                shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
-  }
-}
-
-std::vector<std::string> golden_contexts(const CacheGolden& golden) {
-  return golden.pipeline.request.negative_prompt.empty() ? std::vector<std::string>{"cond"}
-                                                         : std::vector<std::string>{"cond", "uncond"};
-}
 
 class StepCacheGolden : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(StepCacheGolden, GenerateCliMatchesDiffusersHooksAtOneRank) {
-  if (is_worker()) return;
-  const CacheGolden golden = read_cache_golden(GetParam());
-  int cases = 0;
-  for (const nlohmann::json& golden_case : golden.cases) {
-    const std::string spec = StepCacheConfig::from_json(golden_case.at("config")).to_string();
-    const auto run = shardit::testing::run_generate_cli(golden.pipeline, "", "--cache " + spec);
-    const std::string what = GetParam() + " " + golden_case.at("name").get<std::string>() + " (CLI, TP=1)";
-    expect_cache_case_matches(golden, golden_case, golden_contexts(golden), run.cache_computed, run.cache_ratio,
-                              run.image, what);
-    // The stderr summary says what ran.
-    EXPECT_NE(run.output.find("step cache " + spec + ": the whole stack ran in"), std::string::npos) << run.output;
-    ++cases;
-  }
-  EXPECT_EQ(cases, 5);
-}
 
 /// Every golden case on `dims` over the world (the API, one pipeline load): decisions on every
 /// rank, the image on the first.

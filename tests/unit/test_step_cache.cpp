@@ -1,6 +1,9 @@
 // Step caches (models/step_cache.h) on their own: the configs as users write them (and every
 // refusal, named), TaylorSeer's schedule against the decisions diffusers recorded in the golden
-// cases, its prediction arithmetic, and First-Block Cache's decision and cached output.
+// cases, its prediction arithmetic, and First-Block Cache's decision and cached output; and
+// `shardit generate --cache` at one rank on the golden cache cases (every per-step decision, the
+// ratios and the image as diffusers' hooks gave them; the same cases on meshes of 4 ranks:
+// tests/dist/test_step_cache_meshes.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +13,8 @@
 
 #include "shardit/io/json.h"
 #include "shardit/models/step_cache.h"
+#include "support/pipeline_case.h"
+#include "support/step_cache_case.h"
 #include "support/test_support.h"
 
 namespace test_step_cache {
@@ -19,6 +24,10 @@ using shardit::models::FirstBlockCacheConfig;
 using shardit::models::StepCache;
 using shardit::models::StepCacheConfig;
 using shardit::models::TaylorSeerCacheConfig;
+using shardit::testing::CacheGolden;
+using shardit::testing::expect_cache_case_matches;
+using shardit::testing::golden_contexts;
+using shardit::testing::read_cache_golden;
 
 void expect_refused(const std::string& spec, const std::string& fragment) {
   try {
@@ -211,6 +220,29 @@ TEST(StepCacheFirstBlock, OtherSizesInOneGenerationAreRefused) {
     EXPECT_NE(std::string(e.what()).find("reset it between generations"), std::string::npos) << e.what();
   }
 }
+
+// `shardit generate --cache` at one rank: each golden cache case's per-step decisions, ratios and
+// image as diffusers' hooks recorded them, and the summary it prints.
+class StepCacheGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepCacheGolden, GenerateCliMatchesDiffusersHooksAtOneRank) {
+  const CacheGolden golden = read_cache_golden(GetParam());
+  int cases = 0;
+  for (const nlohmann::json& golden_case : golden.cases) {
+    const std::string spec = StepCacheConfig::from_json(golden_case.at("config")).to_string();
+    const auto run = shardit::testing::run_generate_cli(golden.pipeline, "", "--cache " + spec);
+    const std::string what = GetParam() + " " + golden_case.at("name").get<std::string>() + " (CLI, TP=1)";
+    expect_cache_case_matches(golden, golden_case, golden_contexts(golden), run.cache_computed, run.cache_ratio,
+                              run.image, what);
+    // The stderr summary says what ran.
+    EXPECT_NE(run.output.find("step cache " + spec + ": the whole stack ran in"), std::string::npos) << run.output;
+    ++cases;
+  }
+  EXPECT_EQ(cases, 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, StepCacheGolden, ::testing::Values("cache_flux1", "cache_qwenimage"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace test_step_cache
