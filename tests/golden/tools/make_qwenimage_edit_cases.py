@@ -38,6 +38,24 @@ ENCODER_CASES = {"one": ["wide"], "two": ["square", "tall"], "three": ["tall", "
 # _encode_vae_image on images preprocessed to these sizes (height, width).
 VAE_CASES = {"wide": (32, 48), "tall": (48, 32)}
 
+# Whole pipeline calls. The pipelines' 1024² area (the VAE images and the default output size) is
+# VAE_AREA here so that every image is a few latent tokens; the condition area stays 384² (the
+# processor's max_pixels bounds it anyway). (tag, class, images, height, width, negative prompt,
+# true_cfg_scale, seed): height/width None take the output size from the last image, as diffusers.
+VAE_AREA = 48 * 48
+NEGATIVE_PROMPT = "blurry, low quality"
+STEPS = 2
+PIPELINE_RUNS = [
+    ("plus_one", "QwenImageEditPlusPipeline", ["wide"], 32, 32, None, 1.0, 11),
+    ("plus_two", "QwenImageEditPlusPipeline", ["square", "tall"], 48, 32, None, 1.0, 12),
+    ("plus_three", "QwenImageEditPlusPipeline", ["tall", "wide", "big"], None, None, None, 1.0, 13),
+    ("plus_one_cfg", "QwenImageEditPlusPipeline", ["wide"], 32, 32, NEGATIVE_PROMPT, 4.0, 14),
+    ("plus_two_cfg", "QwenImageEditPlusPipeline", ["square", "tall"], 32, 32, NEGATIVE_PROMPT, 4.0, 15),
+    ("plus_three_cfg", "QwenImageEditPlusPipeline", ["tall", "wide", "big"], 32, 32, NEGATIVE_PROMPT, 4.0, 16),
+    ("edit_one", "QwenImageEditPipeline", ["tall"], None, None, None, 1.0, 17),
+    ("edit_one_cfg", "QwenImageEditPipeline", ["wide"], 32, 32, NEGATIVE_PROMPT, 4.0, 18),
+]
+
 
 def ensure_venv(args):
     if os.environ.get("SHARDIT_GOLDEN_VENV") == "1":
@@ -133,6 +151,83 @@ def write_folder(args):
     with open(os.path.join(out, "model_index.json"), "w") as f:
         json.dump(model_index, f, indent=2)
         f.write("\n")
+
+
+def run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, processor):
+    """Each PIPELINE_RUNS call: the latents after every step, the first transformer call's
+    hidden_states (noise tokens, then every image's packed reference latents), the image."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from diffusers import (FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline,
+                           QwenImageTransformer2DModel)
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    # The 1024² area -> VAE_AREA, wherever the pipelines ask for it (a constant and a literal).
+    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+        original = module.calculate_dimensions
+        module.calculate_dimensions = (lambda f: lambda area, ratio: f(VAE_AREA if area == 1024 * 1024 else area,
+                                                                         ratio))(original)
+    pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE = VAE_AREA
+
+    comp = os.path.join(args.components, "pipeline_qwenimage")
+    transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(comp, "transformer"),
+                                                              torch_dtype=torch.float32).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(comp, "scheduler"))
+    classes = {"QwenImageEditPlusPipeline": QwenImageEditPlusPipeline, "QwenImageEditPipeline": QwenImageEditPipeline}
+    case["pipeline"] = {
+        "areas": {"condition": 384 * 384, "vae": VAE_AREA,
+                  "note": "the pipelines' 1024*1024 (VAE images, default output size) replaced by 'vae'"},
+        "prompt": PROMPT, "num_inference_steps": STEPS, "output_type": "np",
+        "generator": "torch.Generator('cpu').manual_seed(seed)",
+        "outputs": {
+            "<run>.step<k>.latents": "the packed latents after step k (noise tokens only)",
+            "<run>.transformer.hidden_states": "the first transformer call's hidden_states: noise tokens, then "
+                                              "every image's packed, normalised VAE latents",
+            "<run>.image": "float32 [1, H, W, 3] in [0, 1]; also <run>.image_0.png",
+        },
+        "runs": [],
+    }
+    for tag, class_name, names, height, width, negative, true_cfg, seed in PIPELINE_RUNS:
+        pipe = classes[class_name](scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                   processor=processor, transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        first_call = {}
+
+        def hook(module, a, kwargs):
+            if "hidden_states" not in first_call:
+                first_call["hidden_states"] = kwargs["hidden_states"].detach().clone()
+                first_call["img_shapes"] = kwargs["img_shapes"]
+
+        handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+        steps = []
+
+        def on_step(p, i, t, kw):
+            steps.append(kw["latents"].detach().clone())
+            return {}
+
+        call_images = [images[n] for n in names]
+        out = pipe(image=call_images if class_name == "QwenImageEditPlusPipeline" else call_images[0], prompt=PROMPT,
+                   negative_prompt=negative, true_cfg_scale=true_cfg, height=height, width=width,
+                   num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+                   callback_on_step_end=on_step)
+        handle.remove()
+        image = torch.from_numpy(np.ascontiguousarray(out.images))  # [1, H, W, 3]
+        for k, latents in enumerate(steps):
+            tensors[f"{tag}.step{k}.latents"] = latents.contiguous()
+        tensors[f"{tag}.transformer.hidden_states"] = first_call["hidden_states"].contiguous()
+        tensors[f"{tag}.image"] = image.float().contiguous()
+        Image.fromarray((out.images[0] * 255).round().astype("uint8")).save(
+            os.path.join(args.out, f"{tag}.image_0.png"), optimize=True)
+        entry = {"tag": tag, "pipeline": class_name, "images": [f"source_{n}.png" for n in names], "seed": seed,
+                 "true_cfg_scale": true_cfg, "output_height": int(image.shape[1]), "output_width": int(image.shape[2]),
+                 "img_shapes": [list(s) for s in first_call["img_shapes"][0]],
+                 "hidden_states_shape": list(first_call["hidden_states"].shape)}
+        if height is not None:
+            entry["height"], entry["width"] = height, width
+        if negative is not None:
+            entry["negative_prompt"] = negative
+        case["pipeline"]["runs"].append(entry)
 
 
 def main():
@@ -246,6 +341,8 @@ def main():
             tensors[f"vae.{name}.image"] = image.contiguous()
             tensors[f"vae.{name}.image_latents"] = latents.contiguous()
             case["vae"].append({"name": name, "image": f"source_{name}.png", "height": h, "width": w})
+
+        run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, processor)
 
     save_file(tensors, os.path.join(args.out, "outputs.safetensors"))
     with open(os.path.join(args.out, "case.json"), "w") as f:
