@@ -1,5 +1,5 @@
 // `shardit generate`: a pipeline from a diffusers folder (FluxPipeline, FluxKontextPipeline,
-// Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline) from a prompt, and reference images
+// Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, the Qwen-Image edit pipelines) from a prompt, and reference images
 // (--image) for the editing pipelines, to PNG files, the transformer on a cfg x ulysses x ring x
 // tp mesh of the ranks.
 // Only rank 0 decodes and writes.
@@ -308,10 +308,12 @@ void register_generate(CLI::App& app, CommandBody& body) {
                       "also write `image` (float32 [B, H, W, 3] in [0, 1]) and the final `latents` here");
   command->add_option("--image", options->images,
                       "a reference image (PNG or JPEG) to edit from; repeat for several (FLUX.2: up to 10, each "
-                      "its own tokens; FluxKontextPipeline: the image to edit)");
+                      "its own tokens; QwenImageEditPlusPipeline: up to 3, the output sized from the last; "
+                      "FluxKontextPipeline, QwenImageEditPipeline: the image to edit)");
   command->add_option("--max-area", options->max_area,
                       "FluxKontextPipeline: the output's area in pixels (default 1048576 = 1024x1024, at most "
-                      "4194304 = 2048x2048), the aspect of --height x --width kept")
+                      "4194304 = 2048x2048), the aspect of --height x --width kept; the Qwen-Image edit "
+                      "pipelines: the area of the VAE's images and of the default output size (default 1048576)")
       ->check(integer_in(1, pipelines::kMaxArea));
   command
       ->add_flag("--no-auto-resize", options->no_auto_resize,

@@ -5,6 +5,7 @@
 #include "shardit/pipelines/pipeline_flux.h"
 #include "shardit/pipelines/pipeline_flux2_klein.h"
 #include "shardit/pipelines/pipeline_qwenimage.h"
+#include "shardit/pipelines/pipeline_qwenimage_edit_plus.h"
 
 namespace shardit::pipelines {
 
@@ -29,6 +30,8 @@ const std::vector<PipelineClass>& pipeline_classes() {
       row<Flux2KleinPipeline>("Flux2KleinPipeline"),
       row<Flux2Pipeline>("Flux2Pipeline"),
       row<QwenImagePipeline>("QwenImagePipeline"),
+      row<QwenImageEditPipeline>("QwenImageEditPipeline"),
+      row<QwenImageEditPlusPipeline>("QwenImageEditPlusPipeline"),
   };
   return table;
 }

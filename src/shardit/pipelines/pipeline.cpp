@@ -35,6 +35,13 @@ bool is_floating(at::ScalarType type) { return at::isFloatingType(type); }
 
 }  // namespace
 
+PromptEmbeds PromptEncoder::encode(const std::vector<std::string>& prompts, const std::vector<at::Tensor>& images,
+                                   int64_t max_sequence_length) {
+  TORCH_CHECK(images.empty(), "this pipeline's text encoder reads text only; it cannot encode ", images.size(),
+              " images with the prompt");
+  return encode(prompts, max_sequence_length);
+}
+
 std::optional<PromptEmbeds> read_prompt_embeds(const std::string& path, const std::string& prefix) {
   const auto file = io::SafetensorsFile::open(path);
   if (!file->contains(prefix + "prompt_embeds")) return std::nullopt;
@@ -396,13 +403,14 @@ void DiffusionPipeline::check(const GenerateRequest& request) const {
   const auto images = static_cast<int64_t>(request.image.size());
   TORCH_CHECK(images == 0 || max_reference_images() > 0, class_name(),
               " takes no reference images (--image): it generates from text only; edit with a FLUX.2 folder "
-              "(Flux2KleinPipeline, Flux2Pipeline) or a FLUX.1 folder as FluxKontextPipeline (--pipeline "
-              "FluxKontextPipeline)");
+              "(Flux2KleinPipeline, Flux2Pipeline), a Qwen-Image-Edit folder (QwenImageEditPlusPipeline, "
+              "QwenImageEditPipeline) or a FLUX.1 folder as FluxKontextPipeline (--pipeline FluxKontextPipeline)");
   TORCH_CHECK(images <= max_reference_images(), class_name(), " takes at most ", max_reference_images(),
               " reference images (--image), got ", images);
   if (images > 0) check_reference_images(request, num_prompts * request.num_images_per_prompt);
   TORCH_CHECK(!request.max_area || takes_max_area(), class_name(),
-              " takes no max_area (--max-area): only FluxKontextPipeline rescales its output to an area");
+              " takes no max_area (--max-area): only FluxKontextPipeline and the Qwen-Image edit pipelines size their "
+              "images by an area");
 }
 
 ReferenceTokens DiffusionPipeline::reference_tokens(const GenerateRequest& request, int64_t /*batch*/) const {
@@ -419,7 +427,9 @@ at::Tensor DiffusionPipeline::encode_image_latents(const at::Tensor& image) cons
                 "/vae) has no encoder to encode reference images");
     // The VAE is loaded in the pipeline's dtype on its device.
     const at::Tensor z = vae_->encode(image.to(options_.device, options_.dtype));
-    return vae_->normalize_latents(z).to(at::kFloat).to(at::kCPU).contiguous();
+    at::Tensor latents = vae_->normalize_latents(z);
+    if (latents.dim() == 5) latents = latents.select(2, 0);  // Qwen-Image's one frame: [1, C, 1, h, w] -> [1, C, h, w]
+    return latents.to(at::kFloat).to(at::kCPU).contiguous();
   };
   // Under a parallel decode every rank holds the VAE and encodes its band of the rows together
   // with the others; alone, this rank encodes.
@@ -582,17 +592,22 @@ std::pair<int64_t, int64_t> DiffusionPipeline::resolve_size(const GenerateReques
 
 std::optional<PromptEmbeds> DiffusionPipeline::embeds_for(const std::optional<PromptEmbeds>& given,
                                                           const std::vector<std::string>& prompts,
-                                                          int64_t max_sequence_length, const char* what) const {
+                                                          int64_t max_sequence_length, const char* what,
+                                                          const std::vector<at::Tensor>& images) const {
   if (given) return given;
   if (prompts.empty()) return std::nullopt;
   TORCH_CHECK(prompt_encoder_ != nullptr, class_name(), ": ", what,
               " given as text, but this pipeline has no prompt encoder; pass prompt embeddings "
               "(--prompt-embeds) instead");
+  if (!images.empty()) return prompt_encoder_->encode(prompts, images, max_sequence_length);
   return prompt_encoder_->encode(prompts, max_sequence_length);
 }
 
+std::vector<at::Tensor> DiffusionPipeline::prompt_images(const GenerateRequest& /*request*/) const { return {}; }
+
 PromptEmbeds DiffusionPipeline::positive_embeds(const GenerateRequest& request) const {
-  const PromptEmbeds embeds = *embeds_for(request.prompt_embeds, request.prompt, request.max_sequence_length, "prompt");
+  const PromptEmbeds embeds = *embeds_for(request.prompt_embeds, request.prompt, request.max_sequence_length, "prompt",
+                                          request.prompt_embeds ? std::vector<at::Tensor>{} : prompt_images(request));
   check_prompt_embeds(embeds, joint_attention_dim(), pooled_projection_dim(), "prompt_embeds");
   return embeds;
 }
@@ -601,8 +616,11 @@ std::optional<PromptEmbeds> DiffusionPipeline::negative_embeds(const GenerateReq
                                                                const std::optional<std::string>& default_prompt) const {
   std::vector<std::string> prompts = negative_prompts_for(request.negative_prompt, num_prompts);
   if (prompts.empty() && default_prompt) prompts.assign(static_cast<size_t>(num_prompts), *default_prompt);
-  const auto embeds =
-      embeds_for(request.negative_prompt_embeds, prompts, request.max_sequence_length, "negative prompt");
+  // diffusers encodes the negative prompt with the same images as the prompt.
+  const auto embeds = embeds_for(request.negative_prompt_embeds, prompts, request.max_sequence_length,
+                                 "negative prompt",
+                                 request.negative_prompt_embeds || prompts.empty() ? std::vector<at::Tensor>{}
+                                                                                   : prompt_images(request));
   if (embeds) {
     check_prompt_embeds(*embeds, joint_attention_dim(), pooled_projection_dim(), "negative_prompt_embeds");
     TORCH_CHECK(embeds->num_prompts() == num_prompts, "negative_prompt_embeds has ", embeds->num_prompts(),

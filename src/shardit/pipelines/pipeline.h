@@ -51,6 +51,11 @@ class PromptEncoder {
   virtual ~PromptEncoder() = default;
   /// One row per prompt, as the pipeline's encode_prompt with num_images_per_prompt = 1.
   virtual PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) = 0;
+  /// The same for prompts that see images (the Qwen-Image edit pipelines: Qwen2.5-VL with its
+  /// vision tower reads each prompt with `images`, uint8 [H, W, 3] each, as the pipeline prepared
+  /// them for the text encoder). By default the images are refused: the encoder reads text only.
+  virtual PromptEmbeds encode(const std::vector<std::string>& prompts, const std::vector<at::Tensor>& images,
+                              int64_t max_sequence_length);
 };
 
 /// The arguments of a pipeline call (diffusers' __call__), with the same meanings. Unset values
@@ -90,7 +95,8 @@ struct GenerateRequest {
   /// row as diffusers' batch). Pipelines without image input refuse them (check()).
   std::vector<at::Tensor> image;
   /// FluxKontextPipeline's max_area: the output's pixel area (default 1024²), the aspect of
-  /// height x width kept.
+  /// height x width kept. The Qwen-Image edit pipelines: the area their calculate_dimensions
+  /// gives the VAE's images and the default output size (diffusers' fixed 1024²).
   std::optional<int64_t> max_area;
   /// FluxKontextPipeline's _auto_resize: the input image resized to the preferred Kontext
   /// resolution nearest in aspect (true, diffusers' default), or kept at its own size.
@@ -102,7 +108,8 @@ constexpr int64_t kMaxReferenceImages = 10;
 
 /// The reference images of a call as the transformer takes them after the noise tokens: their
 /// packed latents [B, M, C4] and position ids (the family's layout: FLUX.2 int64 [B, M, 4],
-/// FLUX.1 Kontext float [M, 3]). Undefined without reference images.
+/// FLUX.1 Kontext float [M, 3]; Qwen-Image, whose RoPE takes grids, each image's img_shapes
+/// entry (frames, rows, columns) as int64 [K, 3]). Undefined without reference images.
 struct ReferenceTokens {
   at::Tensor latents;
   at::Tensor ids;
@@ -291,8 +298,12 @@ class DiffusionPipeline {
 
   /// The most reference images a call takes (GenerateRequest::image): 0 for text-to-image only.
   virtual int64_t max_reference_images() const { return 0; }
-  /// Whether the pipeline takes GenerateRequest::max_area (FluxKontextPipeline).
+  /// Whether the pipeline takes GenerateRequest::max_area (FluxKontextPipeline, the Qwen-Image
+  /// edit pipelines).
   virtual bool takes_max_area() const { return false; }
+  /// The images the prompts are encoded with (PromptEncoder::encode with images), prepared from
+  /// the request's as the pipeline does for its text encoder; none for text-only encoders.
+  virtual std::vector<at::Tensor> prompt_images(const GenerateRequest& request) const;
   /// The reference images' tokens and ids for `batch` images (diffusers' prepare_image_latents):
   /// each image prepared as the family's image processor does, encoded by the VAE (posterior
   /// mean) and normalised, on every rank (encoded on the ranks with the VAE and sent to the
@@ -365,8 +376,9 @@ class DiffusionPipeline {
   /// (FLUX.2: each side >= 64 and aspect <= 8:1, diffusers' messages).
   virtual void check_reference_images(const GenerateRequest& request, int64_t batch) const;
   /// The VAE's normalised latents (AutoencoderModel::normalize_latents) of one prepared image
-  /// (float32 [1, 3, h, w] in [-1, 1]), float32 on the CPU on every rank: encoded where the VAE
-  /// is loaded (by all ranks together under vae_parallel), broadcast to the others.
+  /// (float32 [1, 3, h, w] in [-1, 1]), float32 [1, C, h', w'] on the CPU on every rank (a
+  /// single frame's axis dropped: Qwen-Image): encoded where the VAE is loaded (by all ranks
+  /// together under vae_parallel), broadcast to the others.
   at::Tensor encode_image_latents(const at::Tensor& image) const;
   /// The request's size rounded as diffusers does (a multiple of 2 * vae_scale_factor), with a
   /// printed note on rank 0 when it changes and `note` is set; errors for sizes that round to nothing.
@@ -379,11 +391,12 @@ class DiffusionPipeline {
   /// or noise drawn unpacked [B, C, H/8, W/8] from its seed and packed to [B, N, 4C] as they do
   /// (latents_shape is [B, N, 4C]).
   at::Tensor packed_noise_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const;
-  /// The prompt embeddings of the request (given, or made by the encoder from `prompts`), or
-  /// nullopt when neither is there. `what` names them in errors.
+  /// The prompt embeddings of the request (given, or made by the encoder from `prompts` with
+  /// `images` when there are any: prompt_images()), or nullopt when neither is there. `what`
+  /// names them in errors.
   std::optional<PromptEmbeds> embeds_for(const std::optional<PromptEmbeds>& given,
                                          const std::vector<std::string>& prompts, int64_t max_sequence_length,
-                                         const char* what) const;
+                                         const char* what, const std::vector<at::Tensor>& images = {}) const;
   /// FLUX.1's and Qwen-Image's calculate_shift for `image_seq_len` tokens, with the scheduler
   /// config's sequence lengths and shifts.
   double calculate_shift(int64_t image_seq_len) const;

@@ -46,7 +46,7 @@ class FluxPromptEncoder : public PromptEncoder {
 
 PromptEncoderRecipe FluxPipeline::prompt_encoder_recipe() {
   return {{{"tokenizer", "text_encoder", "CLIPTextModel", {}}, {"tokenizer_2", "text_encoder_2", "T5EncoderModel", {}}},
-          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+          [](const io::ModelFolder&, auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
             return std::make_shared<FluxPromptEncoder>(
                 std::move(tokenizer_list[0]), encoder_as<models::CLIPTextModel>(encoders[0]), std::move(tokenizer_list[1]),
                 encoder_as<models::T5EncoderModel>(encoders[1]));

@@ -62,7 +62,7 @@ void check_reference_image(const std::string& pipeline, size_t i, const at::Tens
 
 PromptEncoderRecipe Flux2KleinPipeline::prompt_encoder_recipe() {
   return {{{"tokenizer", "text_encoder", "Qwen3ForCausalLM", {}}},
-          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+          [](const io::ModelFolder&, auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
             return std::make_shared<Flux2PromptEncoder<models::Qwen3ForCausalLM>>(
                 std::move(tokenizer_list[0]), encoder_as<models::Qwen3ForCausalLM>(encoders[0]),
                 &tokenizers::encode_flux2_klein_prompts, &models::flux2_klein_prompt_embeds,
@@ -80,7 +80,7 @@ PromptEncoderRecipe Flux2Pipeline::prompt_encoder_recipe() {
     return {model, built == layers ? std::string() : fmt::format("layers 1-{} of {}", built, layers)};
   };
   return {{{"tokenizer", "text_encoder", "Mistral3ForConditionalGeneration", build_part}},
-          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+          [](const io::ModelFolder&, auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
             return std::make_shared<Flux2PromptEncoder<models::Mistral3ForConditionalGeneration>>(
                 std::move(tokenizer_list[0]), encoder_as<models::Mistral3ForConditionalGeneration>(encoders[0]),
                 &tokenizers::encode_flux2_dev_prompts, &models::flux2_dev_prompt_embeds,

@@ -41,14 +41,18 @@ class QwenImagePromptEncoder : public PromptEncoder {
 
 PromptEncoderRecipe QwenImagePipeline::prompt_encoder_recipe() {
   return {{{"tokenizer", "text_encoder", "Qwen2_5_VLForConditionalGeneration", {}}},
-          [](auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
+          [](const io::ModelFolder&, auto tokenizer_list, auto encoders) -> std::shared_ptr<PromptEncoder> {
             return std::make_shared<QwenImagePromptEncoder>(
                 std::move(tokenizer_list[0]), encoder_as<models::Qwen2_5_VLForConditionalGeneration>(encoders[0]));
           }};
 }
 
 QwenImagePipeline::QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options)
-    : DiffusionPipeline(std::move(folder), options, "QwenImagePipeline", "QwenImageTransformer2DModel") {}
+    : QwenImagePipeline(std::move(folder), options, "QwenImagePipeline") {}
+
+QwenImagePipeline::QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options,
+                                     const std::string& pipeline_class)
+    : DiffusionPipeline(std::move(folder), options, pipeline_class, "QwenImageTransformer2DModel") {}
 
 models::QwenImageTransformer2DModel& QwenImagePipeline::qwen_transformer() const {
   return static_cast<models::QwenImageTransformer2DModel&>(*transformer_);
@@ -72,7 +76,7 @@ bool QwenImagePipeline::runs_cfg(const GenerateRequest& request) const {
 }
 
 std::string QwenImagePipeline::cfg_condition() const {
-  return "QwenImagePipeline runs true CFG when true_cfg_scale (default 4) > 1 and a negative prompt is given";
+  return class_name() + " runs true CFG when true_cfg_scale (default 4) > 1 and a negative prompt is given";
 }
 
 CallDefaults QwenImagePipeline::call_defaults() const {
@@ -101,19 +105,29 @@ GenerateResult QwenImagePipeline::generate_prepared(PreparedRequest& call, const
   };
   drop_full_mask(call.cond);
   if (call.uncond) drop_full_mask(*call.uncond);
-  const std::vector<std::vector<models::QwenImageShape>> img_shapes(static_cast<size_t>(call.batch),
-                                                                    {{1, call.h, call.w}});
+  // The noise grid, then each reference image's (the edit pipelines' img_shapes), for every sample.
+  std::vector<models::QwenImageShape> shapes = {{1, call.h, call.w}};
+  if (call.references.defined()) {
+    const at::Tensor grids = call.references.ids.to(at::kCPU, at::kLong);  // [K, 3]
+    for (int64_t k = 0; k < grids.size(0); ++k) {
+      shapes.push_back({grids[k][0].item<int64_t>(), grids[k][1].item<int64_t>(), grids[k][2].item<int64_t>()});
+    }
+  }
+  const std::vector<std::vector<models::QwenImageShape>> img_shapes(static_cast<size_t>(call.batch), shapes);
 
   const at::Tensor latents = denoise(
       call, request,
       [&](const PromptEmbeds& embeds, const at::Tensor& x, const at::Tensor& timestep) {
         models::QwenImageTransformer2DModelInputs inputs;
-        inputs.hidden_states = x;
+        // The reference tokens follow the noise tokens at every step: [B, N + M, C4].
+        inputs.hidden_states = call.references.defined() ? at::cat({x, call.references.latents}, 1) : x;
         inputs.encoder_hidden_states = embeds.prompt_embeds;
         inputs.encoder_hidden_states_mask = embeds.prompt_embeds_mask;
         inputs.timestep = timestep;
         inputs.img_shapes = img_shapes;
-        return transformer.forward(inputs);
+        const at::Tensor prediction = transformer.forward(inputs);
+        // Only the noise tokens' prediction steps the latents.
+        return call.references.defined() ? prediction.narrow(1, 0, x.size(1)) : prediction;
       },
       [&](const at::Tensor& noise_pred, const at::Tensor& neg) {
         const at::Tensor comb = neg + call.true_cfg_scale * (noise_pred - neg);

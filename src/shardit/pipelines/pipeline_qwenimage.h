@@ -1,6 +1,8 @@
 #pragma once
 // diffusers' QwenImagePipeline (pipeline_qwenimage.py): true classifier-free guidance with a
-// negative prompt and the norm-preserving rescale of the combined prediction.
+// negative prompt and the norm-preserving rescale of the combined prediction; its denoising loop
+// also runs the edit pipelines' (reference tokens after the noise tokens, their grids in
+// img_shapes).
 #include <string>
 #include <vector>
 
@@ -32,6 +34,9 @@ class QwenImagePipeline : public DiffusionPipeline {
   models::QwenImageTransformer2DModel& qwen_transformer() const;
 
  protected:
+  /// For the pipelines that share its latents, CFG and decode (the edit pipelines).
+  QwenImagePipeline(io::ModelFolder folder, const PipelineLoadOptions& options, const std::string& pipeline_class);
+
   CallDefaults call_defaults() const override;
   at::Tensor prepare_latents(const GenerateRequest& request, int64_t batch, int64_t h, int64_t w) const override;
   GenerateResult generate_prepared(PreparedRequest& call, const GenerateRequest& request) override;

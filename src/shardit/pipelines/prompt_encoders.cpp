@@ -117,7 +117,7 @@ std::shared_ptr<PromptEncoder> load_prompt_encoder(const io::ModelFolder& folder
   load.tensor_parallel = parallel::ParallelDims{1, 1, 1, degree}.build(world).tensor_parallel();
   for (size_t i = 0; i < encoders.size(); ++i) encoders[i]->load(components[i].weights(), load);
 
-  return recipe.make(std::move(tokenizers), std::move(encoders));
+  return recipe.make(folder, std::move(tokenizers), std::move(encoders));
 }
 
 }  // namespace shardit::pipelines

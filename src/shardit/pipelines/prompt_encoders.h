@@ -38,10 +38,12 @@ struct TextEncoderSlot {
 };
 
 /// A pipeline class's prompt encoding: its text encoders, and how its PromptEncoder is made of
-/// their tokenizers and loaded encoders (both in the slots' order).
+/// the pipeline folder (for what else it reads there: the edit pipelines' image processor), the
+/// tokenizers and the loaded encoders (both in the slots' order).
 struct PromptEncoderRecipe {
   std::vector<TextEncoderSlot> slots;
-  std::function<std::shared_ptr<PromptEncoder>(std::vector<std::unique_ptr<tokenizers::Tokenizer>> tokenizers,
+  std::function<std::shared_ptr<PromptEncoder>(const io::ModelFolder& folder,
+                                               std::vector<std::unique_ptr<tokenizers::Tokenizer>> tokenizers,
                                                std::vector<std::shared_ptr<parallel::TensorParallelModule>> encoders)>
       make;
 };

@@ -133,16 +133,37 @@ std::string qwenimage_edit_plus_text(std::string_view prompt, int64_t num_images
   return std::string(kQwenImageEditPrefix).append(images).append(prompt).append(kQwenImageSuffix);
 }
 
-Encoding encode_qwenimage_edit_plus_prompt(const Tokenizer& tokenizer, std::string_view prompt,
-                                           const std::vector<int64_t>& tokens_per_image) {
-  const std::string text =
-      expand_image_pads(qwenimage_edit_plus_text(prompt, static_cast<int64_t>(tokens_per_image.size())),
-                        tokens_per_image);
-  const std::vector<int64_t> ids = tokenizer.encode(text);
+std::string qwenimage_edit_text(std::string_view prompt) {
+  return std::string(kQwenImageEditPrefix)
+      .append("<|vision_start|>")
+      .append(kImagePad)
+      .append("<|vision_end|>")
+      .append(prompt)
+      .append(kQwenImageSuffix);
+}
+
+namespace {
+
+/// `text` with its pads expanded, tokenized as Qwen2VLProcessor does for one prompt.
+Encoding encode_qwenimage_edit_text(const Tokenizer& tokenizer, const std::string& text,
+                                    const std::vector<int64_t>& tokens_per_image) {
+  const std::vector<int64_t> ids = tokenizer.encode(expand_image_pads(text, tokens_per_image));
   Encoding out;
   out.input_ids = ids;
   out.attention_mask.assign(ids.size(), 1);
   return out;
+}
+
+}  // namespace
+
+Encoding encode_qwenimage_edit_plus_prompt(const Tokenizer& tokenizer, std::string_view prompt,
+                                           const std::vector<int64_t>& tokens_per_image) {
+  return encode_qwenimage_edit_text(
+      tokenizer, qwenimage_edit_plus_text(prompt, static_cast<int64_t>(tokens_per_image.size())), tokens_per_image);
+}
+
+Encoding encode_qwenimage_edit_prompt(const Tokenizer& tokenizer, std::string_view prompt, int64_t image_tokens) {
+  return encode_qwenimage_edit_text(tokenizer, qwenimage_edit_text(prompt), {image_tokens});
 }
 
 }  // namespace shardit::tokenizers

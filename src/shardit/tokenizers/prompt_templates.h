@@ -75,4 +75,11 @@ std::string qwenimage_edit_plus_text(std::string_view prompt, int64_t num_images
 Encoding encode_qwenimage_edit_plus_prompt(const Tokenizer& tokenizer, std::string_view prompt,
                                            const std::vector<int64_t>& tokens_per_image);
 
+/// QwenImageEditPipeline's text for one prompt: its template (the editing system prompt) holds
+/// one "<|vision_start|><|image_pad|><|vision_end|>" before the prompt.
+std::string qwenimage_edit_text(std::string_view prompt);
+
+/// That text with its one pad expanded to `image_tokens`, tokenized as the processor does.
+Encoding encode_qwenimage_edit_prompt(const Tokenizer& tokenizer, std::string_view prompt, int64_t image_tokens);
+
 }  // namespace shardit::tokenizers
