@@ -4,7 +4,8 @@
 // under Ulysses and ring the joint sequence (text + noise + references) is split and gathered;
 // the VAE that encodes the references lives on rank 0 (the others receive the latents), or on every
 // rank with --vae-parallel; a step cache decides the same on every mesh. `shardit generate --image`
-// runs on 2 and 4 ranks too.
+// runs on 2 and 4 ranks too. Qwen-Image editing (QwenImageEditPlusPipeline, QwenImageEditPipeline)
+// with its text encoder and vision tower sharded too, on 2 and 4 ranks.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -130,6 +131,66 @@ INSTANTIATE_TEST_SUITE_P(Golden, EditMesh,
                          ::testing::Values(EditRun{"edit_flux2_klein", "refs_ab"}, EditRun{"edit_flux2_dev", "refs_a"},
                                            EditRun{"edit_flux1_kontext", "refs_a"}),
                          [](const auto& info) { return info.param.name + "_" + info.param.run; });
+
+// Qwen-Image editing on meshes: each mesh loads the pipeline once (text encoder with its vision
+// tower at its own degree, transformer on the mesh) and runs several golden runs in it; every
+// step and the image must be diffusers'.
+struct QwenEditMesh {
+  ParallelDims dims;
+  std::optional<int> text_encoder_tp;  ///< none: the largest degree its heads allow
+  std::vector<std::string> runs;
+  std::optional<std::string> pipeline_class;
+};
+
+void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
+  auto& world = shardit::dist::World::init();
+  for (const QwenEditMesh& mesh : meshes) {
+    const std::string label = mesh.dims.to_string() + " text encoder tp " +
+                              (mesh.text_encoder_tp ? std::to_string(*mesh.text_encoder_tp) : std::string("auto"));
+    SCOPED_TRACE(label);
+    PipelineLoadOptions options;
+    options.parallel = mesh.dims.build(world);
+    options.text_encoder_tp = mesh.text_encoder_tp;
+    options.pipeline_class = mesh.pipeline_class;
+    const auto pipeline = DiffusionPipeline::from_pretrained(shardit::testing::golden_path("edit_qwenimage"), options);
+    for (const std::string& tag : mesh.runs) {
+      const PipelineCase golden = shardit::testing::read_qwen_edit_case(tag);
+      ASSERT_EQ(golden.pipeline_class, mesh.pipeline_class) << tag;
+      MeshRun run;
+      auto request = golden.request;
+      request.callback_on_step_end = [&run](int64_t, const at::Tensor& latents) {
+        run.steps.push_back(latents.clone());
+      };
+      run.result = pipeline->generate(request);
+      expect_run_matches(golden, run, "edit_qwenimage " + tag + " on " + label);
+    }
+  }
+}
+
+// Transformer TP 1 and 2 with the text encoder (and its vision tower) at TP 1 and 2.
+TEST(QwenEditMeshGolden, TwoRanksTransformerAndTextEncoderTp) {
+  const std::vector<QwenEditMesh> meshes = {
+      {ParallelDims{1, 1, 1, 1}, 2, {"plus_three_cfg", "plus_one"}, std::nullopt},
+      {ParallelDims{1, 1, 1, 2}, 1, {"plus_three_cfg", "plus_two"}, std::nullopt},
+      {ParallelDims{1, 1, 1, 2}, 2, {"plus_two_cfg", "plus_three", "plus_one_cfg"}, std::nullopt},
+      {ParallelDims{1, 1, 1, 2}, 2, {"edit_one_cfg", "edit_one"}, std::string("QwenImageEditPipeline")},
+  };
+  if (is_worker()) return qwen_edit_mesh_worker(meshes);
+  EXPECT_EQ(run_ranks(2), 0);
+}
+
+// TP 4, Ulysses 2 x TP 2, ring 2 x TP 2 and CFG-parallel x TP 2: the reference tokens split with
+// the noise tokens; under CFG-parallel the two halves run the prompt and the negative prompt.
+TEST(QwenEditMeshGolden, FourRanksTpUlyssesRingCfgParallel) {
+  const std::vector<QwenEditMesh> meshes = {
+      {ParallelDims{1, 1, 1, 4}, std::nullopt, {"plus_three_cfg", "plus_one"}, std::nullopt},
+      {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two"}, std::nullopt},
+      {ParallelDims{1, 1, 2, 2}, std::nullopt, {"plus_three", "plus_one_cfg"}, std::nullopt},
+      {ParallelDims{2, 1, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two_cfg"}, std::nullopt},
+  };
+  if (is_worker()) return qwen_edit_mesh_worker(meshes);
+  EXPECT_EQ(run_ranks(4), 0);
+}
 
 // The flags reach the pipeline: `generate --image` at TP 2, and Ulysses x ring on 4 ranks.
 TEST(EditMeshCli, GoldenKleinTwoReferencesOnTwoAndFourRanks) {

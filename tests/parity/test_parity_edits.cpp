@@ -1,5 +1,6 @@
 // Editing with reference images, single rank, against diffusers' Flux2KleinPipeline(image=[...]),
-// Flux2Pipeline(image=[...]) and FluxKontextPipeline(image=...) on the golden edit cases: the
+// Flux2Pipeline(image=[...]), FluxKontextPipeline(image=...), QwenImageEditPlusPipeline(image=[...])
+// and QwenImageEditPipeline(image=...) on the golden edit cases: the
 // reference tokens and ids appended to the first transformer call, the latents after every step
 // (noise tokens only), the image and its PNG, through the C++ API and `shardit generate --image`;
 // and the errors of a request whose images a pipeline cannot take.
@@ -82,6 +83,122 @@ INSTANTIATE_TEST_SUITE_P(Golden, EditParity,
                                            EditRun{"edit_flux2_dev", "refs_a"},
                                            EditRun{"edit_flux1_kontext", "refs_a"}),
                          [](const auto& info) { return run_label(info.param); });
+
+// Qwen-Image editing (QwenImageEditPlusPipeline with 1, 2, 3 images, QwenImageEditPipeline),
+// without and with true CFG, from the prompt as text: the text encoder reads it with the images.
+const std::vector<std::string> kQwenEditRuns = {"plus_one",     "plus_two",       "plus_three", "plus_one_cfg",
+                                                "plus_two_cfg", "plus_three_cfg", "edit_one",   "edit_one_cfg"};
+
+class QwenEditParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(QwenEditParity, ApiMatchesDiffusers) {
+  PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam());
+  shardit::testing::expect_api_matches(golden, "edit_qwenimage " + GetParam() + " (API, TP=1)");
+}
+
+// The first transformer call's hidden_states: the noise tokens, then every image's packed,
+// normalised latents; each image's grid as img_shapes gives it.
+TEST_P(QwenEditParity, ReferenceTokensAndGridsMatchTheFirstTransformerCall) {
+  const PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam());
+  const auto pipeline = load_edit_pipeline(golden);
+  const auto references = pipeline->reference_tokens(golden.request, golden.batch);
+  ASSERT_TRUE(references.defined());
+  const auto outputs = shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
+  const at::Tensor hidden = outputs->read(golden.output_prefix + "transformer.hidden_states");  // [B, N + M, C]
+  const int64_t m = references.latents.size(1);
+  EXPECT_TRUE(shardit::testing::tensors_close("edit_qwenimage " + GetParam() + ": reference tokens",
+                                              references.latents, hidden.narrow(1, hidden.size(1) - m, m),
+                                              shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
+  const nlohmann::json case_json = shardit::io::read_json_file(golden.dir + "/case.json");
+  for (const auto& run : case_json.at("pipeline").at("runs")) {
+    if (run.at("tag").get<std::string>() != GetParam()) continue;
+    // img_shapes: the noise grid, then each image's.
+    auto shapes = run.at("img_shapes").get<std::vector<std::vector<int64_t>>>();
+    shapes.erase(shapes.begin());
+    std::vector<int64_t> flat;
+    for (const auto& shape : shapes) flat.insert(flat.end(), shape.begin(), shape.end());
+    EXPECT_TRUE(at::equal(references.ids, at::tensor(flat, at::kLong).view({-1, 3}))) << references.ids;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, QwenEditParity, ::testing::ValuesIn(kQwenEditRuns),
+                         [](const auto& info) { return info.param; });
+
+TEST(QwenEditCasesGolden, EveryRunOfTheCaseIsTested) {
+  EXPECT_EQ(shardit::testing::qwen_edit_case_tags(), kQwenEditRuns);
+}
+
+// `shardit generate --image` (repeated): the output size from the last image, and the
+// single-image pipeline with CFG through --pipeline.
+TEST(QwenEditCliGolden, GenerateWithImagesMatchesDiffusers) {
+  for (const std::string tag : {"plus_three", "edit_one_cfg"}) {
+    const PipelineCase golden = shardit::testing::read_qwen_edit_case(tag);
+    const auto run = shardit::testing::run_generate_cli(golden, "");
+    shardit::testing::expect_pipeline_matches(golden, run.step_latents, run.image, tag + " (CLI)");
+    shardit::testing::expect_pngs_match(golden, run.pngs, tag + " (CLI PNG)");
+  }
+}
+
+// What a Qwen-Image edit request is refused for, before anything loads: named, with the way out.
+TEST(QwenEditErrorsGolden, RequestsThePipelinesCannotTake) {
+  PipelineCase golden = shardit::testing::read_qwen_edit_case("plus_three");
+  PipelineLoadOptions options;  // opened only: nothing loads
+  const auto plus = DiffusionPipeline::open(golden.dir, options);
+  EXPECT_EQ(plus->class_name(), "QwenImageEditPlusPipeline");
+  auto request = golden.request;
+  request.image.push_back(request.image.front());
+  const std::string four = shardit::testing::error_of([&] { plus->check(request); });
+  EXPECT_NE(four.find("QwenImageEditPlusPipeline takes at most 3 reference images"), std::string::npos) << four;
+  request = golden.request;
+  request.image.clear();
+  const std::string none = shardit::testing::error_of([&] { plus->check(request); });
+  EXPECT_NE(none.find("edits images: give 1 to 3 with --image"), std::string::npos) << none;
+  request = golden.request;
+  request.prompt.push_back("another");
+  const std::string prompts = shardit::testing::error_of([&] { plus->check(request); });
+  EXPECT_NE(prompts.find("takes one prompt per call"), std::string::npos) << prompts;
+  // A 1000:1 strip has no height at the case's 48² area.
+  request = golden.request;
+  request.image = {at::zeros({2, 2000, 3}, at::kByte), golden.request.image.front()};
+  const std::string strip = shardit::testing::error_of([&] { plus->check(request); });
+  EXPECT_NE(strip.find("reference image 0 (--image)"), std::string::npos) << strip;
+  EXPECT_NE(strip.find("aspect ratio is too extreme"), std::string::npos) << strip;
+
+  options.pipeline_class = "QwenImageEditPipeline";
+  const auto single = DiffusionPipeline::open(golden.dir, options);
+  request = golden.request;
+  EXPECT_NE(shardit::testing::error_of([&] { single->check(request); }).find("QwenImageEditPipeline takes at most 1"),
+            std::string::npos);
+
+  // A text-to-image Qwen-Image folder has no processor: its text encoder cannot read images.
+  options.pipeline_class = "QwenImageEditPlusPipeline";
+  const std::string t2i = shardit::testing::error_of(
+      [&] { DiffusionPipeline::open(shardit::testing::golden_path("pipeline_qwenimage"), options); });
+  EXPECT_NE(t2i.find("lists no 'processor' component"), std::string::npos) << t2i;
+  // And the text-to-image pipeline refuses images, naming the edit pipelines.
+  options.pipeline_class = "QwenImagePipeline";
+  const auto t2i_pipeline = DiffusionPipeline::open(golden.dir, options);
+  EXPECT_NE(shardit::testing::error_of([&] { t2i_pipeline->check(golden.request); }).find("QwenImageEditPlusPipeline"),
+            std::string::npos);
+}
+
+// A Qwen-Image-Edit (2509-style, single-image) folder names QwenImageEditPipeline in its
+// model_index.json: it opens as that class without --pipeline; the Plus folder as Plus.
+TEST(QwenEditFolderGolden, ModelIndexChoosesTheEditPipeline) {
+  const std::string dir = shardit::testing::make_temp_dir("qwen-edit-folder") + "/edit";
+  const std::string plus_dir = shardit::testing::golden_path("edit_qwenimage");
+  std::filesystem::create_directories(dir);
+  for (const char* component : {"scheduler", "transformer", "vae", "text_encoder", "tokenizer", "processor"}) {
+    std::filesystem::copy(plus_dir + "/" + component, dir + "/" + component, std::filesystem::copy_options::recursive);
+  }
+  nlohmann::json index = shardit::io::read_json_file(plus_dir + "/model_index.json");
+  index["_class_name"] = "QwenImageEditPipeline";
+  std::ofstream(dir + "/model_index.json") << index.dump(2);
+  PipelineLoadOptions options;
+  options.load_text_encoders = false;
+  EXPECT_EQ(DiffusionPipeline::open(dir, options)->class_name(), "QwenImageEditPipeline");
+  EXPECT_EQ(DiffusionPipeline::open(plus_dir, options)->class_name(), "QwenImageEditPlusPipeline");
+}
 
 // What a request with images is refused for, before anything runs: named, with the way out.
 TEST(EditErrorsGolden, PipelinesRefuseImagesTheyCannotTake) {

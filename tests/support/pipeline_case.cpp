@@ -99,6 +99,64 @@ PipelineCase read_edit_case(const std::string& name, const std::string& run) {
   return golden;
 }
 
+PipelineCase read_qwen_edit_case(const std::string& tag) {
+  const std::string dir = golden_path("edit_qwenimage");
+  const nlohmann::json pipeline = io::read_json_file(dir + "/case.json").at("pipeline");
+  PipelineCase golden;
+  golden.dir = dir;
+  golden.outputs_dir = dir;
+  golden.output_prefix = tag + ".";
+  golden.steps = pipeline.at("num_inference_steps").get<int64_t>();
+  golden.batch = 1;
+  auto& request = golden.request;
+  request.notes = false;
+  request.prompt = {pipeline.at("prompt").get<std::string>()};
+  request.num_inference_steps = golden.steps;
+  request.max_area = pipeline.at("areas").at("vae").get<int64_t>();
+  golden.cli_args = {"--model", dir, "--prompt", request.prompt[0], "--steps", std::to_string(golden.steps),
+                     "--max-area", std::to_string(*request.max_area)};
+  bool found = false;
+  for (const auto& run : pipeline.at("runs")) {
+    if (run.at("tag").get<std::string>() != tag) continue;
+    found = true;
+    request.seed = run.at("seed").get<uint64_t>();
+    request.true_cfg_scale = run.at("true_cfg_scale").get<double>();
+    golden.cli_args.insert(golden.cli_args.end(), {"--seed", std::to_string(request.seed), "--true-cfg-scale",
+                                                   fmt::format("{}", *request.true_cfg_scale)});
+    if (run.contains("height")) {
+      request.height = run.at("height").get<int64_t>();
+      request.width = run.at("width").get<int64_t>();
+      golden.cli_args.insert(golden.cli_args.end(), {"--height", std::to_string(*request.height), "--width",
+                                                     std::to_string(*request.width)});
+    }
+    if (run.contains("negative_prompt")) {
+      request.negative_prompt = {run.at("negative_prompt").get<std::string>()};
+      golden.cli_args.insert(golden.cli_args.end(), {"--negative-prompt", request.negative_prompt[0]});
+    }
+    for (const auto& image : run.at("images")) {
+      const std::string path = dir + "/" + image.get<std::string>();
+      request.image.push_back(io::read_image(path));
+      golden.cli_args.insert(golden.cli_args.end(), {"--image", path});
+    }
+    const std::string class_name = run.at("pipeline").get<std::string>();
+    if (class_name != io::read_json_file(dir + "/model_index.json").at("_class_name").get<std::string>()) {
+      golden.pipeline_class = class_name;
+      golden.cli_args.insert(golden.cli_args.end(), {"--pipeline", class_name});
+    }
+  }
+  EXPECT_TRUE(found) << "edit_qwenimage has no pipeline run " << tag;
+  return golden;
+}
+
+std::vector<std::string> qwen_edit_case_tags() {
+  std::vector<std::string> tags;
+  const nlohmann::json case_json = io::read_json_file(golden_path("edit_qwenimage") + "/case.json");
+  for (const auto& run : case_json.at("pipeline").at("runs")) {
+    tags.push_back(run.at("tag").get<std::string>());
+  }
+  return tags;
+}
+
 namespace {
 
 /// A string or a list of strings of case.json `call` (empty when absent).
