@@ -1,12 +1,13 @@
 // `shardit preprocess-image`: an input image as the editing pipelines prepare it for the VAE
-// encoder (pipelines/image_processor.h), written as a PNG, or a check of an image_preprocess
-// cases file against the images diffusers made.
+// encoder (pipelines/image_processor.h; Qwen-Image editing also for its text encoder), written as
+// PNGs, or a check of an image_preprocess cases file against the images diffusers made.
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "apps/commands.h"
@@ -15,6 +16,7 @@
 #include "shardit/io/json.h"
 #include "shardit/io/png.h"
 #include "shardit/pipelines/image_processor.h"
+#include "shardit/pipelines/pipeline_qwenimage_edit_plus.h"
 
 namespace shardit::apps {
 
@@ -25,6 +27,7 @@ struct PreprocessImageOptions {
   std::string pipeline = "flux2";
   std::string out;
   std::string cases;
+  std::optional<int64_t> max_area;
 };
 
 /// The model input [1, 3, h, w] of `pixels` as `pipeline` ("flux2" or "kontext") makes it.
@@ -124,10 +127,34 @@ int run_cases(const std::string& path) {
   return failed == 0 && passed > 0 ? 0 : 1;
 }
 
+/// Qwen-Image editing (QwenImageEditPlusPipeline): the VAE's input to `out`, and the image the
+/// text encoder's processor receives (the 384² condition image) beside it as <out>.condition.png.
+int run_qwenimage_edit(const PreprocessImageOptions& options) {
+  std::filesystem::path condition_path(options.out);
+  condition_path.replace_extension(".condition.png");
+  io::check_output_path(options.out, {options.image});
+  io::check_output_path(condition_path.string(), {options.image});
+  const int64_t area = options.max_area.value_or(pipelines::kQwenImageEditVaeArea);
+  const pipelines::QwenImageEditImage image = pipelines::qwenimage_edit_plus_image(io::read_image(options.image), area);
+  io::write_png(options.out, to_pixels(image.vae_input));
+  io::write_png(condition_path.string(), image.condition);
+  std::printf("%s: qwenimage-edit VAE input of %lldx%lld (calculate_dimensions at the %lld-pixel area)\n",
+              options.out.c_str(), static_cast<long long>(image.vae_height), static_cast<long long>(image.vae_width),
+              static_cast<long long>(area));
+  std::printf("%s: qwenimage-edit condition image of %lldx%lld (the text encoder's processor resizes it again "
+              "within its min_pixels/max_pixels)\n",
+              condition_path.string().c_str(), static_cast<long long>(image.condition.size(0)),
+              static_cast<long long>(image.condition.size(1)));
+  return 0;
+}
+
 int run_preprocess_image(const PreprocessImageOptions& options) {
   if (!options.cases.empty()) return run_cases(options.cases);
   TORCH_CHECK(!options.image.empty() && !options.out.empty(),
               "preprocess-image: give --image IN --out OUT.png, or --cases FILE");
+  TORCH_CHECK(!options.max_area || options.pipeline == "qwenimage-edit",
+              "preprocess-image: --max-area is for --pipeline qwenimage-edit");
+  if (options.pipeline == "qwenimage-edit") return run_qwenimage_edit(options);
   io::check_output_path(options.out, {options.image});
   const at::Tensor input = preprocess(io::read_image(options.image), options.pipeline);
   io::write_png(options.out, to_pixels(input));
@@ -144,9 +171,13 @@ void register_preprocess_image(CLI::App& app, CommandBody& body) {
       "preprocess-image", "Prepare an input image as an editing pipeline does (written as a PNG), or check a cases file");
   auto* image = command->add_option("--image", options->image, "the input image (PNG or JPEG)");
   command->add_option("--pipeline", options->pipeline,
-                      "flux2 (FLUX.2 [klein]/[dev] reference images) | kontext (FLUX.1 Kontext, auto-resized); "
-                      "default flux2")
-      ->check(CLI::IsMember({"flux2", "kontext"}));
+                      "flux2 (FLUX.2 [klein]/[dev] reference images) | kontext (FLUX.1 Kontext, auto-resized) | "
+                      "qwenimage-edit (QwenImageEditPlusPipeline: the VAE's image to --out, the text encoder's "
+                      "condition image to <out>.condition.png); default flux2")
+      ->check(CLI::IsMember({"flux2", "kontext", "qwenimage-edit"}));
+  command->add_option("--max-area", options->max_area,
+                      "qwenimage-edit: the VAE image's area in pixels (default 1048576 = 1024x1024)")
+      ->check(CLI::Range(int64_t{1}, pipelines::kMaxArea));
   auto* out = command->add_option("--out", options->out, "the processed image as a PNG (never the input)");
   auto* cases = command->add_option("--cases", options->cases,
                                     "an image_preprocess case.json to check; exits 1 on any mismatch");

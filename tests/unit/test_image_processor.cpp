@@ -12,6 +12,8 @@
 
 #include "shardit/io/image.h"
 #include "shardit/pipelines/image_processor.h"
+#include "shardit/pipelines/pipeline_qwenimage_edit_plus.h"
+#include "support/sha256.h"
 #include "support/test_support.h"
 
 namespace shardit {
@@ -135,6 +137,35 @@ TEST(PreprocessImageCli, GoldenWritesTheProcessedImageAndNeverOverTheInput) {
       testing::cli_path() + " preprocess-image --image '" + copy + "' --pipeline kontext --out '" + copy + "'", &output);
   EXPECT_NE(status, 0) << output;
   EXPECT_TRUE(at::equal(io::read_image(copy), io::read_image(source)));
+}
+
+// `--pipeline qwenimage-edit`: the VAE's image at the area's calculate_dimensions (the pipeline's
+// own preparation) and the 384² condition image diffusers gave the processor (its pixels' SHA-256
+// in the golden encoder case with three images, whose third is source_big.png).
+TEST(PreprocessImageCli, GoldenQwenImageEditWritesTheVaeAndConditionImages) {
+  const std::string dir = golden_path("edit_qwenimage");
+  const std::string out = testing::make_temp_dir("preprocess_qwen_edit") + "/big.png";
+  std::string output;
+  ASSERT_EQ(testing::run_command(testing::cli_path() + " preprocess-image --pipeline qwenimage-edit --max-area 2304 "
+                                     "--image '" + dir + "/source_big.png' --out '" + out + "'",
+                                 &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("VAE input of 32x64"), std::string::npos) << output;
+  const at::Tensor source = io::read_image(dir + "/source_big.png");
+  const pipelines::QwenImageEditImage expected = pipelines::qwenimage_edit_plus_image(source, 2304);
+  EXPECT_TRUE(at::equal(io::read_image(out), io::to_uint8_pixels((expected.vae_input[0].permute({1, 2, 0}) + 1) / 2)));
+  const at::Tensor condition = io::read_image(out.substr(0, out.size() - 4) + ".condition.png");
+  const nlohmann::json case_json = nlohmann::json::parse(std::ifstream(dir + "/case.json"));
+  for (const auto& entry : case_json.at("encoder")) {
+    if (entry.at("name") != "three") continue;
+    ASSERT_EQ(entry.at("images").at(2), "source_big.png");
+    const auto& size = entry.at("condition_sizes").at(2);
+    EXPECT_EQ(condition.size(0), size.at("height").get<int64_t>());
+    EXPECT_EQ(condition.size(1), size.at("width").get<int64_t>());
+    EXPECT_EQ(testing::sha256_hex(condition.contiguous().data_ptr(), static_cast<size_t>(condition.numel())),
+              size.at("pixels_sha256").get<std::string>());
+  }
 }
 
 }  // namespace

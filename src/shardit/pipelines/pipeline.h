@@ -301,6 +301,9 @@ class DiffusionPipeline {
   /// Whether the pipeline takes GenerateRequest::max_area (FluxKontextPipeline, the Qwen-Image
   /// edit pipelines).
   virtual bool takes_max_area() const { return false; }
+  /// Whether max_area is the output's area (FluxKontextPipeline: a served request's size sets
+  /// it); the Qwen-Image edit pipelines' is the VAE images' area, whatever the output's size.
+  virtual bool max_area_is_output_area() const { return false; }
   /// The images the prompts are encoded with (PromptEncoder::encode with images), prepared from
   /// the request's as the pipeline does for its text encoder; none for text-only encoders.
   virtual std::vector<at::Tensor> prompt_images(const GenerateRequest& request) const;

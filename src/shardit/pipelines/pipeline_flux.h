@@ -55,6 +55,7 @@ class FluxKontextPipeline : public FluxPipeline {
   /// One image for the whole batch, or one per row of it (diffusers' batch of images).
   int64_t max_reference_images() const override { return kMaxReferenceImages; }
   bool takes_max_area() const override { return true; }
+  bool max_area_is_output_area() const override { return true; }
   ReferenceTokens reference_tokens(const GenerateRequest& request, int64_t batch) const override;
 
  protected:

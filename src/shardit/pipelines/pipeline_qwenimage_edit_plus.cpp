@@ -165,8 +165,8 @@ int64_t QwenImageEditPipeline::vae_area(const GenerateRequest& request) {
   return request.max_area.value_or(kQwenImageEditVaeArea);
 }
 
-QwenImageEditImage QwenImageEditPipeline::prepare_image(const at::Tensor& pixels, int64_t area) const {
-  const auto [width, height] = edit_size(class_name(), pixels.size(0), pixels.size(1), area);
+QwenImageEditImage qwenimage_edit_image(const at::Tensor& pixels, int64_t area) {
+  const auto [width, height] = edit_size("QwenImageEditPipeline", pixels.size(0), pixels.size(1), area);
   QwenImageEditImage out;
   // image_processor.resize to the calculated size: the processor's image, and preprocess's
   // input at the same size (its resize then keeps it).
@@ -177,8 +177,8 @@ QwenImageEditImage QwenImageEditPipeline::prepare_image(const at::Tensor& pixels
   return out;
 }
 
-QwenImageEditImage QwenImageEditPlusPipeline::prepare_image(const at::Tensor& pixels, int64_t area) const {
-  const auto [width, height] = edit_size(class_name(), pixels.size(0), pixels.size(1), area);
+QwenImageEditImage qwenimage_edit_plus_image(const at::Tensor& pixels, int64_t area) {
+  const auto [width, height] = edit_size("QwenImageEditPlusPipeline", pixels.size(0), pixels.size(1), area);
   QwenImageEditImage out;
   out.condition = qwenimage_edit_plus_condition_image(pixels);
   // VaeImageProcessor.preprocess(image, vae_height, vae_width) from the image as given.
@@ -186,6 +186,14 @@ QwenImageEditImage QwenImageEditPlusPipeline::prepare_image(const at::Tensor& pi
   out.vae_height = height;
   out.vae_width = width;
   return out;
+}
+
+QwenImageEditImage QwenImageEditPipeline::prepare_image(const at::Tensor& pixels, int64_t area) const {
+  return qwenimage_edit_image(pixels, area);
+}
+
+QwenImageEditImage QwenImageEditPlusPipeline::prepare_image(const at::Tensor& pixels, int64_t area) const {
+  return qwenimage_edit_plus_image(pixels, area);
 }
 
 std::vector<at::Tensor> QwenImageEditPipeline::prompt_images(const GenerateRequest& request) const {

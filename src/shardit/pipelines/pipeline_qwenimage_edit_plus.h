@@ -55,6 +55,16 @@ struct QwenImageEditImage {
   int64_t vae_width = 0;
 };
 
+/// QwenImageEditPipeline's preparation of its image (uint8 [H, W, 3]) for a VAE area (pixels):
+/// resized (LANCZOS) to calculate_dimensions(area, W / H); that image is the text encoder's and,
+/// scaled to [-1, 1], the VAE's. A side that rounds to nothing is a named error.
+QwenImageEditImage qwenimage_edit_image(const at::Tensor& pixels, int64_t vae_area);
+
+/// QwenImageEditPlusPipeline's of one of its images: qwenimage_edit_plus_condition_image for the
+/// text encoder; VaeImageProcessor.preprocess to calculate_dimensions(area, W / H) from the image
+/// as given for the VAE.
+QwenImageEditImage qwenimage_edit_plus_image(const at::Tensor& pixels, int64_t vae_area);
+
 /// QwenImageEditPipeline: one image; it is resized (LANCZOS) to calculate_dimensions(area, W / H)
 /// (diffusers' area 1024², GenerateRequest::max_area here), and that image is both the text
 /// encoder's and the VAE's (whose preprocess keeps its size). The output size is that size unless

@@ -164,7 +164,7 @@ Reply Routes::generations(const httplib::Request& request, const std::string& bo
                        ? parse_image_form(parse_multipart(body, multipart_boundary(content_type)), options_.limits,
                                           options_.model_id)
                        : parse_image_request(body, options_.limits, options_.model_id, endpoint);
-    if (loaded.takes_max_area() && job->request.width && job->request.height) {
+    if (loaded.max_area_is_output_area() && job->request.width && job->request.height) {
       job->request.max_area = *job->request.width * *job->request.height;
     }
     check_with_pipeline(job->request, loaded);
