@@ -14,6 +14,7 @@
 #include "shardit/io/image.h"
 #include "shardit/io/json.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/step_cache.h"
 #include "shardit/pipelines/image_processor.h"
 #include "shardit/pipelines/pipeline.h"
 #include "support/pipeline_case.h"
@@ -198,6 +199,48 @@ TEST(QwenEditFolderGolden, ModelIndexChoosesTheEditPipeline) {
   options.load_text_encoders = false;
   EXPECT_EQ(DiffusionPipeline::open(dir, options)->class_name(), "QwenImageEditPipeline");
   EXPECT_EQ(DiffusionPipeline::open(plus_dir, options)->class_name(), "QwenImageEditPlusPipeline");
+}
+
+// Step caching is the transformer's (models/step_cache.h), whatever the pipeline: a First-Block
+// Cache that skips every step it may computes the first step of both CFG branches in full (diffusers'
+// latents after step 0) and skips the second, reporting both contexts.
+TEST(QwenEditCacheGolden, FirstBlockCacheSkipsAfterAFullFirstStep) {
+  PipelineCase golden = shardit::testing::read_qwen_edit_case("plus_three_cfg");
+  std::vector<at::Tensor> steps;
+  golden.request.callback_on_step_end = [&steps](int64_t, const at::Tensor& latents) { steps.push_back(latents.clone()); };
+  golden.request.cache = shardit::models::StepCacheConfig::parse("first_block_cache:threshold=1000000");
+  PipelineLoadOptions options;
+  options.load_vae = true;
+  const auto pipeline = DiffusionPipeline::from_pretrained(golden.dir, options);
+  const auto result = pipeline->generate(golden.request);
+  EXPECT_EQ(result.cache_contexts, (std::vector<std::string>{"cond", "uncond"}));
+  ASSERT_TRUE(result.cache_computed.defined());
+  EXPECT_TRUE(at::equal(result.cache_computed, at::tensor({1, 1, 0, 0}, at::kLong).view({2, 2})))
+      << result.cache_computed;
+  const auto outputs = shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
+  EXPECT_TRUE(shardit::testing::tensors_close("plus_three_cfg cached: step0.latents", steps.at(0),
+                                              outputs->read("plus_three_cfg.step0.latents"),
+                                              shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
+}
+
+// LoRA adapters are the transformer's too: a Qwen-Image PEFT adapter (lora_qwenimage_peft, whose
+// modules the edit case's transformer shares) loaded at its weight, and fused, give the same edit,
+// and not the edit without it.
+TEST(QwenEditLoraGolden, AdapterAndFusedAdapterGiveTheSameEdit) {
+  const PipelineCase golden = shardit::testing::read_qwen_edit_case("plus_two");
+  const std::string adapter = shardit::testing::golden_path("lora_qwenimage_peft") + "/pixel.safetensors";
+  std::vector<at::Tensor> latents;
+  for (const bool fuse : {false, true}) {
+    PipelineLoadOptions options;
+    options.lora = {{adapter, 0.8, ""}};
+    options.fuse_lora = fuse;
+    latents.push_back(DiffusionPipeline::from_pretrained(golden.dir, options)->generate(golden.request).latents);
+  }
+  EXPECT_TRUE(shardit::testing::tensors_close("plus_two: LoRA fused vs unfused", latents[1], latents[0],
+                                              shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
+  const at::Tensor base =
+      shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors")->read("plus_two.step1.latents");
+  EXPECT_GT((latents[0] - base).abs().max().item<double>(), 1e-2) << "the adapter changed nothing";
 }
 
 // What a request with images is refused for, before anything runs: named, with the way out.
