@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Trains the built-in model's VAE and transformer to draw the scenes of tools/builtin_scenes.py.
+
+The built-in pipeline is FLUX.1's (diffusers' FluxPipeline: CLIP + T5 text encoders with their
+tokenizers, FluxTransformer2DModel, AutoencoderKL, FlowMatchEulerDiscreteScheduler), small. Its
+text encoders and tokenizers are the ones `shardit` writes (seeded random weights; they stay
+random and frozen: their embeddings still tell the captions apart), read from the built-in folder
+that `shardit inspect` makes, so the transformer learns from exactly the embeddings the engine
+computes. This script trains, on CPU with one thread and a fixed seed:
+
+1. the VAE (AutoencoderKL, 16 pixels per latent pixel, no attention in its middle block) as an
+   autoencoder on 128x128 crops of 256x256 scenes (reconstruction + a small KL term);
+2. the transformer with rectified flow as FLUX.1 was trained: x_t = (1 - t) x_0 + t noise, the
+   target noise - x_0, t drawn logit-normal and shifted with the scheduler's resolution-dependent
+   mu (here the 64 tokens of a 256x256 image), the guidance input drawn from [1, 5], on latents of
+   256x256 scenes (an 8x8 token grid) with the T5 prompt cut to 64 tokens as the quick start does.
+
+It writes one safetensors file (bf16 weights of `vae.*` and `transformer.*`, with the two
+components' config.json texts in its metadata), packed with xz, which src/shardit/models/builtin.cpp
+turns into the built-in folder, and a JSON log of the losses. Run from the repository root:
+
+    nice -n 10 python3 tools/train_builtin_model.py --shardit build/apps/shardit \
+        --work build/builtin-train --out src/shardit/models/builtin_weights.safetensors.xz
+
+It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
+packages below and runs itself there. Each stage's steps are options (defaults: the shipped run).
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+
+PINNED = ["torch==2.15.0", "diffusers==0.42.1", "transformers==5.23.0", "tokenizers==0.23.3",
+          "huggingface_hub==2.4.0", "sentencepiece==0.2.3", "protobuf==7.36.2", "safetensors==0.8.0",
+          "numpy==2.4.6", "pillow==13.0.0"]
+SEED = 20261206
+IMAGE_SIZE = 256
+MAX_SEQUENCE_LENGTH = 64  # scripts/quickstart.sh's --max-sequence-length
+
+# The components' configs (diffusers' config.json keys). 12 heads, so that TP=2, 3 and 4 divide
+# them; a 5-level VAE (16 pixels per latent pixel) gives 64 image tokens at 256x256.
+TRANSFORMER_CONFIG = {
+    "_class_name": "FluxTransformer2DModel",
+    "patch_size": 1,
+    "in_channels": 16,
+    "out_channels": None,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 12,
+    "joint_attention_dim": 64,
+    "pooled_projection_dim": 96,
+    "guidance_embeds": True,
+    "axes_dims_rope": [2, 2, 4],
+}
+VAE_CONFIG = {
+    "_class_name": "AutoencoderKL",
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "block_out_channels": [8, 16, 32, 32, 32],
+    "down_block_types": ["DownEncoderBlock2D"] * 5,
+    "up_block_types": ["UpDecoderBlock2D"] * 5,
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "act_fn": "silu",
+    "sample_size": 256,
+    "mid_block_add_attention": False,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    # scaling_factor and shift_factor: measured on the trained encoder's latents.
+}
+
+
+def pinned_versions_present():
+    try:
+        from importlib.metadata import version
+        return all(version(p.split("==")[0]) == p.split("==")[1] for p in PINNED)
+    except Exception:
+        return False
+
+
+def ensure_environment(venv):
+    if pinned_versions_present():
+        return
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.check_call([sys.executable, "-m", "venv", venv])
+    subprocess.check_call([python, "-m", "pip", "install", "--quiet", *PINNED])
+    os.execv(python, [python, *sys.argv])
+
+
+def builtin_folder(shardit, work):
+    """The built-in folder `shardit` writes (under TMPDIR = work/tmp)."""
+    tmp = os.path.join(work, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    subprocess.check_call([shardit, "inspect"], env={**os.environ, "TMPDIR": tmp}, stdout=subprocess.DEVNULL)
+    found = sorted(p for p in glob.glob(os.path.join(tmp, "shardit-builtin-*")) if os.path.isdir(p) and
+                   os.path.exists(os.path.join(p, ".complete")))
+    if not found:
+        sys.exit(f"{shardit} inspect wrote no built-in folder under {tmp}")
+    return found[-1]
+
+
+class TextEncoders:
+    """FLUX.1's two prompt encodings (diffusers' FluxPipeline.encode_prompt) with the built-in
+    encoders, memoised per caption."""
+
+    def __init__(self, folder):
+        import torch
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        self.torch = torch
+        self.clip_tokenizer = CLIPTokenizer.from_pretrained(os.path.join(folder, "tokenizer"))
+        self.t5_tokenizer = T5TokenizerFast.from_pretrained(os.path.join(folder, "tokenizer_2"))
+        self.clip = CLIPTextModel.from_pretrained(os.path.join(folder, "text_encoder")).eval()
+        self.t5 = T5EncoderModel.from_pretrained(os.path.join(folder, "text_encoder_2")).eval()
+        self.memo = {}
+
+    def ids(self, caption):
+        clip = self.clip_tokenizer([caption], padding="max_length", max_length=self.clip_tokenizer.model_max_length,
+                                   truncation=True, return_tensors="pt").input_ids
+        t5 = self.t5_tokenizer([caption], padding="max_length", max_length=MAX_SEQUENCE_LENGTH, truncation=True,
+                               return_tensors="pt").input_ids
+        return clip, t5
+
+    def __call__(self, captions):
+        torch = self.torch
+        missing = [c for c in dict.fromkeys(captions) if c not in self.memo]
+        if missing:
+            with torch.no_grad():
+                for caption in missing:
+                    clip_ids, t5_ids = self.ids(caption)
+                    pooled = self.clip(clip_ids).pooler_output[0]
+                    embeds = self.t5(t5_ids).last_hidden_state[0]
+                    self.memo[caption] = (embeds, pooled)
+        return (torch.stack([self.memo[c][0] for c in captions]), torch.stack([self.memo[c][1] for c in captions]))
+
+
+def scene_batch(rng, count, size):
+    import numpy as np
+    import torch
+    import builtin_scenes
+
+    scenes = [builtin_scenes.random_scene(rng) for _ in range(count)]
+    pixels = np.stack([np.asarray(builtin_scenes.draw(s, size), dtype=np.float32) for s in scenes])
+    images = torch.from_numpy(pixels).permute(0, 3, 1, 2) / 127.5 - 1.0
+    return images, [s.caption for s in scenes]
+
+
+def train_vae(args, log):
+    import torch
+    import diffusers
+
+    rng = random.Random(SEED + 1)
+    vae = diffusers.AutoencoderKL(**{k: v for k, v in VAE_CONFIG.items() if not k.startswith("_")})
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    crop = args.vae_crop
+    start = time.time()
+    for step in range(args.vae_steps):
+        images, _ = scene_batch(rng, args.vae_batch, IMAGE_SIZE)
+        # The same crop window for the batch (a multiple of 16 pixels: whole latent pixels).
+        y, x = (rng.randrange(0, (IMAGE_SIZE - crop) // 16 + 1) * 16 for _ in range(2))
+        images = images[:, :, y:y + crop, x:x + crop]
+        posterior = vae.encode(images).latent_dist
+        decoded = vae.decode(posterior.sample()).sample
+        reconstruction = (decoded - images).abs().mean() + (decoded - images).pow(2).mean()
+        kl = posterior.kl().mean() / (images.shape[2] * images.shape[3])
+        loss = reconstruction + args.vae_kl * kl
+        lr = args.vae_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.vae_steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 25 == 0 or step == args.vae_steps - 1:
+            entry = {"stage": "vae", "step": step, "loss": loss.item(), "reconstruction": reconstruction.item(),
+                     "kl": kl.item(), "seconds": round(time.time() - start, 1)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+    return vae.eval()
+
+
+def pack(latents):
+    """diffusers' FluxPipeline._pack_latents: [B, C, H, W] -> [B, H/2 * W/2, C * 4]."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def encode_dataset(args, vae, log):
+    """Scenes, their captions and the VAE's latent means (the transformer's data set)."""
+    import torch
+
+    rng = random.Random(SEED + 2)
+    latents, captions = [], []
+    start = time.time()
+    with torch.no_grad():
+        for first in range(0, args.scenes, 32):
+            images, batch_captions = scene_batch(rng, min(32, args.scenes - first), IMAGE_SIZE)
+            latents.append(vae.encode(images).latent_dist.mean)
+            captions.extend(batch_captions)
+    latents = torch.cat(latents)
+    shift, scale = latents.mean().item(), 1.0 / latents.std().item()
+    entry = {"stage": "encode", "scenes": args.scenes, "shift_factor": shift, "scaling_factor": scale,
+             "seconds": round(time.time() - start, 1)}
+    log.append(entry)
+    print(json.dumps(entry), flush=True)
+    return latents, captions, shift, scale
+
+
+def train_transformer(args, latents, captions, text, log):
+    import torch
+    import diffusers
+
+    torch.manual_seed(SEED + 3)
+    rng = random.Random(SEED + 3)
+    model = diffusers.FluxTransformer2DModel(**{k: v for k, v in TRANSFORMER_CONFIG.items() if not k.startswith("_")})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    b, c, h, w = latents.shape
+    img_ids = torch.zeros(h // 2 * (w // 2), 3)
+    img_ids[:, 1] = torch.arange(h // 2).repeat_interleave(w // 2).float()
+    img_ids[:, 2] = torch.arange(w // 2).repeat(h // 2).float()
+    txt_ids = torch.zeros(MAX_SEQUENCE_LENGTH, 3)
+    # diffusers' calculate_shift with the scheduler's values, for this image's token count.
+    m = (1.15 - 0.5) / (4096 - 256)
+    mu = (h // 2) * (w // 2) * m + (0.5 - m * 256)
+    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    start = time.time()
+    for step in range(args.steps):
+        index = torch.tensor([rng.randrange(b) for _ in range(args.batch)])
+        x0 = latents[index]
+        embeds, pooled = text([captions[i] for i in index.tolist()])
+        noise = torch.randn_like(x0)
+        t = torch.sigmoid(torch.randn(args.batch))
+        t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
+        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+        guidance = torch.rand(args.batch) * 4 + 1
+        prediction = model(hidden_states=pack(xt), encoder_hidden_states=embeds, pooled_projections=pooled, timestep=t,
+                           img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
+        loss = (prediction - pack(noise - x0)).pow(2).mean()
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            decay = min(0.999, (1 + step) / (10 + step))
+            for k, v in model.state_dict().items():
+                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+        if step % 50 == 0 or step == args.steps - 1:
+            entry = {"stage": "transformer", "step": step, "loss": loss.item(), "lr": lr,
+                     "seconds": round(time.time() - start, 1)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+    model.load_state_dict(ema)
+    return model.eval()
+
+
+def save(args, vae, model, shift, scale, log):
+    import torch
+    from safetensors.torch import save_file
+
+    vae_config = {**VAE_CONFIG, "scaling_factor": scale, "shift_factor": shift}
+    tensors = {}
+    for prefix, module in (("vae.", vae), ("transformer.", model)):
+        for name, value in module.state_dict().items():
+            tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
+    plain = os.path.join(args.work, "builtin_weights.safetensors")
+    save_file(tensors, plain, metadata={"transformer_config": json.dumps(TRANSFORMER_CONFIG),
+                                        "vae_config": json.dumps(vae_config), "seed": str(SEED)})
+    with open(args.out, "wb") as out:
+        subprocess.check_call(["xz", "-9e", "--stdout", plain], stdout=out)
+    with open(os.path.join(args.work, "training_log.json"), "w") as out:
+        json.dump(log, out, indent=1)
+    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes) from {plain} ({os.path.getsize(plain)} bytes)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shardit", required=True, help="the shardit binary (writes the built-in folder)")
+    parser.add_argument("--work", required=True, help="a folder for the run's files")
+    parser.add_argument("--out", required=True, help="the packed weights to write (.safetensors.xz)")
+    parser.add_argument("--venv", default="build/builtin-train-venv")
+    parser.add_argument("--vae-steps", type=int, default=500)
+    parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--vae-crop", type=int, default=128)
+    parser.add_argument("--vae-lr", type=float, default=2e-3)
+    parser.add_argument("--vae-kl", type=float, default=1e-4)
+    parser.add_argument("--scenes", type=int, default=3072)
+    parser.add_argument("--steps", type=int, default=2600)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+    ensure_environment(os.path.abspath(args.venv))
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    os.makedirs(args.work, exist_ok=True)
+    text = TextEncoders(builtin_folder(os.path.abspath(args.shardit), os.path.abspath(args.work)))
+    log = []
+    vae = train_vae(args, log)
+    latents, captions, shift, scale = encode_dataset(args, vae, log)
+    latents = (latents - shift) * scale
+    model = train_transformer(args, latents, captions, text, log)
+    save(args, vae, model, shift, scale, log)
+
+
+if __name__ == "__main__":
+    main()
