@@ -57,8 +57,8 @@ std::string cache_summary(const pipelines::GenerateResult& result) {
 
 namespace fs = std::filesystem;
 
-/// The prompt of the built-in pipeline when none is given.
-constexpr const char* kBuiltinPrompt = "a photo of a red fox in the snow";
+/// The prompt of the built-in pipeline when none is given (its vocabulary: tools/builtin_scenes.py).
+constexpr const char* kBuiltinPrompt = "a large red circle at the top left on a blue background";
 
 struct GenerateOptions {
   std::string model;
@@ -191,8 +191,8 @@ int generate(const GenerateOptions& given) {
     if (options.prompt.empty() && options.prompt_embeds.empty()) options.prompt = {kBuiltinPrompt};
     if (world.rank() == 0) {
       fmt::print(
-          "(no --model given: the built-in tiny FLUX.1-architecture pipeline with RANDOM weights, text encoders "
-          "included; the image is noise{})\n",
+          "(no --model given: the built-in tiny FLUX.1-architecture pipeline, trained to draw shapes, colours, sizes, "
+          "positions and backgrounds, e.g. \"two yellow stars\" or \"a small green square on the right\"{})\n",
           given.prompt.empty() && given.prompt_embeds.empty() ? fmt::format("; prompt: \"{}\"", kBuiltinPrompt) : "");
     }
   }
@@ -279,7 +279,7 @@ void register_generate(CLI::App& app, CommandBody& body) {
   auto options = std::make_shared<GenerateOptions>();
   CLI::App* command = app.add_subcommand("generate", "text to image with a diffusers pipeline folder, written as PNG");
   command->add_option("--model", options->model,
-                      "diffusers pipeline folder (model_index.json); default: a built-in tiny random pipeline");
+                      "diffusers pipeline folder (model_index.json); default: the built-in tiny pipeline, trained to draw simple scenes");
   command->add_option("--prompt", options->prompt,
                       fmt::format("prompt (repeat for a batch); with neither --model nor --prompt/--prompt-embeds: "
                                   "\"{}\"",

@@ -58,8 +58,8 @@ int serve(ServeCommandOptions options) {
     options.model = models::write_builtin_model(models::default_builtin_model_root()).pipeline;
     if (options.model_name.empty()) options.model_name = "shardit-builtin";
     if (world.rank() == 0) {
-      fmt::print("(no --model given: serving the built-in tiny FLUX.1-architecture pipeline with RANDOM weights as "
-                 "\"{}\"; its images are noise)\n",
+      fmt::print("(no --model given: serving the built-in tiny FLUX.1-architecture pipeline as \"{}\"; it draws "
+                 "simple scenes such as \"a small red circle at the top left on a blue background\")\n",
                  options.model_name);
     }
   }
@@ -122,7 +122,7 @@ void register_serve(CLI::App& app, CommandBody& body) {
   CLI::App* command =
       app.add_subcommand("serve", "an OpenAI-compatible images API (POST /v1/images/generations and /v1/images/edits) over a pipeline");
   command->add_option("--model", options->model,
-                      "diffusers pipeline folder (model_index.json); default: the built-in tiny random pipeline");
+                      "diffusers pipeline folder (model_index.json); default: the built-in tiny pipeline, trained to draw simple scenes");
   command->add_option("--model-name", options->model_name,
                       "the name clients give as `model` (default: the folder's name)");
   command->add_option("--host", options->serve.host, "address to listen on (default 127.0.0.1: this host only)");

@@ -123,7 +123,7 @@ def random_scene(rng):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=16)
-    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -8,16 +8,18 @@ random and frozen: their embeddings still tell the captions apart), read from th
 that `shardit inspect` makes, so the transformer learns from exactly the embeddings the engine
 computes. This script trains, on CPU with one thread and a fixed seed:
 
-1. the VAE (AutoencoderKL, 16 pixels per latent pixel, no attention in its middle block) as an
-   autoencoder on 128x128 crops of 256x256 scenes (reconstruction + a small KL term);
+1. the VAE (AutoencoderKL, 8 pixels per latent pixel, no attention in its middle block) as an
+   autoencoder on 64x64 crops of 128x128 scenes (reconstruction of the posterior mean plus a
+   little noise, and a small KL term);
 2. the transformer with rectified flow as FLUX.1 was trained: x_t = (1 - t) x_0 + t noise, the
    target noise - x_0, t drawn logit-normal and shifted with the scheduler's resolution-dependent
-   mu (here the 64 tokens of a 256x256 image), the guidance input drawn from [1, 5], on latents of
-   256x256 scenes (an 8x8 token grid) with the T5 prompt cut to 64 tokens as the quick start does.
+   mu (here the 64 tokens of a 128x128 image), the guidance input drawn from [1, 5], on latents of
+   128x128 scenes (an 8x8 token grid) with the T5 prompt cut to 32 tokens as the quick start does.
 
 It writes one safetensors file (bf16 weights of `vae.*` and `transformer.*`, with the two
-components' config.json texts in its metadata), packed with xz, which src/shardit/models/builtin.cpp
-turns into the built-in folder, and a JSON log of the losses. Run from the repository root:
+components' config.json texts in its metadata), packed with xz and beside the unpacked file's
+SHA-256 (`<out without .xz>.sha256`), which src/shardit/models/builtin.cpp turns into the built-in
+folder, and a JSON log of the losses (`--work`/training_log.json). Run from the repository root:
 
     nice -n 10 python3 tools/train_builtin_model.py --shardit build/apps/shardit \
         --work build/builtin-train --out src/shardit/models/builtin_weights.safetensors.xz
@@ -27,6 +29,7 @@ packages below and runs itself there. Each stage's steps are options (defaults: 
 """
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
@@ -39,11 +42,12 @@ PINNED = ["torch==2.15.0", "diffusers==0.42.1", "transformers==5.23.0", "tokeniz
           "huggingface_hub==2.4.0", "sentencepiece==0.2.3", "protobuf==7.36.2", "safetensors==0.8.0",
           "numpy==2.4.6", "pillow==13.0.0"]
 SEED = 20261206
-IMAGE_SIZE = 256
-MAX_SEQUENCE_LENGTH = 64  # scripts/quickstart.sh's --max-sequence-length
+IMAGE_SIZE = 128  # the quick start's size: an 8x8 token grid
+MAX_SEQUENCE_LENGTH = 32  # scripts/quickstart.sh's --max-sequence-length (the longest caption has 19 T5 tokens)
 
 # The components' configs (diffusers' config.json keys). 12 heads, so that TP=2, 3 and 4 divide
-# them; a 5-level VAE (16 pixels per latent pixel) gives 64 image tokens at 256x256.
+# them; FLUX.1's 4-level VAE (8 pixels per latent pixel, so images are multiples of 16 pixels as
+# for every FLUX.1 model) gives 64 image tokens at 128x128.
 TRANSFORMER_CONFIG = {
     "_class_name": "FluxTransformer2DModel",
     "patch_size": 1,
@@ -63,13 +67,13 @@ VAE_CONFIG = {
     "in_channels": 3,
     "out_channels": 3,
     "latent_channels": 4,
-    "block_out_channels": [8, 16, 32, 32, 32],
-    "down_block_types": ["DownEncoderBlock2D"] * 5,
-    "up_block_types": ["UpDecoderBlock2D"] * 5,
+    "block_out_channels": [16, 32, 32, 32],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
     "layers_per_block": 1,
     "norm_num_groups": 4,
     "act_fn": "silu",
-    "sample_size": 256,
+    "sample_size": 128,
     "mid_block_add_attention": False,
     "use_quant_conv": False,
     "use_post_quant_conv": False,
@@ -142,7 +146,9 @@ class TextEncoders:
         return (torch.stack([self.memo[c][0] for c in captions]), torch.stack([self.memo[c][1] for c in captions]))
 
 
-def scene_batch(rng, count, size):
+def scene_batch(rng, count, size, with_objects=False):
+    """Scenes as images in [-1, 1] [B, 3, H, W] and their captions (and, with `with_objects`, a
+    mask [B, 1, H, W] of the pixels that are not background)."""
     import numpy as np
     import torch
     import builtin_scenes
@@ -150,7 +156,29 @@ def scene_batch(rng, count, size):
     scenes = [builtin_scenes.random_scene(rng) for _ in range(count)]
     pixels = np.stack([np.asarray(builtin_scenes.draw(s, size), dtype=np.float32) for s in scenes])
     images = torch.from_numpy(pixels).permute(0, 3, 1, 2) / 127.5 - 1.0
-    return images, [s.caption for s in scenes]
+    captions = [s.caption for s in scenes]
+    if not with_objects:
+        return images, captions
+    background = torch.tensor([s.background for s in scenes], dtype=torch.float32).view(-1, 3, 1, 1) / 127.5 - 1.0
+    return images, captions, ((images - background).abs().amax(1, keepdim=True) > 0.02).float()
+
+
+def update(optimizer, loss, lr, clip=None):
+    """One optimizer step on `loss` at learning rate `lr` (gradients clipped to norm `clip`)."""
+    import torch
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
+    optimizer.step()
+
+
+def report(log, entry):
+    log.append(entry)
+    print(json.dumps(entry), flush=True)
 
 
 def train_vae(args, log):
@@ -162,27 +190,53 @@ def train_vae(args, log):
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     crop = args.vae_crop
     start = time.time()
-    for step in range(args.vae_steps):
+    recent = []
+    if args.vae_phase1_from:
+        # The first phase's result from an earlier run of the same code (its work folder's
+        # vae_phase1.pt): the weights this run would reach (the second phase has its own optimizer).
+        vae.load_state_dict(torch.load(args.vae_phase1_from))
+    for step in range(0 if args.vae_phase1_from else args.vae_steps):
         images, _ = scene_batch(rng, args.vae_batch, IMAGE_SIZE)
         # The same crop window for the batch (a multiple of 16 pixels: whole latent pixels).
         y, x = (rng.randrange(0, (IMAGE_SIZE - crop) // 16 + 1) * 16 for _ in range(2))
         images = images[:, :, y:y + crop, x:x + crop]
         posterior = vae.encode(images).latent_dist
-        decoded = vae.decode(posterior.sample()).sample
+        # The posterior's mean with a little noise: the decoder learns from the start what the mean
+        # says (a sample's unit variance would drown it for hundreds of steps) and to tolerate the
+        # transformer's small errors.
+        decoded = vae.decode(posterior.mean + 0.1 * torch.randn_like(posterior.mean)).sample
         reconstruction = (decoded - images).abs().mean() + (decoded - images).pow(2).mean()
         kl = posterior.kl().mean() / (images.shape[2] * images.shape[3])
         loss = reconstruction + args.vae_kl * kl
-        lr = args.vae_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.vae_steps)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        lr = args.vae_lr * min(1.0, (step + 1) / 25) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.vae_steps)))
+        update(optimizer, loss, lr)
+        recent = (recent + [reconstruction.item()])[-25:]
         if step % 25 == 0 or step == args.vae_steps - 1:
-            entry = {"stage": "vae", "step": step, "loss": loss.item(), "reconstruction": reconstruction.item(),
-                     "kl": kl.item(), "seconds": round(time.time() - start, 1)}
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
+            report(log, {"stage": "vae", "step": step, "reconstruction_mean25": sum(recent) / len(recent),
+                         "kl": kl.item(), "seconds": round(time.time() - start, 1)})
+    torch.save(vae.state_dict(), os.path.join(args.work, "vae_phase1.pt"))
+    # Phase 2: whole scenes, the shapes' pixels weighted up (in crops they are rare, and a small
+    # shape is a few percent of a scene: without this the decoder paints them in the wrong colour).
+    torch.manual_seed(SEED + 4)
+    rng = random.Random(SEED + 4)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_shape_lr, weight_decay=0.0)
+    recent = []
+    for step in range(args.vae_shape_steps):
+        images, _, objects = scene_batch(rng, args.vae_shape_batch, IMAGE_SIZE, with_objects=True)
+        posterior = vae.encode(images).latent_dist
+        decoded = vae.decode(posterior.mean + 0.1 * torch.randn_like(posterior.mean)).sample
+        weight = 1.0 + (args.vae_shape_weight - 1.0) * objects
+        error = decoded - images
+        reconstruction = (weight * (error.abs() + error.pow(2))).mean() / weight.mean()
+        kl = posterior.kl().mean() / (images.shape[2] * images.shape[3])
+        loss = reconstruction + args.vae_kl * kl
+        lr = args.vae_shape_lr * 0.5 * (1 + math.cos(math.pi * step / args.vae_shape_steps))
+        update(optimizer, loss, lr)
+        recent = (recent + [reconstruction.item()])[-25:]
+        if step % 25 == 0 or step == args.vae_shape_steps - 1:
+            report(log, {"stage": "vae_shapes", "step": step,
+                         "weighted_reconstruction_mean25": sum(recent) / len(recent), "kl": kl.item(),
+                         "seconds": round(time.time() - start, 1)})
     return vae.eval()
 
 
@@ -206,10 +260,8 @@ def encode_dataset(args, vae, log):
             captions.extend(batch_captions)
     latents = torch.cat(latents)
     shift, scale = latents.mean().item(), 1.0 / latents.std().item()
-    entry = {"stage": "encode", "scenes": args.scenes, "shift_factor": shift, "scaling_factor": scale,
-             "seconds": round(time.time() - start, 1)}
-    log.append(entry)
-    print(json.dumps(entry), flush=True)
+    report(log, {"stage": "encode", "scenes": args.scenes, "shift_factor": shift, "scaling_factor": scale,
+                 "seconds": round(time.time() - start, 1)})
     return latents, captions, shift, scale
 
 
@@ -231,6 +283,7 @@ def train_transformer(args, latents, captions, text, log):
     mu = (h // 2) * (w // 2) * m + (0.5 - m * 256)
     ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
     start = time.time()
+    recent = []
     for step in range(args.steps):
         index = torch.tensor([rng.randrange(b) for _ in range(args.batch)])
         x0 = latents[index]
@@ -243,22 +296,16 @@ def train_transformer(args, latents, captions, text, log):
         prediction = model(hidden_states=pack(xt), encoder_hidden_states=embeds, pooled_projections=pooled, timestep=t,
                            img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
         loss = (prediction - pack(noise - x0)).pow(2).mean()
-        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        update(optimizer, loss, lr, clip=1.0)
         with torch.no_grad():
             decay = min(0.999, (1 + step) / (10 + step))
             for k, v in model.state_dict().items():
                 ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+        recent = (recent + [loss.item()])[-50:]
         if step % 50 == 0 or step == args.steps - 1:
-            entry = {"stage": "transformer", "step": step, "loss": loss.item(), "lr": lr,
-                     "seconds": round(time.time() - start, 1)}
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
+            report(log, {"stage": "transformer", "step": step, "loss_mean50": sum(recent) / len(recent), "lr": lr,
+                         "seconds": round(time.time() - start, 1)})
     model.load_state_dict(ema)
     return model.eval()
 
@@ -277,6 +324,12 @@ def save(args, vae, model, shift, scale, log):
                                         "vae_config": json.dumps(vae_config), "seed": str(SEED)})
     with open(args.out, "wb") as out:
         subprocess.check_call(["xz", "-9e", "--stdout", plain], stdout=out)
+    # The unpacked file's SHA-256 beside it, as configure checks it (the golden files' format).
+    with open(plain, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    checksum = args.out[:-len(".xz")] + ".sha256" if args.out.endswith(".xz") else args.out + ".sha256"
+    with open(checksum, "w") as out:
+        out.write(f"{digest}  {os.path.basename(plain)}\n")
     with open(os.path.join(args.work, "training_log.json"), "w") as out:
         json.dump(log, out, indent=1)
     print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes) from {plain} ({os.path.getsize(plain)} bytes)")
@@ -284,17 +337,25 @@ def save(args, vae, model, shift, scale, log):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shardit", required=True, help="the shardit binary (writes the built-in folder)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--shardit", help="the shardit binary (writes the built-in folder)")
+    source.add_argument("--builtin", help="a built-in folder shardit wrote (its text encoders and tokenizers are read)")
     parser.add_argument("--work", required=True, help="a folder for the run's files")
     parser.add_argument("--out", required=True, help="the packed weights to write (.safetensors.xz)")
     parser.add_argument("--venv", default="build/builtin-train-venv")
-    parser.add_argument("--vae-steps", type=int, default=500)
+    parser.add_argument("--vae-steps", type=int, default=1000)
     parser.add_argument("--vae-batch", type=int, default=8)
-    parser.add_argument("--vae-crop", type=int, default=128)
-    parser.add_argument("--vae-lr", type=float, default=2e-3)
+    parser.add_argument("--vae-crop", type=int, default=64)
+    parser.add_argument("--vae-lr", type=float, default=4e-4)
     parser.add_argument("--vae-kl", type=float, default=1e-4)
-    parser.add_argument("--scenes", type=int, default=3072)
-    parser.add_argument("--steps", type=int, default=2600)
+    parser.add_argument("--vae-shape-steps", type=int, default=400)
+    parser.add_argument("--vae-shape-batch", type=int, default=4)
+    parser.add_argument("--vae-shape-lr", type=float, default=2e-4)
+    parser.add_argument("--vae-shape-weight", type=float, default=8.0)
+    parser.add_argument("--vae-phase1-from", help="the VAE's first phase from an earlier run (vae_phase1.pt)")
+    parser.add_argument("--vae-from", help="the VAE of an earlier run (its work folder's vae.pt) instead of training one")
+    parser.add_argument("--scenes", type=int, default=1280)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
@@ -306,9 +367,17 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     os.makedirs(args.work, exist_ok=True)
-    text = TextEncoders(builtin_folder(os.path.abspath(args.shardit), os.path.abspath(args.work)))
+    folder = args.builtin or builtin_folder(os.path.abspath(args.shardit), os.path.abspath(args.work))
+    text = TextEncoders(folder)
     log = []
-    vae = train_vae(args, log)
+    if args.vae_from:
+        import diffusers
+        vae = diffusers.AutoencoderKL(**{k: v for k, v in VAE_CONFIG.items() if not k.startswith("_")})
+        vae.load_state_dict(torch.load(args.vae_from))
+        vae.eval()
+    else:
+        vae = train_vae(args, log)
+        torch.save(vae.state_dict(), os.path.join(args.work, "vae.pt"))
     latents, captions, shift, scale = encode_dataset(args, vae, log)
     latents = (latents - shift) * scale
     model = train_transformer(args, latents, captions, text, log)

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -30,40 +31,6 @@ namespace fs = std::filesystem;
 // The encoders' widths, which the transformer's text inputs take.
 constexpr int64_t kClipHiddenSize = 96;  // pooled_projection_dim
 constexpr int64_t kT5DModel = 64;        // joint_attention_dim
-
-// Small enough to run in a blink, large enough that TP=2, 3 and 4 all divide it (12 heads).
-nlohmann::json builtin_transformer_config() {
-  return {{"_class_name", "FluxTransformer2DModel"},
-          {"patch_size", 1},
-          {"in_channels", 16},
-          {"out_channels", nullptr},
-          {"num_layers", 2},
-          {"num_single_layers", 2},
-          {"attention_head_dim", 16},
-          {"num_attention_heads", 12},
-          {"joint_attention_dim", kT5DModel},
-          {"pooled_projection_dim", kClipHiddenSize},
-          {"guidance_embeds", true},
-          {"axes_dims_rope", {4, 6, 6}}};
-}
-
-// FLUX.1's VAE layout (no quant convs, scaling and shift factors), 4 latent channels so that the
-// packed latents match the transformer's in_channels 16; 4 levels: 8 pixels per latent pixel.
-nlohmann::json builtin_vae_config() {
-  return {{"_class_name", "AutoencoderKL"},
-          {"in_channels", 3},
-          {"out_channels", 3},
-          {"latent_channels", 4},
-          {"block_out_channels", {8, 8, 16, 16}},
-          {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
-          {"layers_per_block", 1},
-          {"norm_num_groups", 4},
-          {"sample_size", 64},
-          {"scaling_factor", 0.3611},
-          {"shift_factor", 0.1159},
-          {"use_quant_conv", false},
-          {"use_post_quant_conv", false}};
-}
 
 // FLUX.1-dev's scheduler_config.json.
 nlohmann::json builtin_scheduler_config() {
@@ -346,6 +313,71 @@ int64_t write_t5_tokenizer(const fs::path& dir) {
   return pieces + kExtraIds;
 }
 
+// The trained transformer and VAE (tools/train_builtin_model.py): one safetensors file whose
+// metadata holds the two config.json texts and whose tensors are `transformer.<name>` and
+// `vae.<name>` (bf16), written out as float32 in diffusers' layout.
+struct TrainedWeights {
+  std::shared_ptr<io::SafetensorsFile> file;
+  std::string label;
+  nlohmann::json transformer_config;
+  nlohmann::json vae_config;
+
+  // Every parameter of `model` from the tensors under `prefix`, in float32.
+  std::vector<std::pair<std::string, at::Tensor>> component(nn::Module& model, const std::string& prefix) const {
+    std::vector<std::pair<std::string, at::Tensor>> weights;
+    const std::vector<std::string> names = file->names();
+    size_t used = 0;
+    for (const auto& slot : model.named_parameters()) {
+      const std::string name = prefix + slot.name;
+      TORCH_CHECK(std::find(names.begin(), names.end(), name) != names.end(), label, ": no tensor ", io::quoted(name),
+                  " for the config in its metadata; ", retrain_advice());
+      at::Tensor values = file->read(name, at::kFloat);
+      TORCH_CHECK(values.sizes() == slot.tensor->sizes(), label, ": ", io::quoted(name), " has shape ", values.sizes(),
+                  ", the config in its metadata gives ", slot.tensor->sizes(), "; ", retrain_advice());
+      weights.emplace_back(slot.name, std::move(values));
+      ++used;
+    }
+    const auto count = static_cast<size_t>(
+        std::count_if(names.begin(), names.end(), [&](const std::string& n) { return n.rfind(prefix, 0) == 0; }));
+    TORCH_CHECK(used == count, label, ": ", count, " tensors under ", io::quoted(prefix), ", the config's model has ",
+                used, " parameters; ", retrain_advice());
+    return weights;
+  }
+
+  static std::string retrain_advice() {
+    return "configure unpacks it again from src/shardit/models/builtin_weights.safetensors.xz (run "
+           "scripts/build.sh); tools/train_builtin_model.py writes that file";
+  }
+};
+
+TrainedWeights read_trained_weights() {
+  const std::string path = builtin_weights_file();
+  TrainedWeights out;
+  out.label = "the built-in model's trained weights " + io::quoted(path);
+  TORCH_CHECK(fs::exists(path), out.label, " do not exist: configure unpacks them from ",
+              "src/shardit/models/builtin_weights.safetensors.xz into the build folder (run scripts/build.sh again)");
+  out.file = io::SafetensorsFile::open(path);
+  const auto config = [&](const char* key) {
+    const auto found = out.file->metadata().find(key);
+    TORCH_CHECK(found != out.file->metadata().end(), out.label, ": its metadata has no ", key, "; ",
+                TrainedWeights::retrain_advice());
+    nlohmann::json json = nlohmann::json::parse(found->second, nullptr, /*allow_exceptions=*/false);
+    TORCH_CHECK(json.is_object(), out.label, ": its metadata's ", key, " is not a JSON object; ",
+                TrainedWeights::retrain_advice());
+    return json;
+  };
+  out.transformer_config = config("transformer_config");
+  out.vae_config = config("vae_config");
+  // The text encoders are written here: the transformer must take their widths.
+  TORCH_CHECK(out.transformer_config.value("joint_attention_dim", int64_t{0}) == kT5DModel &&
+                  out.transformer_config.value("pooled_projection_dim", int64_t{0}) == kClipHiddenSize &&
+                  out.transformer_config.value("in_channels", int64_t{0}) == 16,
+              out.label, ": the transformer's joint_attention_dim, pooled_projection_dim and in_channels must be ",
+              kT5DModel, ", ", kClipHiddenSize, " and 16 (the built-in T5's and CLIP's widths, the inputs case's ",
+              "channels); ", TrainedWeights::retrain_advice());
+  return out;
+}
+
 // Seeded normal weights for every parameter of `model`, norm scales near 1 so that the
 // activations stay in range.
 std::vector<std::pair<std::string, at::Tensor>> random_weights(nn::Module& model, at::Generator& generator,
@@ -380,9 +412,10 @@ std::string default_builtin_model_root() {
   std::error_code error;
   const fs::path temp = fs::temp_directory_path(error);
   TORCH_CHECK(!error, "the built-in model has no folder: ", error.message(), "; ", tmpdir_advice());
-  // The number changes whenever the built-in's files do (5: the VAE holds its encoder), so a cache
-  // written by an older build is never taken for this one's.
-  return (temp / "shardit-builtin-5").string();
+  // The number changes whenever the built-in's files do (6: the trained transformer and VAE), and
+  // the trained weights' SHA-256 follows it, so a cache written by an older build, or from other
+  // weights, is never taken for this one's.
+  return (temp / ("shardit-builtin-6-" + builtin_weights_sha256().substr(0, 12))).string();
 }
 
 BuiltinModelPaths write_builtin_model(const std::string& root_path) {
@@ -422,6 +455,7 @@ BuiltinModelPaths write_builtin_model_files(const std::string& root_path) {
     }
   }
 
+  const TrainedWeights trained = read_trained_weights();  // a missing or damaged file fails before any write
   // Write into a private folder, then rename: ranks started together never see half a model.
   const fs::path staging = root.string() + ".tmp-" + std::to_string(::getpid());
   fs::remove_all(staging);
@@ -440,25 +474,23 @@ BuiltinModelPaths write_builtin_model_files(const std::string& root_path) {
                                             {"tokenizer_2", {"transformers", "T5TokenizerFast"}},
                                             {"transformer", {"diffusers", "FluxTransformer2DModel"}},
                                             {"vae", {"diffusers", "AutoencoderKL"}}});
-  write_json(staging / "vae" / "config.json", builtin_vae_config());
+  write_json(staging / "vae" / "config.json", trained.vae_config);
   write_json(staging / "scheduler" / "scheduler_config.json", builtin_scheduler_config());
-  const nlohmann::json config = builtin_transformer_config();
-  write_json(staging / "transformer" / "config.json", config);
+  write_json(staging / "transformer" / "config.json", trained.transformer_config);
 
-  FluxTransformer2DModel model(FluxTransformer2DModelConfig::from_json(config, "built-in config"));
+  // The transformer in two shards with an index, as diffusers saves large models.
+  FluxTransformer2DModel model(FluxTransformer2DModelConfig::from_json(trained.transformer_config, trained.label));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(20261130);
   std::vector<std::pair<std::string, at::Tensor>> shards[2];
   nlohmann::json weight_map = nlohmann::json::object();
   int64_t total_size = 0;
   const char* shard_names[2] = {"diffusion_pytorch_model-00001-of-00002.safetensors",
                                 "diffusion_pytorch_model-00002-of-00002.safetensors"};
-  for (const auto& slot : model.named_parameters()) {
-    // Weights large enough that every layer matters in the output.
-    at::Tensor values = at::normal(0.0, 0.2, slot.tensor->sizes(), generator, at::TensorOptions().dtype(at::kFloat));
-    const int shard = slot.name.rfind("single_transformer_blocks", 0) == 0 ? 1 : 0;
-    shards[shard].emplace_back(slot.name, values);
-    weight_map[slot.name] = shard_names[shard];
+  for (auto& [name, values] : trained.component(model, "transformer.")) {
+    const int shard = name.rfind("single_transformer_blocks", 0) == 0 ? 1 : 0;
+    weight_map[name] = shard_names[shard];
     total_size += values.numel() * 4;
+    shards[shard].emplace_back(std::move(name), std::move(values));
   }
   for (int s = 0; s < 2; ++s) io::save_safetensors((staging / "transformer" / shard_names[s]).string(), shards[s]);
   write_json(staging / "transformer" / "diffusion_pytorch_model.safetensors.index.json",
@@ -488,10 +520,9 @@ BuiltinModelPaths write_builtin_model_files(const std::string& root_path) {
               {"text_len", text_len},
               {"notes", {"built-in tiny model input; timestep is t/1000 and guidance the guidance scale, as the pipeline passes them"}}});
 
-  // The VAE: normal weights, with norm scales near 1 so that the activations stay in range.
-  AutoencoderKL vae(AutoencoderKLConfig::from_json(builtin_vae_config(), "built-in VAE config"));
+  AutoencoderKL vae(AutoencoderKLConfig::from_json(trained.vae_config, trained.label));
   io::save_safetensors((staging / "vae" / "diffusion_pytorch_model.safetensors").string(),
-                       random_weights(vae, generator, 0.1));
+                       trained.component(vae, "vae."));
 
   // The text encoders and their tokenizers, each encoder with a generator of its own. Their
   // vocabularies are the tokenizers' (T5's with the sentinel tokens).
