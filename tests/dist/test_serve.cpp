@@ -435,14 +435,17 @@ at::Tensor generate_valid(const std::string& png, const std::string& options) {
 }
 
 // A LoRA adapter on the built-in transformer's first double block (rank 4 on every attention
-// projection), from a seeded generator.
+// projection, of the transformer's width), from a seeded generator.
 std::string write_adapter(const std::string& path, int seed) {
+  std::ifstream in(served_model() + "/transformer/config.json");
+  const json config = json::parse(in);
+  const int64_t width = config.at("num_attention_heads").get<int64_t>() * config.at("attention_head_dim").get<int64_t>();
   at::manual_seed(seed);
   std::vector<std::pair<std::string, at::Tensor>> factors;
   for (const std::string module : {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}) {
     const std::string key = "transformer.transformer_blocks.0.attn." + module;
-    factors.emplace_back(key + ".lora_A.weight", at::randn({4, 192}) * 0.5);
-    factors.emplace_back(key + ".lora_B.weight", at::randn({192, 4}) * 0.5);
+    factors.emplace_back(key + ".lora_A.weight", at::randn({4, width}) * 0.5);
+    factors.emplace_back(key + ".lora_B.weight", at::randn({width, 4}) * 0.5);
   }
   shardit::io::save_safetensors(path, factors);
   return path;

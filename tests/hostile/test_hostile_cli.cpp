@@ -235,6 +235,13 @@ class Hostile : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
 
+  /// The built-in transformer's width (a LoRA factor's input side), from its config.
+  int64_t hidden() const {
+    std::ifstream in(fs::path(transformer_) / "config.json");
+    const nlohmann::json config = nlohmann::json::parse(in);
+    return config.at("num_attention_heads").get<int64_t>() * config.at("attention_head_dim").get<int64_t>();
+  }
+
   /// Runs the CLI and checks what every case checks: it ended (no hang), not killed by a signal,
   /// no process left. Files under the case's folder must be unchanged unless `files_may_change`.
   Outcome run(const Spawn& spawn, bool files_may_change = false) {
@@ -798,14 +805,14 @@ TEST_F(Hostile, IntegerWeightsAreRefusedNamingTheTensor) {
 TEST_F(Hostile, IntegerLoraFactorIsRefusedNamingTheTensor) {
   const std::string lora = (fs::path(root_) / "int.safetensors").string();
   const std::string key = "transformer.transformer_blocks.0.attn.to_q";
-  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::ones({4, 192}, at::kInt)},
-                                       {key + ".lora_B.weight", at::randn({192, 4})}});
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::ones({4, hidden()}, at::kInt)},
+                                       {key + ".lora_B.weight", at::randn({hidden(), 4})}});
   expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora, "--out",
                        out_path("fox.png")}}),
                  {lora + ": tensor '" + key + ".lora_A.weight' is I32, expected a floating-point LoRA factor"});
   // A weight beyond float's range is named, not left to LibTorch's conversion error.
-  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::randn({4, 192})},
-                                       {key + ".lora_B.weight", at::randn({192, 4})}});
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", at::randn({4, hidden()})},
+                                       {key + ".lora_B.weight", at::randn({hidden(), 4})}});
   expect_refused(run({{"generate", "--model", model_, "--prompt", "a fox", "--steps", "1", "--lora", lora + ":1e308",
                        "--out", out_path("fox.png")}}),
                  {"the weight of LoRA adapter 'int' is 1e+308; it must be a finite number from -10000 to 10000"});
@@ -836,8 +843,8 @@ TEST_F(Hostile, ControlCharactersInNamesAreNeverPrinted) {
 TEST_F(Hostile, SilentlyAcceptedOptionsAreRefused) {
   const std::string lora = (fs::path(root_) / "style.safetensors").string();
   const std::string key = "transformer.transformer_blocks.0.attn.to_q";
-  at::Tensor factor = at::randn({4, 192});
-  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({192, 4})}});
+  at::Tensor factor = at::randn({4, hidden()});
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({hidden(), 4})}});
   const std::vector<std::string> generate = {"generate", "--model", model_, "--prompt", "a fox", "--steps", "1",
                                              "--out", out_path("fox.png")};
   const auto with = [](std::vector<std::string> args, const std::vector<std::string>& more) {
@@ -851,9 +858,10 @@ TEST_F(Hostile, SilentlyAcceptedOptionsAreRefused) {
   expect_refused(run({{"serve", "--model", model_, "--port", "0", "--model-name", "tiny", "--lora", "tiny=" + lora}}),
                  {"the adapter's name \"tiny\" is the served model's name"});
   factor[2][5].fill_(std::nan(""));
-  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({192, 4})}});
+  shardit::io::save_safetensors(lora, {{key + ".lora_A.weight", factor}, {key + ".lora_B.weight", at::randn({hidden(), 4})}});
   expect_refused(run({with(generate, {"--lora", lora})}),
-                 {lora + ": LoRA adapter 'style', tensor '" + key + ".lora_A.weight': 1 of 768 values are NaN"});
+                 {lora + ": LoRA adapter 'style', tensor '" + key + ".lora_A.weight': 1 of " +
+                  std::to_string(4 * hidden()) + " values are NaN"});
 }
 
 // One-line errors stay one line and short whatever the user typed: control characters in a path
