@@ -19,6 +19,7 @@
 #include "shardit/core/dtype.h"
 #include "shardit/core/error.h"
 #include "shardit/dist/world.h"
+#include "shardit/io/gguf.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
 #include "shardit/models/builtin.h"
@@ -80,13 +81,15 @@ void print_tensor_table(const io::Checkpoint& checkpoint) {
   int64_t total_elements = 0;
   for (const auto& name : names) {
     const io::TensorInfo& info = checkpoint.info(name);
-    fmt::print("{:<{}}  {:<7}  {:<{}}  {:>12}\n", name, name_width, io::st_dtype_name(info.dtype),
+    const char* dtype = info.is_gguf_blocks() ? io::ggml_type_name(static_cast<io::GgmlType>(info.ggml_block_type))
+                                              : io::st_dtype_name(info.dtype);
+    fmt::print("{:<{}}  {:<7}  {:<{}}  {:>12}\n", name, name_width, dtype,
                shape_string(info.shape), shape_width, info.nbytes());
     total_bytes += info.nbytes();
     total_elements += info.numel();
   }
   fmt::print("total: {} tensors, {} elements, {} bytes ({}) in {} file(s)\n", names.size(),
-             total_elements, total_bytes, human_bytes(total_bytes), checkpoint.files().size());
+             total_elements, total_bytes, human_bytes(total_bytes), checkpoint.file_paths().size());
 }
 
 /// The dtype the checkpoint stores its floating-point weights in (the most bytes), fp32 when it

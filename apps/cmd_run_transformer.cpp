@@ -69,7 +69,7 @@ int run_transformer(const RunTransformerOptions& given) {
   if (world.rank() == 0) {
     std::vector<std::string> inputs = {case_inputs.file, case_inputs.json_file, options.model, component.dir, options.inputs,
                                        weights.path()};
-    for (const auto& file : weights.files()) inputs.push_back(file->path());
+    for (const std::string& file : weights.file_paths()) inputs.push_back(file);
     if (!options.transformer_file.empty()) inputs.push_back(options.transformer_file);
     for (const auto& lora : loras) inputs.push_back(lora.path);
     io::check_output_path(options.out, inputs);

@@ -44,6 +44,8 @@ bool ggml_type_known(uint32_t value);
 GgmlBlock ggml_block(GgmlType type);
 /// "Q4_K", "F16", ...
 const char* ggml_type_name(GgmlType type);
+/// The bytes `elements` elements of `type` take (whole blocks: elements / block_size * type_size).
+uint64_t ggml_bytes(GgmlType type, int64_t elements);
 
 /// The value types of GGUF metadata, with the format's numbers.
 enum class GgufValueType : uint32_t {

@@ -318,6 +318,11 @@ const char* ggml_type_name(GgmlType type) {
   return entry != nullptr ? entry->name : "?";
 }
 
+uint64_t ggml_bytes(GgmlType type, int64_t elements) {
+  const GgmlBlock block = ggml_block(type);
+  return static_cast<uint64_t>(elements / block.block_size * block.type_size);
+}
+
 const char* gguf_value_type_name(GgufValueType type) {
   static const char* const kNames[] = {"uint8", "int8",   "uint16", "int16",  "uint32", "int32",  "float32",
                                        "bool",  "string", "array",  "uint64", "int64",  "float64"};

@@ -17,6 +17,7 @@
 #include "shardit/core/error.h"
 #include "shardit/core/fp8.h"
 #include "shardit/io/file.h"
+#include "shardit/io/gguf.h"
 #include "shardit/io/json.h"
 
 // safetensors is little endian; the raw copies below assume the host is too.
@@ -353,6 +354,10 @@ Checkpoint Checkpoint::open(const std::string& path) {
   Checkpoint checkpoint;
   checkpoint.path_ = path;
   checkpoint.stats_ = std::make_shared<ReadStats>();
+  if (!fs::is_directory(path) && is_gguf(target)) {
+    checkpoint.open_gguf(target);
+    return checkpoint;
+  }
 
   std::vector<std::string> file_paths;
   std::map<std::string, std::string> index_map;  // tensor -> file name, from the index
@@ -415,6 +420,10 @@ Checkpoint Checkpoint::open(const std::string& path) {
 
 std::vector<std::string> Checkpoint::source_names() const {
   std::vector<std::string> out;
+  if (gguf_) {
+    for (const auto& item : *gguf_tensors_) out.push_back(item.first);
+    return out;
+  }
   out.reserve(file_index_.size());
   for (const auto& item : file_index_) out.push_back(item.first);
   return out;
@@ -429,26 +438,37 @@ std::vector<std::string> Checkpoint::names() const {
 }
 
 bool Checkpoint::contains(const std::string& name) const {
-  return mapped_ ? mapped_->count(name) != 0 : file_index_.count(name) != 0;
+  return mapped_ ? mapped_->count(name) != 0 : find_source(name) != nullptr;
 }
 
 const TensorInfo* Checkpoint::find_source(const std::string& key) const {
+  if (gguf_) {
+    const auto found = gguf_tensors_->find(key);
+    return found == gguf_tensors_->end() ? nullptr : &found->second;
+  }
   const auto it = file_index_.find(key);
   return it == file_index_.end() ? nullptr : &files_[it->second]->info(key);
 }
 
 const TensorInfo& Checkpoint::source_info(const std::string& key) const {
   const TensorInfo* info = find_source(key);
-  TORCH_CHECK(info != nullptr, path_, ": checkpoint has no tensor named '", key, "' (it has ", file_index_.size(),
-              " tensors)");
+  TORCH_CHECK(info != nullptr, path_, ": checkpoint has no tensor named '", key, "' (it has ",
+              gguf_ ? gguf_tensors_->size() : file_index_.size(), " tensors)");
   return *info;
 }
 
 at::Tensor Checkpoint::source_read(const std::string& key, const std::vector<Range>& rows,
-                                   std::optional<at::ScalarType> dtype) const {
+                                   std::optional<at::ScalarType> dtype, int64_t dim,
+                                   const std::vector<Range>& columns) const {
   source_info(key);  // names the checkpoint when absent
+  if (gguf_) return gguf_read(key, rows, dtype, dim, columns);
   const SafetensorsFile& file = *files_[file_index_.at(key)];
-  return rows.empty() ? file.read(key, dtype) : file.read_slices(key, 0, rows, dtype);
+  if (dim == 0) return rows.empty() ? file.read(key, dtype) : file.read_slices(key, 0, rows, dtype);
+  if (rows.empty()) return file.read_slices(key, dim, columns, dtype);
+  const at::Tensor part = file.read_slices(key, 0, rows, dtype);
+  std::vector<at::Tensor> pieces;
+  for (const Range& range : columns) pieces.push_back(part.narrow(dim, range.begin, range.size()));
+  return at::cat(pieces, dim);
 }
 
 const Checkpoint::MappedTensor& Checkpoint::mapped_tensor(const std::string& name) const {
@@ -461,7 +481,21 @@ const Checkpoint::MappedTensor& Checkpoint::mapped_tensor(const std::string& nam
 const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
   const std::string& key = mapped_ ? mapped_tensor(name).pieces.front().key : name;
   source_info(key);
+  TORCH_CHECK(!gguf_, path_, ": is a GGUF file, not safetensors (tensor '", name, "')");
   return *files_[file_index_.at(key)];
+}
+
+const std::string& Checkpoint::path_of(const std::string& name) const {
+  const std::string& key = mapped_ ? mapped_tensor(name).pieces.front().key : name;
+  source_info(key);
+  return gguf_ ? gguf_->path() : files_[file_index_.at(key)]->path();
+}
+
+std::vector<std::string> Checkpoint::file_paths() const {
+  if (gguf_) return {gguf_->path()};
+  std::vector<std::string> out;
+  for (const auto& file : files_) out.push_back(file->path());
+  return out;
 }
 
 const TensorInfo& Checkpoint::info(const std::string& name) const {
@@ -478,10 +512,17 @@ at::Tensor Checkpoint::read(const std::string& name, std::optional<at::ScalarTyp
 
 at::Tensor Checkpoint::read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
                                    std::optional<at::ScalarType> dtype) const {
-  if (!mapped_) return file_of(name).read_slices(name, dim, ranges, dtype);
+  const std::string& whole = mapped_ ? mapped_tensor(name).pieces.front().key : name;
+  const bool one_piece = !mapped_ || (mapped_tensor(name).pieces.size() == 1 && !mapped_tensor(name).pieces.front().rows);
+  if (one_piece && !gguf_) return file_of(name).read_slices(whole, dim, ranges, dtype);
+  if (one_piece) {
+    const auto ndim = static_cast<int64_t>(source_info(whole).shape.size());
+    TORCH_CHECK(dim >= -ndim && dim < std::max<int64_t>(ndim, 1), path_, ": tensor '", name, "' has ", ndim,
+                " dimensions; cannot slice dim ", dim);
+    if (dim < 0) dim += ndim;
+    return dim == 0 ? source_read(whole, ranges, dtype) : source_read(whole, {}, dtype, dim, ranges);
+  }
   const MappedTensor& tensor = mapped_tensor(name);
-  const TensorPiece& first = tensor.pieces.front();
-  if (tensor.pieces.size() == 1 && !first.rows) return file_of(name).read_slices(first.key, dim, ranges, dtype);
   const auto ndim = static_cast<int64_t>(tensor.info.shape.size());
   TORCH_CHECK(dim >= -ndim && dim < ndim, path_, ": tensor '", name, "' has ", ndim, " dimensions; cannot slice dim ",
               dim);
@@ -517,15 +558,13 @@ at::Tensor Checkpoint::read_slices(const std::string& name, int64_t dim, const s
     }
     flush();
   } else {
-    // Along another dimension: each piece's rows are read whole, then narrowed.
+    // Along another dimension: each piece's rows, only the requested columns of them.
     for (const TensorPiece& piece : tensor.pieces) {
-      const at::Tensor rows =
-          piece.rows ? source_read(piece.key, {*piece.rows}, dtype) : source_read(piece.key, {}, dtype);
-      std::vector<at::Tensor> columns;
-      for (const Range& range : ranges) columns.push_back(rows.narrow(dim, range.begin, range.size()));
-      parts.push_back(at::cat(columns, dim));
+      parts.push_back(source_read(piece.key, piece.rows ? std::vector<Range>{*piece.rows} : std::vector<Range>{}, dtype,
+                                  dim, ranges));
     }
   }
+  if (parts.empty() && tensor.info.is_gguf_blocks()) return at::empty({0, 0}, at::TensorOptions().dtype(at::kByte));
   if (parts.empty()) {
     std::vector<int64_t> shape = tensor.info.shape;
     shape[0] = 0;
@@ -560,17 +599,20 @@ Checkpoint Checkpoint::with_mapping(const KeyMapping& mapping) const {
       if (piece.rows) shape[0] = piece.rows->size();
       if (p == 0) {
         info.dtype = source->dtype;
+        info.ggml_block_type = source->ggml_block_type;
         info.shape = shape;
         continue;
       }
       const bool same_rows = std::equal(shape.begin() + 1, shape.end(), info.shape.begin() + 1, info.shape.end());
-      TORCH_CHECK(source->dtype == info.dtype && same_rows, path_, ": '", name, "' joins '", pieces.front().key,
+      TORCH_CHECK(source->dtype == info.dtype && source->ggml_block_type == info.ggml_block_type && same_rows, path_, ": '", name, "' joins '", pieces.front().key,
                   "' (", st_dtype_name(info.dtype), ") and '", piece.key, "' (", st_dtype_name(source->dtype),
                   ", shape ", c10::IntArrayRef(source->shape), "), which differ in dtype or row shape");
       info.shape[0] += shape[0];
     }
     info.begin = 0;
-    info.end = static_cast<uint64_t>(info.numel() * st_dtype_size(info.dtype));
+    info.end = info.is_gguf_blocks()
+                                      ? ggml_bytes(static_cast<GgmlType>(info.ggml_block_type), info.numel())
+                                      : static_cast<uint64_t>(info.numel() * st_dtype_size(info.dtype));
     tensors->emplace(name, std::move(tensor));
   }
   Checkpoint out = *this;

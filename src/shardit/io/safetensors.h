@@ -39,7 +39,12 @@ struct TensorInfo {
   std::vector<int64_t> shape;
   uint64_t begin = 0;  ///< byte offset inside the data section
   uint64_t end = 0;    ///< one past the last byte, inside the data section
+  /// A GGUF tensor stored in quantized blocks: its ggml type's number (io::GgmlType, gguf.h), -1
+  /// for a tensor of a plain dtype. `shape` is then its elements' (LibTorch order), `dtype` U8,
+  /// and reads give its codes: uint8 [rows, bytes of the row's blocks read].
+  int32_t ggml_block_type = -1;
   int64_t numel() const;
+  bool is_gguf_blocks() const { return ggml_block_type >= 0; }
   uint64_t nbytes() const { return end - begin; }
 };
 
@@ -130,8 +135,12 @@ struct TensorPiece {
 /// its rows each; a [shift, scale] modulation read as [scale, shift] is its two halves swapped.
 using KeyMapping = std::map<std::string, std::vector<TensorPiece>>;
 
+class GgufFile;
+
 /// A checkpoint made of one or several safetensors files: a single file, a folder with one
-/// `*.safetensors` file, or a sharded set described by `*.safetensors.index.json`.
+/// `*.safetensors` file, or a sharded set described by `*.safetensors.index.json`; or one GGUF
+/// file (`*.gguf`): its F32, F16 and BF16 tensors read as those dtypes, its block-quantized ones
+/// as their codes (TensorInfo::ggml_block_type; a read never dequantizes, the loader does).
 ///
 /// A checkpoint may carry a KeyMapping (with_mapping): it then speaks the model's names, every
 /// accessor below resolving a name to its pieces, and read_slices copies only the bytes of the
@@ -145,13 +154,22 @@ class Checkpoint {
   /// `<prefix>.safetensors.index.json` or one `<prefix>.safetensors` file (diffusers'
   /// `diffusion_pytorch_model*` and transformers' `model*` are both recognised).
   static Checkpoint open(const std::string& path);
+  /// True when `path` is a GGUF file (its first four bytes are "GGUF").
+  static bool is_gguf(const std::string& path);
 
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;
   bool contains(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;
-  /// The file holding `name`; throws naming the checkpoint when absent.
+  /// The safetensors file holding `name`; throws naming the checkpoint when absent, or when it is a
+  /// GGUF checkpoint.
   const SafetensorsFile& file_of(const std::string& name) const;
+  /// The path of the file holding `name` (either container); throws naming the checkpoint when absent.
+  const std::string& path_of(const std::string& name) const;
+  /// Every file the checkpoint reads, safetensors or GGUF.
+  std::vector<std::string> file_paths() const;
+  /// The GGUF file of a GGUF checkpoint, or nullptr.
+  const std::shared_ptr<GgufFile>& gguf() const { return gguf_; }
   at::Tensor read(const std::string& name, std::optional<at::ScalarType> dtype = std::nullopt) const;
   at::Tensor read_slices(const std::string& name, int64_t dim, const std::vector<Range>& ranges,
                          std::optional<at::ScalarType> dtype = std::nullopt) const;
@@ -178,14 +196,22 @@ class Checkpoint {
   };
   /// The files' tensor `key` ("" for a checkpoint error naming `name`, the mapped name asked for).
   const TensorInfo& source_info(const std::string& key) const;
-  /// The files' tensor `key`, whole (`rows` empty) or the rows of `rows` (dim 0), concatenated.
-  at::Tensor source_read(const std::string& key, const std::vector<Range>& rows,
-                         std::optional<at::ScalarType> dtype) const;
+  /// The files' tensor `key`, whole (`rows` empty) or the rows of `rows` (dim 0), concatenated;
+  /// then, for `dim` > 0, only the `columns` ranges along `dim` (a GGUF block tensor's on block
+  /// boundaries: only those blocks of each row are read).
+  at::Tensor source_read(const std::string& key, const std::vector<Range>& rows, std::optional<at::ScalarType> dtype,
+                         int64_t dim = 0, const std::vector<Range>& columns = {}) const;
+  at::Tensor gguf_read(const std::string& key, const std::vector<Range>& rows, std::optional<at::ScalarType> dtype,
+                       int64_t dim, const std::vector<Range>& columns) const;
   const MappedTensor& mapped_tensor(const std::string& name) const;
+  /// Makes this a checkpoint of the GGUF file `path` (io/checkpoint_gguf.cpp).
+  void open_gguf(const std::string& path);
   std::string path_;
   std::shared_ptr<const std::map<std::string, MappedTensor>> mapped_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> file_index_;  // tensor name -> files_ index
+  std::shared_ptr<GgufFile> gguf_;             // a GGUF checkpoint's file (then files_ is empty)
+  std::shared_ptr<const std::map<std::string, TensorInfo>> gguf_tensors_;  // its tensors in our terms
   std::shared_ptr<ReadStats> stats_;
 };
 

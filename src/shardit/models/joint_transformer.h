@@ -134,8 +134,9 @@ class JointTransformer2DModel : public parallel::TensorParallelModule {
   /// that is a double-stream block and at least one block after it.
   void check_cache_config(const StepCacheConfig& config) const;
 
-  /// The dtype and device of the (loaded) parameters.
-  at::ScalarType dtype() const { return proj_out->weight.scalar_type(); }
+  /// The dtype and device of the (loaded) parameters: the compute dtype, also when proj_out holds
+  /// 8-bit or GGUF codes.
+  at::ScalarType dtype() const { return proj_out->weight_dtype(); }
   at::Device device() const { return proj_out->weight.device(); }
 
   std::shared_ptr<nn::AdaLayerNormContinuous> norm_out;

@@ -46,8 +46,14 @@ void load_gguf_linear(Linear& linear, const io::GgufFile& file, const std::strin
   at::Tensor codes = read_gguf_linear_codes(file, name, mode, tp_degree, tp_rank);
   const int64_t first_row = splits_rows(mode) ? gguf_rank_rows(tensor, tp_degree, tp_rank).begin : 0;
   const int64_t first_block = mode == LinearParallel::Rowwise ? gguf_rank_blocks(tensor, tp_degree, tp_rank).begin : 0;
-  check_gguf_scales(codes, tensor.type, file.path() + ": tensor '" + name + "'", first_row, first_block);
-  linear.set_gguf_weight(std::move(codes), tensor.type, dtype);
+  set_gguf_linear_codes(linear, std::move(codes), tensor.type, file.path() + ": tensor '" + name + "'", first_row,
+                        first_block, dtype);
+}
+
+void set_gguf_linear_codes(Linear& linear, at::Tensor codes, io::GgmlType type, const std::string& what,
+                           int64_t first_row, int64_t first_block, at::ScalarType dtype) {
+  check_gguf_scales(codes, type, what, first_row, first_block);
+  linear.set_gguf_weight(std::move(codes), type, dtype);
 }
 
 }  // namespace shardit::nn

@@ -27,6 +27,13 @@ at::Tensor read_gguf_linear_codes(const io::GgufFile& file, const std::string& n
 /// The bytes one rank holds of that weight, as stored (what a memory plan counts for it).
 int64_t gguf_linear_rank_bytes(const io::GgufTensorInfo& tensor, LinearParallel mode, int64_t tp_degree);
 
+/// Holds `codes` (a rank's blocks of a GGUF weight, uint8 [out_local, row_bytes_local], read by the
+/// caller, e.g. through a mapped io::Checkpoint) in `linear`, after checking that every block scale
+/// is finite (check_gguf_scales, naming `what` and the share's first row and block in the whole
+/// tensor). `dtype`: the dtype the weight would have dense.
+void set_gguf_linear_codes(Linear& linear, at::Tensor codes, io::GgmlType type, const std::string& what,
+                           int64_t first_row, int64_t first_block, at::ScalarType dtype);
+
 /// Reads this rank's codes of `name` into `linear` (Linear::set_gguf_weight), after checking that
 /// the tensor is 2-D with the layer's full shape [out_features, in_features] (LibTorch order), and
 /// that every scale of the rank's blocks is finite (check_gguf_scales).

@@ -175,7 +175,8 @@ void LoraAdapters::load(const std::string& name, const LoraAdapterSpec& spec, co
                   " (in this rank's slice); the adapter is corrupt, refusing to load it");
     }
     const auto options = layer.weight.options().dtype(layer.weight_dtype());
-    TORCH_INTERNAL_ASSERT(lora_A.size(1) == layer.weight.size(1) && lora_B.size(0) == layer.weight.size(0),
+    // weight_in_features: a GGUF weight's codes are [out, row_bytes]; the adapter sees its elements.
+    TORCH_INTERNAL_ASSERT(lora_A.size(1) == layer.weight_in_features() && lora_B.size(0) == layer.weight.size(0),
                           "LoRA slice of '", target.module, "' does not match the local weight");
     pending.push_back({&layer, nn::LoraLayer{name, lora_A.to(options), lora_B.to(options), target.scaling}});
   }

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <utility>
 
+#include "shardit/nn/gguf_dequantize.h"
+#include "shardit/nn/gguf_linear.h"
 #include "shardit/nn/int8_compute.h"
 #include "shardit/nn/weight_storage.h"
 #include "shardit/parallel/plan_resolution.h"
@@ -67,7 +69,7 @@ const char* const kInputScaleNames[] = {"input_scale", "scale_input"};
 at::Tensor read_weight_scale(const io::Checkpoint& checkpoint, const std::string& scale_key,
                              const std::string& weight_key, const std::vector<int64_t>& weight_shape) {
   const io::TensorInfo& info = checkpoint.info(scale_key);
-  const std::string& file = checkpoint.file_of(scale_key).path();
+  const std::string& file = checkpoint.path_of(scale_key);
   const int64_t out = weight_shape.at(0);
   const int64_t count = info.numel();
   const bool per_tensor = count == 1 && info.shape.size() <= 1;
@@ -138,11 +140,12 @@ std::vector<WeightSource> weight_sources(const std::vector<nn::Module::TensorSlo
   for (size_t i = 0; i < slots.size(); ++i) {
     if (keys[i].empty() || linear_of_weight(slots[i]) == nullptr) continue;
     const io::TensorInfo& info = checkpoint.info(keys[i]);
+    if (info.is_gguf_blocks()) continue;  // held as stored, as GGUF blocks (load_gguf_weight)
     const std::string scale_key = scale_key_of(checkpoint, keys[i], accepted);
     WeightSource& source = sources[i];
     source.storage = nn::weight_storage(info.dtype, !scale_key.empty(), plan.parameters[i].quantized, weights);
     if (!source.storage.stored_quantized) {
-      TORCH_CHECK(scale_key.empty(), checkpoint.file_of(scale_key).path(), ": scale '", scale_key, "' belongs to '",
+      TORCH_CHECK(scale_key.empty(), checkpoint.path_of(scale_key), ": scale '", scale_key, "' belongs to '",
                   keys[i], "', which is ", io::st_dtype_name(info.dtype), ", not an 8-bit weight; the file mixes ",
                   "formats (remove the scale, or store the weight in F8_E4M3 / I8)");
       continue;
@@ -183,14 +186,14 @@ void check_checkpoint_fits(const nn::Module& model, const std::vector<nn::Module
     // An integer or boolean tensor under a weight's name is not a weight: it would be cast
     // silently, or fail at the first product naming no tensor.
     TORCH_CHECK(!slots[i].tensor->is_floating_point() || io::st_dtype_is_floating(info.dtype) ||
-                    sources[i].storage.stored_quantized,
-                checkpoint.file_of(keys[i]).path(), ": tensor '", keys[i], "' is ", io::st_dtype_name(info.dtype),
+                    sources[i].storage.stored_quantized || info.is_gguf_blocks(),
+                checkpoint.path_of(keys[i]), ": tensor '", keys[i], "' is ", io::st_dtype_name(info.dtype),
                 ", but it is a weight of ", model.type_name(), " and weights are floating point (F32, BF16, F16, "
                 "F64, F8_E4M3, F8_E5M2; I8 with a '.weight_scale'); the file is not this model's checkpoint");
     const std::vector<int64_t> declared = slots[i].tensor->sizes().vec();
     if (info.shape != declared) {
       std::ostringstream line;
-      line << checkpoint.file_of(keys[i]).path() << ": tensor '" << keys[i] << "' has shape "
+      line << checkpoint.path_of(keys[i]) << ": tensor '" << keys[i] << "' has shape "
            << c10::IntArrayRef(info.shape) << ", the model expects " << c10::IntArrayRef(declared);
       mismatched.push_back(line.str());
     }
@@ -233,7 +236,7 @@ void load_8_bit_weight(nn::Linear& linear, const io::Checkpoint& checkpoint, con
     const at::ScalarType code_type = format == nn::WeightFormat::Int8 ? at::kChar : at::kByte;
     if (codes.scalar_type() != code_type) codes = codes.view(code_type);  // LibTorch's own float8 type
     TORCH_CHECK(format == nn::WeightFormat::Int8 || !has_nonfinite_fp8(codes, info.dtype),
-                checkpoint.file_of(key).path(), ": FP8 weight '", key, "' holds NaN or Inf codes; "
+                checkpoint.path_of(key), ": FP8 weight '", key, "' holds NaN or Inf codes; "
                 "the checkpoint is corrupt");
     scale = row_scales_for_rank(source.full_scale, spec, rank);
   } else {
@@ -243,13 +246,85 @@ void load_8_bit_weight(nn::Linear& linear, const io::Checkpoint& checkpoint, con
                                  ? checkpoint.read_slices(key, spec.dim, spec.ranges_per_rank[rank], at::kFloat)
                                  : checkpoint.read(key, at::kFloat);
     const at::Tensor absmax = spec.dim == 1 ? full_row_absmax(checkpoint, key) : value.abs().amax(1);
-    TORCH_CHECK(at::isfinite(absmax).all().item<bool>(), checkpoint.file_of(key).path(), ": weight '",
+    TORCH_CHECK(at::isfinite(absmax).all().item<bool>(), checkpoint.path_of(key), ": weight '",
                 key, "' holds NaN or Inf; refusing to quantize it (the checkpoint is corrupt)");
     scale = nn::symmetric_row_scales(absmax, format);
     codes = nn::quantize_rows(value, format, scale);
   }
   linear.set_quantized_weight(codes.to(options.device), format, scale.to(options.device), target);
   if (options.int8_compute && format == nn::WeightFormat::Int8) linear.enable_int8_compute();
+}
+
+/// The ggml type of a tensor stored in GGUF blocks.
+io::GgmlType gguf_type(const io::TensorInfo& info) { return static_cast<io::GgmlType>(info.ggml_block_type); }
+
+/// The first split range of `spec` on `rank` that cuts a block of `block` elements, if any: rows
+/// (dim 0) are free to cut; a split along the row must fall between blocks.
+std::optional<io::Range> gguf_cut(const ShardSpec& spec, int64_t block) {
+  if (!spec.is_sharded() || spec.dim == 0) return std::nullopt;
+  for (const auto& ranges : spec.ranges_per_rank) {
+    for (const io::Range& range : ranges) {
+      if (range.begin % block != 0 || range.end % block != 0) return range;
+    }
+  }
+  return std::nullopt;
+}
+
+/// Refuses, before anything is read, a degree at which the split of a tensor stored in GGUF blocks
+/// cuts its blocks, listing the degrees (up to 64) at which the plan resolves and every such split
+/// falls on whole blocks.
+void check_gguf_splits(nn::Module& model, const TpPlan& plan, const ResolvedPlan& resolved,
+                       const std::vector<std::string>& keys, const io::Checkpoint& checkpoint, const LoadOptions& options,
+                       const ModelTraits& traits) {
+  const auto first_cut = [&](const ResolvedPlan& candidate) -> std::optional<size_t> {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].empty() || !checkpoint.info(keys[i]).is_gguf_blocks()) continue;
+      if (gguf_cut(candidate.parameters[i], io::ggml_block(gguf_type(checkpoint.info(keys[i]))).block_size)) return i;
+    }
+    return std::nullopt;
+  };
+  const std::optional<size_t> cut = first_cut(resolved);
+  if (!cut) return;
+  std::vector<std::string> working;
+  for (int degree = 1; degree <= 64; ++degree) {
+    try {
+      const Resolution candidate = resolve_with_layers(model, plan, degree, traits, options.dtype, options.weights,
+                                                       options.quantize_kept_layers);
+      if (!first_cut(candidate.plan)) working.push_back(std::to_string(degree));
+    } catch (const c10::Error&) {
+      // The plan itself refuses this degree.
+    }
+  }
+  const ShardSpec& spec = resolved.parameters[*cut];
+  const io::TensorInfo& info = checkpoint.info(keys[*cut]);
+  const io::Range range = *gguf_cut(spec, io::ggml_block(gguf_type(info)).block_size);
+  TORCH_CHECK(false, checkpoint.path_of(keys[*cut]), ": tensor '", keys[*cut], "' (", io::ggml_type_name(gguf_type(info)),
+              ", shape ", c10::IntArrayRef(info.shape), ") is stored in blocks of ",
+              io::ggml_block(gguf_type(info)).block_size, " elements along its rows, but tensor parallelism at degree ",
+              resolved.tp_degree, " splits its rows at columns [", range.begin, ", ", range.end,
+              "), inside a block; degrees that keep every GGUF block whole: ", join_names(working, 64),
+              " (or use a file whose type has smaller blocks)");
+}
+
+/// Fills the weight of slot `slot` from the tensor `key` stored in GGUF blocks: a Linear keeps this
+/// rank's blocks as stored (whole rows when colwise, whole blocks of every row when rowwise);
+/// another tensor is dequantized on load to `target`.
+void load_gguf_weight(const nn::Module::TensorSlot& slot, const io::Checkpoint& checkpoint, const std::string& key,
+                      ShardSpec& spec, int rank, at::ScalarType target, const LoadOptions& options) {
+  const io::GgmlType type = gguf_type(checkpoint.info(key));
+  const std::vector<io::Range>* ranges = spec.is_sharded() ? &spec.ranges_per_rank[static_cast<size_t>(rank)] : nullptr;
+  const at::Tensor codes = ranges ? checkpoint.read_slices(key, spec.dim, *ranges) : checkpoint.read(key);
+  const std::string what = checkpoint.path_of(key) + ": tensor '" + key + "'";
+  const int64_t first_row = ranges && spec.dim == 0 ? ranges->front().begin : 0;
+  const int64_t first_block =
+      ranges && spec.dim > 0 ? ranges->front().begin / io::ggml_block(type).block_size : 0;
+  if (nn::Linear* linear = linear_of_weight(slot)) {
+    nn::set_gguf_linear_codes(*linear, codes.to(options.device), type, what, first_row, first_block, target);
+    spec.count_as_gguf_blocks(type);
+    return;
+  }
+  nn::check_gguf_scales(codes, type, what, first_row, first_block);
+  *slot.tensor = nn::gguf_dequantize(codes, type, target, what).reshape(spec.local_shape(rank)).to(options.device);
 }
 
 }  // namespace
@@ -271,6 +346,7 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
   const std::vector<WeightSource> sources =
       weight_sources(slots, keys, checkpoint, resolution.plan, options.weights, accepted);
   check_checkpoint_fits(model, slots, keys, sources, checkpoint, traits, accepted);
+  check_gguf_splits(model, plan, resolution.plan, keys, checkpoint, options, traits);
 
   const int rank = parallel ? options.tensor_parallel->tp_rank() : 0;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -278,6 +354,10 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
     TORCH_INTERNAL_ASSERT(spec.parameter == slots[i].name);
     const at::ScalarType target = nn::keeps_fp32(slots[i].name, traits.keep_in_fp32_modules) ? at::kFloat
                                                                                               : options.dtype;
+    if (checkpoint.info(keys[i]).is_gguf_blocks()) {
+      load_gguf_weight(slots[i], checkpoint, keys[i], resolution.plan.parameters[i], rank, target, options);
+      continue;
+    }
     if (sources[i].storage.format != nn::WeightFormat::Dense) {
       load_8_bit_weight(*linear_of_weight(slots[i]), checkpoint, keys[i], spec, sources[i], rank, target, options);
       resolution.plan.parameters[i].quantized = true;
