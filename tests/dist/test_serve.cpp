@@ -169,9 +169,9 @@ class Process {
 
 // `shardit --nproc-per-node <ranks> --timeout 20 serve --model <model> --port 0 <extra>`.
 std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<std::string>& extra,
-                                      const std::string& ranks = "2") {
+                                      const std::string& ranks = "2", const std::string& model = served_model()) {
   std::vector<std::string> argv = {cli_path(), "--nproc-per-node", ranks, "--timeout", "20", "serve",
-                                   "--model", served_model(), "--port", "0",
+                                   "--model", model, "--port", "0",
                                    "--max-sequence-length", kMaxSequenceLength};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return std::make_unique<Process>(argv, std::map<std::string, std::string>{}, dir + "/server.log");
@@ -1505,6 +1505,58 @@ TEST(Serve, EditsEqualGenerateWithImageAndRefuseBadImagesGolden) {
   EXPECT_EQ(server->exit_code(), 0) << server->log();
 }
 
+
+// POST /v1/images/edits on the golden QwenImageEditPlusPipeline folder at TP=2 with two images (a
+// JSON array, in order): the answer is the PNG `generate --image A --image B` writes with the same
+// seed, size and steps; its VAE area stays diffusers' 1024² (a request's size is only the
+// answer's), so the CLI runs at its default --max-area too. A fourth image is refused by name.
+TEST(Serve, QwenImageEditPlusEditsEqualGenerateGolden) {
+  const std::string dir = make_temp_dir("serve_qwen_edits");
+  const std::string folder = shardit::testing::golden_path("edit_qwenimage");
+  auto server = start_server(dir, {}, "2", folder);
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0) << server->log();
+  const std::string first = folder + "/plus_two.image_0.png";
+  const std::string second = folder + "/plus_one.image_0.png";
+  json edit = {{"prompt", "the cat from picture 1 in the room of picture 2"},
+               {"image", {shardit::serving::base64_encode(read_text(first)),
+                          shardit::serving::base64_encode(read_text(second))}},
+               {"size", "64x48"},
+               {"num_inference_steps", 2},
+               {"true_cfg_scale", 1.0},
+               {"seed", 3},
+               {"response_format", "b64_json"}};
+  auto answer = post(port, edit.dump(), "/v1/images/edits");
+  ASSERT_TRUE(answer) << "POST failed: " << httplib::to_string(answer.error());
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  const at::Tensor served = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, "served.png");
+  EXPECT_EQ(served.size(0), 48);
+  EXPECT_EQ(served.size(1), 64);
+
+  std::string output;
+  const std::string generated = dir + "/generated.png";
+  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + folder + " --image " + first +
+                                   " --image " + second +
+                                   " --prompt 'the cat from picture 1 in the room of picture 2' --seed 3 --width 64"
+                                   " --height 48 --steps 2 --true-cfg-scale 1 --max-sequence-length " +
+                                   kMaxSequenceLength + " --out " + generated,
+                               &output);
+  ASSERT_EQ(code, 0) << output;
+  const at::Tensor expected = shardit::io::read_png(generated);
+  ASSERT_EQ(served.sizes(), expected.sizes());
+  EXPECT_TRUE(served.equal(expected)) << "the served edit differs from generate --image's in "
+                                      << served.ne(expected).sum().item<int64_t>() << " values";
+
+  json four = edit;
+  four["image"] = {four["image"][0], four["image"][1], four["image"][0], four["image"][1]};
+  auto refused = post(port, four.dump(), "/v1/images/edits");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  EXPECT_THAT(refused->body, HasSubstr("image")) << refused->body;
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited()) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
 
 // --replicas 2 --tp 2 on 4 ranks: two requests that arrive together run at the same time, one on
 // each replica (both jobs are seen running at once through GET /v1/jobs/{id}), and give the same
