@@ -36,6 +36,7 @@ struct InspectOptions {
   std::string path;
   bool plan = false;
   int tp = 1;
+  int text_encoder_tp = 0;  ///< --plan: the text encoders' degree; 0: as a pipeline chooses it
   std::string dtype;  ///< byte counts of --plan in this dtype; "": the checkpoint's
   std::string weights_dtype = "checkpoint";  ///< --plan: the transformer's Linears in 8 bits (fp8, int8)
   std::string tp_plan = "full";
@@ -136,6 +137,7 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
 MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const InspectOptions& options) {
   MemoryPlanRequest request;
   request.tp = options.tp;
+  if (options.text_encoder_tp > 0) request.text_encoder_tp = options.text_encoder_tp;
   request.plan = parallel::parse_tp_plan_kind(options.tp_plan);
   request.weights = nn::parse_weights_dtype(options.weights_dtype);
   if (!options.dtype.empty()) {
@@ -265,11 +267,34 @@ int run_inspect(const InspectOptions& options) {
   }
   fmt::print("== pipeline at {}\nmodel_index.json:\n{}\n", folder.root(), folder.model_index().dump(2));
   int status = 0;
+  // The text encoders' plans at their own degree, as the pipeline loads them.
+  int text_degree = options.tp;
+  if (options.plan) {
+    try {
+      text_degree = options.text_encoder_tp > 0 ? options.text_encoder_tp
+                                                : text_encoder_degree(folder, options.tp, at::kFloat);
+    } catch (const std::exception&) {
+      // A component that cannot be planned is reported below, by the loop that shows it.
+    }
+  }
   for (const auto& name : folder.components()) {
     // Schedulers and tokenizers have no weights; a missing component folder is reported and
     // makes the command fail, after the other components were shown.
     try {
-      print_component(folder.component(name), options, /*tolerate_missing_weights=*/true);
+      const io::ComponentFolder component = folder.component(name);
+      const models::ComponentClass* entry = find_module_class(component.class_name());
+      if (options.plan && entry != nullptr && entry->kind == models::ComponentKind::TextEncoder &&
+          text_degree != options.tp) {
+        InspectOptions at_text_degree = options;
+        at_text_degree.tp = text_degree;
+        fmt::print("({} at TP={}: {})\n", name, text_degree,
+                   options.text_encoder_tp > 0 ? "--text-encoder-tp"
+                                               : "the largest degree dividing --tp that the text encoders' heads allow, "
+                                                 "as the pipeline loads them; --text-encoder-tp sets it");
+        print_component(component, at_text_degree, /*tolerate_missing_weights=*/true);
+        continue;
+      }
+      print_component(component, options, /*tolerate_missing_weights=*/true);
     } catch (const std::exception& e) {
       fmt::print("== component '{}': {}\n", name, error_message(e));
       status = 1;
@@ -301,6 +326,11 @@ void register_inspect(CLI::App& app, CommandBody& body) {
                    "with --plan: count the transformer's Linears as --weights-dtype loads them: checkpoint (as "
                    "stored), fp8 or int8 (1 byte each; the model's high-precision layers stay in --dtype)")
       ->check(CLI::IsMember({"checkpoint", "fp8", "int8"}))
+      ->needs("--plan");
+  command->add_option("--text-encoder-tp", options->text_encoder_tp,
+                      "with --plan: the text encoders' tensor-parallel degree (default: the largest divisor of --tp "
+                      "their heads allow, as generate chooses it)")
+      ->check(integer_in(1, 4096))
       ->needs("--plan");
   command->add_option("--tp-plan", options->tp_plan,
                       "full (ours: modulation sharded too) or reference (diffusers' _tp_plan); the summary shows both")

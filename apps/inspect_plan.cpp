@@ -78,6 +78,29 @@ std::optional<PlannedComponent> as_pipeline_holds(const PlannedComponent& whole,
 struct Planned {
   std::vector<PlannedComponent> components;
   std::vector<std::pair<std::string, std::string>> not_counted;  ///< component, why
+
+  /// The degree `component` is split over when the transformer is at `tp`: the text encoders'
+  /// own degree (`text_encoder_tp`, else the largest divisor of `tp` that all of them allow, as a
+  /// pipeline loads them), `tp` for the others.
+  int degree_of(const PlannedComponent& component, int tp, at::ScalarType dtype,
+                std::optional<int> text_encoder_tp) const {
+    if (component.kind != models::ComponentKind::TextEncoder) return tp;
+    if (text_encoder_tp) return *text_encoder_tp;
+    for (int degree = tp; degree > 1; --degree) {
+      if (tp % degree != 0) continue;
+      const bool fits = std::all_of(components.begin(), components.end(), [&](const PlannedComponent& other) {
+        if (other.kind != models::ComponentKind::TextEncoder) return true;
+        try {
+          other.model->resolve(degree, dtype);
+          return true;
+        } catch (const c10::Error&) {
+          return false;
+        }
+      });
+      if (fits) return degree;
+    }
+    return 1;
+  }
 };
 
 /// The components of `folder`: a component folder must be of a registered class (the registry's
@@ -172,11 +195,12 @@ Activations activations(const Planned& planned, int tp, const MemoryPlanRequest&
 }
 
 /// The weights one rank holds at `tp` under `kind`, over every counted component.
-int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, at::ScalarType dtype,
-                         nn::WeightsDtype weights) {
+int64_t per_rank_weights(const Planned& planned, int tp, TpPlanKind kind, const MemoryPlanRequest& request) {
   int64_t bytes = 0;
   for (const auto& component : planned.components) {
-    if (component.counted) bytes += component.memory(tp, kind, dtype, weights).per_rank_bytes;
+    if (!component.counted) continue;
+    const int degree = planned.degree_of(component, tp, request.dtype, request.text_encoder_tp);
+    bytes += component.memory(degree, kind, request.dtype, request.weights).per_rank_bytes;
   }
   return bytes;
 }
@@ -197,6 +221,14 @@ const models::ComponentClass* find_module_class(const std::string& class_name) {
 }
 
 
+int text_encoder_degree(const io::ModelFolder& folder, int tp, at::ScalarType dtype) {
+  const Planned planned = plan_folder(folder);
+  for (const auto& component : planned.components) {
+    if (component.kind == models::ComponentKind::TextEncoder) return planned.degree_of(component, tp, dtype, std::nullopt);
+  }
+  return tp;
+}
+
 void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request) {
   const Planned planned = plan_folder(folder);
   const std::vector<TpPlanKind> kinds = {TpPlanKind::Full, TpPlanKind::Reference};
@@ -206,7 +238,8 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
   std::vector<std::vector<models::ComponentMemory>> rows;
   for (const auto& component : planned.components) {
     std::vector<models::ComponentMemory> both;
-    for (TpPlanKind kind : kinds) both.push_back(component.memory(request.tp, kind, request.dtype, request.weights));
+    const int degree = planned.degree_of(component, request.tp, request.dtype, request.text_encoder_tp);
+    for (TpPlanKind kind : kinds) both.push_back(component.memory(degree, kind, request.dtype, request.weights));
     rows.push_back(both);
   }
   const size_t chosen = request.plan == TpPlanKind::Full ? 0 : 1;
@@ -255,7 +288,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
       for (TpPlanKind kind : kinds) {
         nlohmann::json verdict = {{"tp_degree", tp}, {"plan", parallel::tp_plan_kind_name(kind)}};
         try {
-          const int64_t needed = per_rank_weights(planned, tp, kind, request.dtype, request.weights) + activations(planned, tp, request).peak();
+          const int64_t needed = per_rank_weights(planned, tp, kind, request) + activations(planned, tp, request).peak();
           verdict["per_rank_bytes"] = needed;
           verdict["fits"] = needed <= capacity;
           verdict["headroom_bytes"] = capacity - needed;

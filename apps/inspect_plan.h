@@ -33,7 +33,14 @@ struct MemoryPlanRequest {
   /// Device memory in GiB: a verdict per TP degree.
   std::optional<double> device_memory_gib;
   bool json = false;
+  /// The text encoders' degree (--text-encoder-tp); unset: the largest divisor of `tp` that all
+  /// of them allow, as a pipeline loads them.
+  std::optional<int> text_encoder_tp;
 };
+
+/// The degree a pipeline splits `folder`'s text encoders over when its transformer is at `tp`
+/// (the largest divisor of `tp` that all of them allow); `tp` when it has none.
+int text_encoder_degree(const io::ModelFolder& folder, int tp, at::ScalarType dtype);
 
 /// Prints the summary of `folder` (one component or a pipeline) as text or JSON. Unknown classes,
 /// config errors and TP degrees that cannot divide are the registry's and resolver's own errors;

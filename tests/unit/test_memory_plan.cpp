@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "shardit/core/error.h"
@@ -197,6 +198,42 @@ TEST(MemoryPlanCli, QwenImageVaeCountsEncoderAndDecoder) {
     }
     EXPECT_EQ(found, 1);
   }
+}
+
+// Qwen-Image-Edit-2511 at TP 2, 4 and 8: the transformer at --tp, the text encoder (28 heads,
+// its vision tower included) at the largest divisor of --tp it allows, as the pipeline loads it
+// (4 at TP 8), the VAE replicated; --text-encoder-tp 8 is the resolver's refusal with the degrees.
+TEST(MemoryPlanCli, QwenImageEditTextEncoderAtItsOwnDegree) {
+  int64_t transformer_at_2 = 0;
+  int64_t text_encoder_at_4 = 0;
+  for (const int tp : {2, 4, 8}) {
+    SCOPED_TRACE(tp);
+    int status = 0;
+    const nlohmann::json json =
+        inspect_json("--tp " + std::to_string(tp) + " --dtype bf16 " + fixture("qwen_image_edit_2511"), &status);
+    ASSERT_EQ(status, 0);
+    std::map<std::string, nlohmann::json> by_class;
+    for (const auto& component : json["components"]) by_class[component["class_name"]] = component;
+    ASSERT_EQ(by_class.size(), 3u);
+    const auto& transformer = by_class.at("QwenImageTransformer2DModel");
+    const auto& text_encoder = by_class.at("Qwen2_5_VLForConditionalGeneration");
+    EXPECT_EQ(transformer["tp_degree"].get<int>(), tp);
+    EXPECT_EQ(text_encoder["tp_degree"].get<int>(), tp == 8 ? 4 : tp);
+    EXPECT_EQ(by_class.at("AutoencoderKLQwenImage")["per_rank_bytes"].get<int64_t>(), kQwenImageVaeParameters * 2);
+    if (tp == 2) transformer_at_2 = transformer["per_rank_bytes"].get<int64_t>();
+    if (tp == 4) text_encoder_at_4 = text_encoder["per_rank_bytes"].get<int64_t>();
+    if (tp == 8) {
+      // The transformer keeps shrinking; the text encoder stays at its TP=4 share.
+      EXPECT_LT(transformer["per_rank_bytes"].get<int64_t>(), transformer_at_2 / 3);
+      EXPECT_EQ(text_encoder["per_rank_bytes"].get<int64_t>(), text_encoder_at_4);
+    }
+  }
+  std::string output;
+  EXPECT_NE(shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan --json --tp 8 --text-encoder-tp 8 " +
+                                              fixture("qwen_image_edit_2511") + " 2>&1",
+                                          &output),
+            0);
+  EXPECT_THAT(output, HasSubstr("degrees that would work (up to 64): 1, 2, 4"));
 }
 
 TEST(MemoryPlanCli, UnknownClassHasTheSameErrorAsWithWeights) {
