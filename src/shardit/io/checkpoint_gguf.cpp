@@ -5,9 +5,10 @@
 // before reading, so this is the last line).
 #include <c10/util/Exception.h>
 
-#include <fstream>
+#include <unistd.h>
 #include <memory>
 
+#include "shardit/io/file.h"
 #include "shardit/io/gguf.h"
 #include "shardit/io/safetensors.h"
 
@@ -47,9 +48,14 @@ std::vector<Range> block_ranges(const std::string& path, const GgufTensorInfo& t
 }  // namespace
 
 bool Checkpoint::is_gguf(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  // Not a regular file (a FIFO would block an open, a folder has no magic): not GGUF; the
+  // safetensors path that follows names the problem.
+  if (!regular_file_problem(path).empty()) return false;
+  uint64_t size = 0;
+  const UniqueFd fd = open_regular_file(path, &size);
   char magic[4] = {};
-  return in.read(magic, 4) && std::string(magic, 4) == "GGUF";
+  return size >= sizeof(magic) && ::pread(fd.get(), magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+         std::string(magic, sizeof(magic)) == "GGUF";
 }
 
 void Checkpoint::open_gguf(const std::string& path) {
