@@ -129,8 +129,17 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
     fmt::print("({} has no reference plan: showing the full plan)\n", model->type_name());
     kind = parallel::TpPlanKind::Full;
   }
-  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'):\n{}", model->type_name(), options.tp, parallel::tp_plan_kind_name(kind),
-             model->resolve(options.tp, dtype, kind, nn::parse_weights_dtype(options.weights_dtype)).to_table());
+  // With --transformer, the transformer's weights as the file stores them and a load keeps them
+  // (GGUF blocks, FP8 Linears).
+  const models::ComponentClass* entry = find_module_class(component->class_name());
+  const bool from_file = !options.transformer_file.empty() && entry != nullptr &&
+                         entry->kind == models::ComponentKind::Transformer;
+  const parallel::ResolvedPlan resolved =
+      from_file ? model->resolve_as_stored(weights_of(*component, options), options.tp, dtype, kind)
+                : model->resolve(options.tp, dtype, kind, nn::parse_weights_dtype(options.weights_dtype));
+  fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'{}):\n{}", model->type_name(), options.tp,
+             parallel::tp_plan_kind_name(kind), from_file ? ", weights as " + options.transformer_file + " stores them" : "",
+             resolved.to_table());
 }
 
 /// The summary's request: byte counts in --dtype, else the transformer checkpoint's dtype.
@@ -161,6 +170,7 @@ MemoryPlanRequest memory_plan_request(const io::ModelFolder& folder, const Inspe
     request.step = step;
   }
   if (options.device_memory > 0) request.device_memory_gib = options.device_memory;
+  request.transformer_file = options.transformer_file;
   request.json = options.json;
   return request;
 }

@@ -34,6 +34,8 @@ struct PlannedComponent {
   std::string source;  ///< its config.json
   /// Shown beside the others but not in the totals (another form of a counted component).
   bool counted = true;
+  /// A transformer's weights from a single file (--transformer): counted as stored.
+  std::optional<io::Checkpoint> stored_weights;
 
   /// A component with no plan entries is replicated at every degree.
   bool shardable() const { return !model->tp_plan().empty(); }
@@ -44,7 +46,9 @@ struct PlannedComponent {
   models::ComponentMemory memory(int tp, TpPlanKind kind, at::ScalarType dtype, nn::WeightsDtype weights) const {
     const TpPlanKind used = kind == TpPlanKind::Reference && !has_reference() ? TpPlanKind::Full : kind;
     const nn::WeightsDtype held = this->kind == models::ComponentKind::Transformer ? weights : nn::WeightsDtype::Checkpoint;
-    models::ComponentMemory memory = models::memory_of(model->resolve(shardable() ? tp : 1, dtype, used, held));
+    const int degree = shardable() ? tp : 1;
+    models::ComponentMemory memory = models::memory_of(
+        stored_weights ? model->resolve_as_stored(*stored_weights, degree, dtype, used) : model->resolve(degree, dtype, used, held));
     memory.component = name;
     memory.class_name = class_name;
     if (!shardable()) memory.plan = "replicated";
@@ -54,7 +58,8 @@ struct PlannedComponent {
 };
 
 PlannedComponent plan_component(const io::ComponentFolder& folder, const models::ComponentClass& entry) {
-  return {folder.name, entry.class_name, entry.kind, entry.create_module(folder), folder.config, folder.dir + "/config.json"};
+  return {folder.name,   entry.class_name, entry.kind, entry.create_module(folder), folder.config,
+          folder.dir + "/config.json", true, std::nullopt};
 }
 
 /// What `pipeline` holds of `whole` when it loads less than the whole checkpoint (a text encoder
@@ -230,7 +235,14 @@ int text_encoder_degree(const io::ModelFolder& folder, int tp, at::ScalarType dt
 }
 
 void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& request) {
-  const Planned planned = plan_folder(folder);
+  Planned planned = plan_folder(folder);
+  if (!request.transformer_file.empty()) {
+    for (auto& component : planned.components) {
+      if (component.kind != models::ComponentKind::Transformer) continue;
+      component.stored_weights =
+          models::open_transformer_file(request.transformer_file, component.class_name, *component.model);
+    }
+  }
   const std::vector<TpPlanKind> kinds = {TpPlanKind::Full, TpPlanKind::Reference};
   const std::string dtype = c10::toString(request.dtype);
 
@@ -248,6 +260,7 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
                          {"plan", parallel::tp_plan_kind_name(request.plan)},
                          {"dtype", dtype},
                          {"weights_dtype", nn::weights_dtype_name(request.weights)}};
+  if (!request.transformer_file.empty()) json["transformer_file"] = request.transformer_file;
   nlohmann::json components = nlohmann::json::array();
   for (size_t c = 0; c < rows.size(); ++c) {
     const auto& both = rows[c];
@@ -317,6 +330,9 @@ void print_memory_plan(const io::ModelFolder& folder, const MemoryPlanRequest& r
                  ? std::string()
                  : fmt::format(", transformer Linears in {} (--weights-dtype)", nn::weights_dtype_name(request.weights)),
              parallel::tp_plan_kind_name(request.plan));
+  if (!request.transformer_file.empty()) {
+    fmt::print("transformer weights as {} stores them (--transformer)\n", request.transformer_file);
+  }
   fmt::print("| component | class | plan | TP | parameters | replicated | sharded | per rank | per rank bytes |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& both : rows) {

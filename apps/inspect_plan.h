@@ -36,6 +36,9 @@ struct MemoryPlanRequest {
   /// The text encoders' degree (--text-encoder-tp); unset: the largest divisor of `tp` that all
   /// of them allow, as a pipeline loads them.
   std::optional<int> text_encoder_tp;
+  /// --transformer FILE: the transformer's weights counted as that file stores them and a load
+  /// keeps them (GGUF blocks, FP8 Linears); "": as the plan counts the folder's.
+  std::string transformer_file;
 };
 
 /// The degree a pipeline splits `folder`'s text encoders over when its transformer is at `tp`

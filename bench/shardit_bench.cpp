@@ -131,12 +131,15 @@ int run_load(const BenchOptions& options) {
   const std::string folder_path = prepare_model_folder(options, world);
   const auto folder = shardit::io::open_component(folder_path, "transformer");
   auto model = shardit::models::create_transformer(folder);
-  const auto plan = model->resolve(tp, dtype);
+  // --transformer FILE: that file's weights (a single file or GGUF), counted as the load keeps them.
+  const std::string& file = options.pipeline.transformer_file;
+  const auto checkpoint =
+      file.empty() ? folder.weights() : shardit::models::open_transformer_file(file, folder.class_name(), *model);
+  const auto plan = file.empty() ? model->resolve(tp, dtype) : model->resolve_as_stored(checkpoint, tp, dtype);
   const int64_t expected_bytes = plan.replicated_bytes() + plan.sharded_bytes() / tp;
 
   world.group()->barrier();
   const int64_t rss_before = current_rss_bytes();
-  const auto checkpoint = folder.weights();
   const auto start = Clock::now();
   shardit::parallel::LoadOptions load;
   load.dtype = dtype;
@@ -173,6 +176,7 @@ int run_load(const BenchOptions& options) {
       {"benchmark", "load"},
       {"label", options.label},
       {"model", folder_path},
+      {"transformer_file", file},
       {"path", options.load_path},
       {"tp_degree", tp},
       {"dtype", options.pipeline.dtype},
@@ -406,6 +410,7 @@ int main(int argc, char** argv) {
                     "print every LibTorch operator per forward: calls, self time, allocations (as torch.profiler)");
   auto* load = app.add_subcommand("load", "load time and peak RSS per rank of a tensor-parallel load path");
   load->add_option("--path", options.load_path, "shard-on-load or load-then-shard");
+  shardit::apps::add_transformer_file_option(load, options.pipeline.transformer_file);
   auto* encoder = app.add_subcommand("encoder", "text-encoder forward latency and parameter bytes per rank");
   encoder->add_option("--encoder", options.encoder, "clip, t5, qwen3 or qwen2_5_vl (real widths)");
   encoder->add_option("--layers", options.encoder_layers, "layers of the synthetic encoder")->check(CLI::PositiveNumber);

@@ -3,11 +3,14 @@
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; city96's names: Black Forest Labs' keys, ComfyUI's for Qwen-Image)
 // load through the single-file layouts, their Linear weights kept in GGUF blocks per rank. Checked:
 // the output equals the dense model of the same file's weights as gguf-py dequantizes them, and the
-// fp32 golden within a bound per type, at TP 1 and 2; `generate --transformer FILE.gguf` at TP 2;
-// bad files named before any compute. The files are made in the build folder by the CTest entry
+// fp32 golden within a bound per type, at TP 1 and 2; the same for Q4_K, Q5_K and Q6_K files of
+// the golden transformers widened to whole 256-value super-blocks (random weights, their fp32
+// file as the reference); `generate --transformer FILE.gguf` at TP 2; bad files named before any
+// compute. The files are made in the build folder by the CTest entry
 // make_gguf_transformer_cases.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
 #include <filesystem>
@@ -18,6 +21,7 @@
 #include "shardit/dist/world.h"
 #include "shardit/io/model_folder.h"
 #include "shardit/io/safetensors.h"
+#include "shardit/models/memory_plan.h"
 #include "shardit/models/registry.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
@@ -132,6 +136,104 @@ TEST(GgufTransformer, GoldenFilesMatchTheirDequantizedWeightsAndTheGoldenAtTp2) 
   EXPECT_EQ(run_ranks(2), 0);
 }
 
+// The K-quants: rows of whole 256-value super-blocks, which the golden models' 64-wide layers do
+// not have, so make_gguf_transformer_cases.py widens each golden transformer (32 heads of 16: 512
+// hidden; one double and one single block; random weights drawn like the golden ones) and writes
+// its fp32 single file (the reference) and Q4_K, Q5_K and Q6_K files made by ggml_k_quants.py.
+struct WideCase {
+  const char* file;
+  const char* inputs_case;  ///< the golden case whose inputs it runs (they do not depend on the width)
+};
+const WideCase kWideCases[] = {{"flux1_bfl_wide", "flux_b1_square"},
+                               {"flux2_bfl_wide", "flux2_b1_square"},
+                               {"qwenimage_comfyui_wide", "qwenimage_b1_square"}};
+/// max |sample - fp32| / max |fp32|: 1.5x the largest measured over the three models at TP 1 and 2
+/// (the scales are ggml_k_quants.py's plain ones, not ggml's searched ones).
+const TypeBound kKTypes[] = {
+    {"q6_k", 0.06},  // measured 0.039 (FLUX.1)
+    {"q5_k", 0.17},  // measured 0.110 (FLUX.1)
+    {"q4_k", 0.25},  // measured 0.165 (FLUX.1)
+};
+
+/// The plan of the transformer of `config_dir` at `tp` with the weights counted as `checkpoint`
+/// stores them (fp32 compute).
+shardit::parallel::ResolvedPlan stored_plan(const std::string& config_dir, const Checkpoint& checkpoint, int tp) {
+  auto model = shardit::models::create_transformer(shardit::io::open_component(config_dir, "transformer"));
+  return model->resolve_as_stored(checkpoint, tp, at::kFloat);
+}
+
+void check_wide(bool sharded, int rank) {
+  for (const WideCase& c : kWideCases) {
+    const std::string config_dir = gguf_file("wide/" + std::string(c.file), "");
+    const std::string inputs_dir = golden_path(c.inputs_case);
+    auto fp32 = load_from_file(config_dir, gguf_file("wide/" + std::string(c.file), ".safetensors"), sharded);
+    const at::Tensor reference = run_case(*fp32, inputs_dir);
+    for (const TypeBound& type : kKTypes) {
+      const std::string name = "wide/" + std::string(c.file) + "." + type.type;
+      SCOPED_TRACE(name);
+      std::optional<Checkpoint> checkpoint;
+      auto model = load_from_file(config_dir, gguf_file(name), sharded, &checkpoint);
+      auto dense = load_from_file(config_dir, gguf_file(name, ".dequantized.safetensors"), sharded);
+      const at::Tensor sample = run_case(*model, inputs_dir);
+      const double to_dense = relative_error(sample, run_case(*dense, inputs_dir));
+      const double to_fp32 = relative_error(sample, reference);
+      EXPECT_LE(to_dense, 1e-6);
+      EXPECT_LE(to_fp32, type.bound);
+      if (rank == 0) std::cout << name << ": " << to_dense << " from its dequantized weights, " << to_fp32 << " from fp32\n";
+      // Most Linears hold the file's K-quant blocks (256 values each), as stored.
+      int64_t super_blocks = 0;
+      for (const auto& spec : model->resolved_plan()->parameters) super_blocks += spec.block_elements == 256 ? 1 : 0;
+      EXPECT_GE(super_blocks, 10) << "weights held in 256-value blocks";
+      // What `inspect --plan --transformer` counts (the plan as the file stores the weights) is
+      // what the load holds.
+      const auto planned = stored_plan(config_dir, *checkpoint, sharded ? 2 : 1);
+      int64_t planned_bytes = 0;
+      for (const auto& spec : planned.parameters) planned_bytes += spec.is_buffer ? 0 : spec.bytes_on_rank(rank);
+      EXPECT_EQ(planned_bytes, model->parameter_bytes());
+    }
+  }
+}
+
+TEST(GgufTransformer, GoldenWideKQuantFilesMatchTheirDequantizedWeightsAtTp1) { check_wide(false, 0); }
+
+TEST(GgufTransformer, GoldenWideKQuantFilesMatchTheirDequantizedWeightsAtTp2) {
+  if (is_worker()) {
+    auto& world = shardit::dist::World::init();
+    check_wide(true, world.rank());
+    return;
+  }
+  EXPECT_EQ(run_ranks(2), 0);
+}
+
+// `inspect --plan --transformer FILE.gguf` counts the transformer as the file stores it: the Q4_K
+// Linears at 144 bytes per 256 weights, the rest at the compute dtype; the same file's fp32 form
+// is counted at 4 bytes a weight.
+TEST(GgufTransformer, GoldenInspectPlanCountsAGgufFileAsStored) {
+  const std::string config_dir = gguf_file("wide/flux1_bfl_wide", "");
+  const auto per_rank_bytes = [&](const std::string& file) {
+    std::string output;
+    const int status = shardit::testing::run_command(shardit::testing::cli_path() +
+                                                         " inspect --plan --json --tp 2 --dtype f32 " + config_dir +
+                                                         " --transformer " + file + " 2>&1",
+                                                     &output);
+    EXPECT_EQ(status, 0) << output;
+    const nlohmann::json json = nlohmann::json::parse(output, nullptr, false);
+    EXPECT_FALSE(json.is_discarded()) << output;
+    EXPECT_EQ(json.value("transformer_file", ""), file);
+    return json.is_discarded() ? int64_t{0} : json["components"][0]["per_rank_bytes"].get<int64_t>();
+  };
+  const std::string q4_k = gguf_file("wide/flux1_bfl_wide.q4_k");
+  const int64_t stored = per_rank_bytes(q4_k);
+  const int64_t fp32 = per_rank_bytes(gguf_file("wide/flux1_bfl_wide", ".safetensors"));
+  const auto folder = shardit::io::open_component(config_dir, "transformer");
+  auto model = shardit::models::create_transformer(folder);
+  const Checkpoint checkpoint = shardit::models::open_transformer_file(q4_k, folder.class_name(), *model);
+  EXPECT_EQ(stored, shardit::models::memory_of(model->resolve_as_stored(checkpoint, 2, at::kFloat)).per_rank_bytes);
+  EXPECT_EQ(fp32, shardit::models::memory_of(model->resolve(2, at::kFloat)).per_rank_bytes);
+  std::cout << "per rank at TP 2: Q4_K file " << stored << " bytes, fp32 file " << fp32 << " bytes\n";
+  EXPECT_LT(stored * 5, fp32);  // Q4_K is 4.5 bits a weight against fp32's 32
+}
+
 // A TP=2 rank reads its rows of the colwise weights and its blocks of the rowwise ones: of the
 // quantized Q8_0 FLUX.1 file's tensors, about half (the replicated ones whole on both ranks).
 TEST(GgufTransformer, GoldenRankReadsItsShareOfTheBlocks) {
@@ -150,15 +252,19 @@ TEST(GgufTransformer, GoldenRankReadsItsShareOfTheBlocks) {
   EXPECT_EQ(run_ranks(2), 0);
 }
 
-// `generate --model FOLDER --transformer FILE.gguf` at TP 2: the FLUX.1 pipeline with its
+// `generate --model FOLDER --transformer FILE.gguf` at TP 1 and 2: the FLUX.1 pipeline with its
 // transformer from the Q8_0 file writes the folder's image within Q8_0's bound (pixels in [0, 1]),
 // and the image of the same weights dequantized by gguf-py and given dense (1e-6 of the latents).
-TEST(GgufTransformer, GoldenGenerateWithGgufTransformerAtTp2GivesTheFolderImage) {
+TEST(GgufTransformer, GoldenGenerateWithGgufTransformerAtTp1And2GivesTheFolderImage) {
   if (is_worker()) return;
   const auto golden = shardit::testing::read_pipeline_case(golden_path("pipeline_flux1"));
   const auto folder = shardit::testing::run_generate_cli(golden, "--nproc-per-node 2");
+  const auto one_rank =
+      shardit::testing::run_generate_cli(golden, "", "--transformer " + gguf_file("pipeline_flux1_bfl.q8_0"));
+  EXPECT_LE((one_rank.image - folder.image).abs().max().item<double>(), 4e-2);
   const auto file = shardit::testing::run_generate_cli(golden, "--nproc-per-node 2",
                                                        "--transformer " + gguf_file("pipeline_flux1_bfl.q8_0"));
+  EXPECT_LE(relative_error(file.latents, one_rank.latents), 1e-5);  // TP 2 sums the rows in two parts
   const auto dense = shardit::testing::run_generate_cli(
       golden, "--nproc-per-node 2",
       "--transformer " + gguf_file("pipeline_flux1_bfl.q8_0", ".dequantized.safetensors"));
@@ -199,7 +305,7 @@ TEST(GgufTransformer, GoldenTruncatedAndNonGgufFilesAreNamed) {
 }
 
 // The golden FLUX.1's rowwise layers take 64 inputs: 2 Q8_0 blocks of 32 per row, so TP 4 would cut
-// them; refused on load, before any weight is read, with the degrees that keep the blocks whole.
+// them (and the wide one's Q4_K rows of 2 super-blocks); refused on load, before any weight is read, with the degrees that keep the blocks whole.
 TEST(GgufTransformer, GoldenDegreeThatCutsBlocksIsRefusedListingWorkingDegrees) {
   if (is_worker()) {
     shardit::dist::World::init();
@@ -209,6 +315,13 @@ TEST(GgufTransformer, GoldenDegreeThatCutsBlocksIsRefusedListingWorkingDegrees) 
     EXPECT_THAT(message, HasSubstr("(Q8_0, shape ["));
     EXPECT_THAT(message, HasSubstr("at degree 4 splits its rows at columns ["));
     EXPECT_THAT(message, HasSubstr("degrees that keep every GGUF block whole: 1, 2 "));
+    // A Q4_K super-block is 256 values: the wide FLUX.1's 512 inputs split in 2, not in 4.
+    const std::string k_message = error_of([] {
+      load_from_file(gguf_file("wide/flux1_bfl_wide", ""), gguf_file("wide/flux1_bfl_wide.q4_k"), true);
+    });
+    EXPECT_THAT(k_message, HasSubstr("(Q4_K, shape ["));
+    EXPECT_THAT(k_message, HasSubstr("is stored in blocks of 256 elements along its rows"));
+    EXPECT_THAT(k_message, HasSubstr("degrees that keep every GGUF block whole: 1, 2 "));
     return;
   }
   EXPECT_EQ(run_ranks(4), 0);

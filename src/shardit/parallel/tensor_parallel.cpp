@@ -163,4 +163,13 @@ ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, 
   return resolved;
 }
 
+ResolvedPlan TensorParallelModule::resolve_as_stored(const io::Checkpoint& checkpoint, int tp_degree,
+                                                     at::ScalarType dtype, TpPlanKind kind) {
+  LoadOptions options;
+  options.dtype = dtype;
+  ResolvedPlan resolved = parallel::resolve_as_stored(*this, checkpoint, plan(kind), tp_degree, options, traits());
+  resolved.plan = kind;
+  return resolved;
+}
+
 }  // namespace shardit::parallel

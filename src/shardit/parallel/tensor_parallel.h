@@ -186,6 +186,12 @@ struct LoadOptions {
 ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
                           const LoadOptions& options, const ModelTraits& traits = {});
 
+/// What load_weights would hold at `tp_degree` from `checkpoint`, without reading a weight: the plan
+/// with each weight counted in the form the load keeps (GGUF blocks as stored, 8-bit Linears in one
+/// byte), after the same checks (keys, shapes, 8-bit scales, GGUF blocks a degree would cut).
+ResolvedPlan resolve_as_stored(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan, int tp_degree,
+                               const LoadOptions& options, const ModelTraits& traits = {});
+
 class TensorParallelModule;
 
 /// Refuses tensor-parallel and Ulysses degrees that do not split every head count the model
@@ -216,6 +222,10 @@ class TensorParallelModule : public nn::Module {
   /// The plan resolved at `tp_degree` without loading anything (for `shardit inspect --plan`).
   ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat, TpPlanKind kind = TpPlanKind::Full,
                        nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint);
+  /// The plan at `tp_degree` with the weights counted as `checkpoint` stores them and a load keeps
+  /// them (parallel::resolve_as_stored): `shardit inspect --plan --transformer FILE`.
+  ResolvedPlan resolve_as_stored(const io::Checkpoint& checkpoint, int tp_degree, at::ScalarType dtype = at::kFloat,
+                                 TpPlanKind kind = TpPlanKind::Full);
   int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
   /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
   const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }

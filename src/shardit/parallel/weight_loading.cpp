@@ -310,7 +310,7 @@ void check_gguf_splits(nn::Module& model, const TpPlan& plan, const ResolvedPlan
 /// rank's blocks as stored (whole rows when colwise, whole blocks of every row when rowwise);
 /// another tensor is dequantized on load to `target`.
 void load_gguf_weight(const nn::Module::TensorSlot& slot, const io::Checkpoint& checkpoint, const std::string& key,
-                      ShardSpec& spec, int rank, at::ScalarType target, const LoadOptions& options) {
+                      const ShardSpec& spec, int rank, at::ScalarType target, const LoadOptions& options) {
   const io::GgmlType type = gguf_type(checkpoint.info(key));
   const std::vector<io::Range>* ranges = spec.is_sharded() ? &spec.ranges_per_rank[static_cast<size_t>(rank)] : nullptr;
   const at::Tensor codes = ranges ? checkpoint.read_slices(key, spec.dim, *ranges) : checkpoint.read(key);
@@ -320,14 +320,59 @@ void load_gguf_weight(const nn::Module::TensorSlot& slot, const io::Checkpoint& 
       ranges && spec.dim > 0 ? ranges->front().begin / io::ggml_block(type).block_size : 0;
   if (nn::Linear* linear = linear_of_weight(slot)) {
     nn::set_gguf_linear_codes(*linear, codes.to(options.device), type, what, first_row, first_block, target);
-    spec.count_as_gguf_blocks(type);
     return;
   }
   nn::check_gguf_scales(codes, type, what, first_row, first_block);
   *slot.tensor = nn::gguf_dequantize(codes, type, target, what).reshape(spec.local_shape(rank)).to(options.device);
 }
 
+/// Records in `spec` the form a load holds the weight in when it differs from the plan's dense
+/// one: GGUF blocks as stored (a Linear weight; other block tensors are dequantized) or 8 bits.
+void count_as_held(ShardSpec& spec, const nn::Module::TensorSlot& slot, const io::TensorInfo& info,
+                   const WeightSource& source) {
+  if (info.is_gguf_blocks()) {
+    if (linear_of_weight(slot) != nullptr) spec.count_as_gguf_blocks(gguf_type(info));
+    return;
+  }
+  if (source.storage.format != nn::WeightFormat::Dense) {
+    spec.quantized = true;
+    spec.element_size = 1;
+  }
+}
+
+/// The plan at `tp_degree` checked against `checkpoint` as load_weights checks it before reading
+/// (keys, shapes, 8-bit scales, GGUF splits), with the checkpoint's key and source per state tensor.
+struct CheckedLoad {
+  Resolution resolution;
+  std::vector<nn::Module::TensorSlot> slots;
+  std::vector<std::string> keys;
+  std::vector<WeightSource> sources;
+};
+
+CheckedLoad check_load(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan, int tp_degree,
+                       const LoadOptions& options, const ModelTraits& traits) {
+  CheckedLoad load{resolve_with_layers(model, plan, tp_degree, traits, options.dtype, options.weights,
+                                       options.quantize_kept_layers),
+                   model.named_states(), {}, {}};
+  TORCH_INTERNAL_ASSERT(load.slots.size() == load.resolution.plan.parameters.size());
+  std::set<std::string> accepted;
+  load.keys = source_keys(load.slots, checkpoint, traits, accepted);
+  load.sources = weight_sources(load.slots, load.keys, checkpoint, load.resolution.plan, options.weights, accepted);
+  check_checkpoint_fits(model, load.slots, load.keys, load.sources, checkpoint, traits, accepted);
+  check_gguf_splits(model, plan, load.resolution.plan, load.keys, checkpoint, options, traits);
+  return load;
+}
+
 }  // namespace
+
+ResolvedPlan resolve_as_stored(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan, int tp_degree,
+                               const LoadOptions& options, const ModelTraits& traits) {
+  CheckedLoad load = check_load(model, checkpoint, plan, tp_degree, options, traits);
+  for (size_t i = 0; i < load.slots.size(); ++i) {
+    count_as_held(load.resolution.plan.parameters[i], load.slots[i], checkpoint.info(load.keys[i]), load.sources[i]);
+  }
+  return std::move(load.resolution.plan);
+}
 
 ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, const TpPlan& plan,
                           const LoadOptions& options, const ModelTraits& traits) {
@@ -335,18 +380,13 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
   TORCH_CHECK(!parallel || options.tensor_parallel->group != nullptr,
               "load_weights: the tensor-parallel config has no group");
   if (options.int8_compute) nn::check_int8_compute(options.weights, options.device);
-  Resolution resolution = resolve_with_layers(model, plan, parallel ? options.tensor_parallel->tp_degree() : 1,
-                                              traits, options.dtype, options.weights, options.quantize_kept_layers);
-  auto slots = model.named_states();
-  TORCH_INTERNAL_ASSERT(slots.size() == resolution.plan.parameters.size());
-
   // Validate the whole checkpoint against the model before reading anything.
-  std::set<std::string> accepted;
-  const std::vector<std::string> keys = source_keys(slots, checkpoint, traits, accepted);
-  const std::vector<WeightSource> sources =
-      weight_sources(slots, keys, checkpoint, resolution.plan, options.weights, accepted);
-  check_checkpoint_fits(model, slots, keys, sources, checkpoint, traits, accepted);
-  check_gguf_splits(model, plan, resolution.plan, keys, checkpoint, options, traits);
+  CheckedLoad load =
+      check_load(model, checkpoint, plan, parallel ? options.tensor_parallel->tp_degree() : 1, options, traits);
+  Resolution& resolution = load.resolution;
+  const auto& slots = load.slots;
+  const auto& keys = load.keys;
+  const auto& sources = load.sources;
 
   const int rank = parallel ? options.tensor_parallel->tp_rank() : 0;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -356,12 +396,12 @@ ResolvedPlan load_weights(nn::Module& model, const io::Checkpoint& checkpoint, c
                                                                                               : options.dtype;
     if (checkpoint.info(keys[i]).is_gguf_blocks()) {
       load_gguf_weight(slots[i], checkpoint, keys[i], resolution.plan.parameters[i], rank, target, options);
+      count_as_held(resolution.plan.parameters[i], slots[i], checkpoint.info(keys[i]), sources[i]);
       continue;
     }
     if (sources[i].storage.format != nn::WeightFormat::Dense) {
       load_8_bit_weight(*linear_of_weight(slots[i]), checkpoint, keys[i], spec, sources[i], rank, target, options);
-      resolution.plan.parameters[i].quantized = true;
-      resolution.plan.parameters[i].element_size = 1;
+      count_as_held(resolution.plan.parameters[i], slots[i], checkpoint.info(keys[i]), sources[i]);
       continue;
     }
     const bool floating = io::st_dtype_is_floating(checkpoint.info(keys[i]).dtype);
