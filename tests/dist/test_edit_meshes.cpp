@@ -4,8 +4,9 @@
 // under Ulysses and ring the joint sequence (text + noise + references) is split and gathered;
 // the VAE that encodes the references lives on rank 0 (the others receive the latents), or on every
 // rank with --vae-parallel; a step cache decides the same on every mesh. `shardit generate --image`
-// runs on 2 and 4 ranks too. Qwen-Image editing (QwenImageEditPlusPipeline, QwenImageEditPipeline)
-// with its text encoder and vision tower sharded too, on 2 and 4 ranks.
+// runs on 2 and 4 ranks too. Qwen-Image editing (QwenImageEditPlusPipeline, QwenImageEditPipeline,
+// and Qwen-Image-Edit-2511's zero_cond_t transformer) with its text encoder and vision tower
+// sharded too, on 2 and 4 ranks.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -140,6 +141,9 @@ struct QwenEditMesh {
   std::optional<int> text_encoder_tp;  ///< none: the largest degree its heads allow
   std::vector<std::string> runs;
   std::optional<std::string> pipeline_class;
+  /// The golden folder: edit_qwenimage, or edit_qwenimage_zero_cond_t (Qwen-Image-Edit-2511's
+  /// transformer).
+  std::string folder = "edit_qwenimage";
 };
 
 void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
@@ -152,9 +156,9 @@ void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
     options.parallel = mesh.dims.build(world);
     options.text_encoder_tp = mesh.text_encoder_tp;
     options.pipeline_class = mesh.pipeline_class;
-    const auto pipeline = DiffusionPipeline::from_pretrained(shardit::testing::golden_path("edit_qwenimage"), options);
+    const auto pipeline = DiffusionPipeline::from_pretrained(shardit::testing::golden_path(mesh.folder), options);
     for (const std::string& tag : mesh.runs) {
-      const PipelineCase golden = shardit::testing::read_qwen_edit_case(tag);
+      const PipelineCase golden = shardit::testing::read_qwen_edit_case(tag, mesh.folder);
       ASSERT_EQ(golden.pipeline_class, mesh.pipeline_class) << tag;
       MeshRun run;
       auto request = golden.request;
@@ -162,18 +166,20 @@ void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
         run.steps.push_back(latents.clone());
       };
       run.result = pipeline->generate(request);
-      expect_run_matches(golden, run, "edit_qwenimage " + tag + " on " + label);
+      expect_run_matches(golden, run, mesh.folder + " " + tag + " on " + label);
     }
   }
 }
 
-// Transformer TP 1 and 2 with the text encoder (and its vision tower) at TP 1 and 2.
+// Transformer TP 1 and 2 with the text encoder (and its vision tower) at TP 1 and 2;
+// Qwen-Image-Edit-2511's transformer (zero_cond_t) at TP 2.
 TEST(QwenEditMeshGolden, TwoRanksTransformerAndTextEncoderTp) {
   const std::vector<QwenEditMesh> meshes = {
       {ParallelDims{1, 1, 1, 1}, 2, {"plus_three_cfg", "plus_one"}, std::nullopt},
       {ParallelDims{1, 1, 1, 2}, 1, {"plus_three_cfg", "plus_two"}, std::nullopt},
       {ParallelDims{1, 1, 1, 2}, 2, {"plus_two_cfg", "plus_three", "plus_one_cfg"}, std::nullopt},
       {ParallelDims{1, 1, 1, 2}, 2, {"edit_one_cfg", "edit_one"}, std::string("QwenImageEditPipeline")},
+      {ParallelDims{1, 1, 1, 2}, 2, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
   };
   if (is_worker()) return qwen_edit_mesh_worker(meshes);
   EXPECT_EQ(run_ranks(2), 0);
@@ -181,10 +187,13 @@ TEST(QwenEditMeshGolden, TwoRanksTransformerAndTextEncoderTp) {
 
 // TP 4, Ulysses 2 x TP 2, ring 2 x TP 2 and CFG-parallel x TP 2: the reference tokens split with
 // the noise tokens; under CFG-parallel the two halves run the prompt and the negative prompt.
+// Qwen-Image-Edit-2511's transformer under Ulysses 2 x TP 2: the reference-token mask of
+// zero_cond_t split with the sequence.
 TEST(QwenEditMeshGolden, FourRanksTpUlyssesRingCfgParallel) {
   const std::vector<QwenEditMesh> meshes = {
       {ParallelDims{1, 1, 1, 4}, std::nullopt, {"plus_three_cfg", "plus_one"}, std::nullopt},
       {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two"}, std::nullopt},
+      {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
       {ParallelDims{1, 1, 2, 2}, std::nullopt, {"plus_three", "plus_one_cfg"}, std::nullopt},
       {ParallelDims{2, 1, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two_cfg"}, std::nullopt},
   };

@@ -87,32 +87,47 @@ INSTANTIATE_TEST_SUITE_P(Golden, EditParity,
 
 // Qwen-Image editing (QwenImageEditPlusPipeline with 1, 2, 3 images, QwenImageEditPipeline),
 // without and with true CFG, from the prompt as text: the text encoder reads it with the images.
+// edit_qwenimage_zero_cond_t: two images and true CFG with Qwen-Image-Edit-2511's transformer
+// (zero_cond_t: the reference tokens modulated with timestep 0), diffusers 0.37.0.
+struct QwenEditRun {
+  std::string name;  ///< the golden folder
+  std::string tag;   ///< its run
+};
+
 const std::vector<std::string> kQwenEditRuns = {"plus_one",     "plus_two",       "plus_three", "plus_one_cfg",
                                                 "plus_two_cfg", "plus_three_cfg", "edit_one",   "edit_one_cfg"};
+const std::vector<std::string> kQwenEditZeroCondTRuns = {"plus_two_cfg_zero_cond_t"};
 
-class QwenEditParity : public ::testing::TestWithParam<std::string> {};
+std::vector<QwenEditRun> qwen_edit_runs() {
+  std::vector<QwenEditRun> runs;
+  for (const auto& tag : kQwenEditRuns) runs.push_back({"edit_qwenimage", tag});
+  for (const auto& tag : kQwenEditZeroCondTRuns) runs.push_back({"edit_qwenimage_zero_cond_t", tag});
+  return runs;
+}
+
+class QwenEditParity : public ::testing::TestWithParam<QwenEditRun> {};
 
 TEST_P(QwenEditParity, ApiMatchesDiffusers) {
-  PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam());
-  shardit::testing::expect_api_matches(golden, "edit_qwenimage " + GetParam() + " (API, TP=1)");
+  PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam().tag, GetParam().name);
+  shardit::testing::expect_api_matches(golden, GetParam().name + " " + GetParam().tag + " (API, TP=1)");
 }
 
 // The first transformer call's hidden_states: the noise tokens, then every image's packed,
 // normalised latents; each image's grid as img_shapes gives it.
 TEST_P(QwenEditParity, ReferenceTokensAndGridsMatchTheFirstTransformerCall) {
-  const PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam());
+  const PipelineCase golden = shardit::testing::read_qwen_edit_case(GetParam().tag, GetParam().name);
   const auto pipeline = load_edit_pipeline(golden);
   const auto references = pipeline->reference_tokens(golden.request, golden.batch);
   ASSERT_TRUE(references.defined());
   const auto outputs = shardit::io::SafetensorsFile::open(golden.outputs_dir + "/outputs.safetensors");
   const at::Tensor hidden = outputs->read(golden.output_prefix + "transformer.hidden_states");  // [B, N + M, C]
   const int64_t m = references.latents.size(1);
-  EXPECT_TRUE(shardit::testing::tensors_close("edit_qwenimage " + GetParam() + ": reference tokens",
+  EXPECT_TRUE(shardit::testing::tensors_close(GetParam().name + " " + GetParam().tag + ": reference tokens",
                                               references.latents, hidden.narrow(1, hidden.size(1) - m, m),
                                               shardit::testing::kPipelineAtol, shardit::testing::kPipelineRtol));
   const nlohmann::json case_json = shardit::io::read_json_file(golden.dir + "/case.json");
   for (const auto& run : case_json.at("pipeline").at("runs")) {
-    if (run.at("tag").get<std::string>() != GetParam()) continue;
+    if (run.at("tag").get<std::string>() != GetParam().tag) continue;
     // img_shapes: the noise grid, then each image's.
     auto shapes = run.at("img_shapes").get<std::vector<std::vector<int64_t>>>();
     shapes.erase(shapes.begin());
@@ -122,11 +137,28 @@ TEST_P(QwenEditParity, ReferenceTokensAndGridsMatchTheFirstTransformerCall) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, QwenEditParity, ::testing::ValuesIn(kQwenEditRuns),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Golden, QwenEditParity, ::testing::ValuesIn(qwen_edit_runs()),
+                         [](const auto& info) { return info.param.tag; });
 
 TEST(QwenEditCasesGolden, EveryRunOfTheCaseIsTested) {
   EXPECT_EQ(shardit::testing::qwen_edit_case_tags(), kQwenEditRuns);
+  EXPECT_EQ(shardit::testing::qwen_edit_case_tags("edit_qwenimage_zero_cond_t"), kQwenEditZeroCondTRuns);
+}
+
+// The zero_cond_t case is Qwen-Image-Edit-2511's transformer: its folder says so, and it is the
+// only difference from edit_qwenimage's (the same weights), so the runs above check zero_cond_t.
+TEST(QwenEditCasesGolden, ZeroCondTFolderDiffersInZeroCondTOnly) {
+  const std::string dir = shardit::testing::golden_path("edit_qwenimage_zero_cond_t");
+  const std::string base = shardit::testing::golden_path("edit_qwenimage");
+  nlohmann::json config = shardit::io::read_json_file(dir + "/transformer/config.json");
+  nlohmann::json base_config = shardit::io::read_json_file(base + "/transformer/config.json");
+  EXPECT_TRUE(config.at("zero_cond_t").get<bool>());
+  EXPECT_FALSE(base_config.at("zero_cond_t").get<bool>());
+  for (auto* c : {&config, &base_config}) {
+    c->erase("zero_cond_t");
+    c->erase("_diffusers_version");
+  }
+  EXPECT_EQ(config, base_config);
 }
 
 // `shardit generate --image` (repeated): the output size from the last image, and the

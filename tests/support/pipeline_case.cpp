@@ -99,8 +99,8 @@ PipelineCase read_edit_case(const std::string& name, const std::string& run) {
   return golden;
 }
 
-PipelineCase read_qwen_edit_case(const std::string& tag) {
-  const std::string dir = golden_path("edit_qwenimage");
+PipelineCase read_qwen_edit_case(const std::string& tag, const std::string& name) {
+  const std::string dir = golden_path(name);
   const nlohmann::json pipeline = io::read_json_file(dir + "/case.json").at("pipeline");
   PipelineCase golden;
   golden.dir = dir;
@@ -144,13 +144,13 @@ PipelineCase read_qwen_edit_case(const std::string& tag) {
       golden.cli_args.insert(golden.cli_args.end(), {"--pipeline", class_name});
     }
   }
-  EXPECT_TRUE(found) << "edit_qwenimage has no pipeline run " << tag;
+  EXPECT_TRUE(found) << name << " has no pipeline run " << tag;
   return golden;
 }
 
-std::vector<std::string> qwen_edit_case_tags() {
+std::vector<std::string> qwen_edit_case_tags(const std::string& name) {
   std::vector<std::string> tags;
-  const nlohmann::json case_json = io::read_json_file(golden_path("edit_qwenimage") + "/case.json");
+  const nlohmann::json case_json = io::read_json_file(golden_path(name) + "/case.json");
   for (const auto& run : case_json.at("pipeline").at("runs")) {
     tags.push_back(run.at("tag").get<std::string>());
   }

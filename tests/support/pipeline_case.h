@@ -40,14 +40,15 @@ PipelineCase read_prompt_case(const std::string& name);
 /// edit case's outputs as the expected ones.
 PipelineCase read_edit_case(const std::string& name, const std::string& run);
 
-/// The Qwen-Image editing run `tag` of edit_qwenimage/ (case.json `pipeline.runs`: plus_one ...
-/// edit_one_cfg): its prompt (and negative prompt) as text, its images, seed, true_cfg_scale,
-/// the case's VAE area as max_area, height/width where the run gives them, and
-/// QwenImageEditPipeline as the class for the runs of that pipeline; request and CLI alike.
-PipelineCase read_qwen_edit_case(const std::string& tag);
+/// The Qwen-Image editing run `tag` of the golden folder `name` (case.json `pipeline.runs`:
+/// edit_qwenimage's plus_one ... edit_one_cfg; edit_qwenimage_zero_cond_t's run with
+/// Qwen-Image-Edit-2511's transformer): its prompt (and negative prompt) as text, its images,
+/// seed, true_cfg_scale, the case's VAE area as max_area, height/width where the run gives them,
+/// and QwenImageEditPipeline as the class for the runs of that pipeline; request and CLI alike.
+PipelineCase read_qwen_edit_case(const std::string& tag, const std::string& name = "edit_qwenimage");
 
-/// The tags of every run of edit_qwenimage/ (case.json `pipeline.runs`), in order.
-std::vector<std::string> qwen_edit_case_tags();
+/// The tags of every run of the golden folder `name` (case.json `pipeline.runs`), in order.
+std::vector<std::string> qwen_edit_case_tags(const std::string& name = "edit_qwenimage");
 
 /// The case with `steps` denoising steps instead of its own (request and CLI arguments).
 void set_case_steps(PipelineCase& golden, int64_t steps);

@@ -57,7 +57,7 @@ PIPELINE_RUNS = [
 ]
 
 
-def ensure_venv(args):
+def ensure_venv(args, pinned=PINNED):
     if os.environ.get("SHARDIT_GOLDEN_VENV") == "1":
         return
     python = os.path.join(args.venv, "bin", "python")
@@ -66,7 +66,7 @@ def ensure_venv(args):
     pip = [python, "-m", "pip", "install", "-q"]
     if args.wheels:
         pip += ["--find-links", args.wheels]
-    subprocess.check_call(pip + PINNED)
+    subprocess.check_call(pip + pinned)
     env = dict(os.environ, SHARDIT_GOLDEN_VENV="1")
     os.execve(python, [python] + sys.argv, env)
 
@@ -153,29 +153,20 @@ def write_folder(args):
         f.write("\n")
 
 
-def run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, processor):
-    """Each PIPELINE_RUNS call: the latents after every step, the first transformer call's
-    hidden_states (noise tokens, then every image's packed reference latents), the image."""
-    import numpy as np
-    import torch
-    from PIL import Image
-    from diffusers import (FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline,
-                           QwenImageTransformer2DModel)
+def shrink_vae_area():
+    """The pipelines' 1024² area -> VAE_AREA, wherever they ask for it (a constant and a literal)."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
-    # The 1024² area -> VAE_AREA, wherever the pipelines ask for it (a constant and a literal).
     for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
         original = module.calculate_dimensions
         module.calculate_dimensions = (lambda f: lambda area, ratio: f(VAE_AREA if area == 1024 * 1024 else area,
                                                                          ratio))(original)
     pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE = VAE_AREA
 
-    comp = os.path.join(args.components, "pipeline_qwenimage")
-    transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(comp, "transformer"),
-                                                              torch_dtype=torch.float32).eval()
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(comp, "scheduler"))
-    classes = {"QwenImageEditPlusPipeline": QwenImageEditPlusPipeline, "QwenImageEditPipeline": QwenImageEditPipeline}
-    case["pipeline"] = {
+
+def pipeline_section():
+    """case.json's `pipeline`: what every run shares; the runs are appended to `runs`."""
+    return {
         "areas": {"condition": 384 * 384, "vae": VAE_AREA,
                   "note": "the pipelines' 1024*1024 (VAE images, default output size) replaced by 'vae'"},
         "prompt": PROMPT, "num_inference_steps": STEPS, "output_type": "np",
@@ -188,90 +179,146 @@ def run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, pro
         },
         "runs": [],
     }
-    for tag, class_name, names, height, width, negative, true_cfg, seed in PIPELINE_RUNS:
-        pipe = classes[class_name](scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                   processor=processor, transformer=transformer)
-        pipe.set_progress_bar_config(disable=True)
-        first_call = {}
-
-        def hook(module, a, kwargs):
-            if "hidden_states" not in first_call:
-                first_call["hidden_states"] = kwargs["hidden_states"].detach().clone()
-                first_call["img_shapes"] = kwargs["img_shapes"]
-
-        handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
-        steps = []
-
-        def on_step(p, i, t, kw):
-            steps.append(kw["latents"].detach().clone())
-            return {}
-
-        call_images = [images[n] for n in names]
-        out = pipe(image=call_images if class_name == "QwenImageEditPlusPipeline" else call_images[0], prompt=PROMPT,
-                   negative_prompt=negative, true_cfg_scale=true_cfg, height=height, width=width,
-                   num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
-                   callback_on_step_end=on_step)
-        handle.remove()
-        image = torch.from_numpy(np.ascontiguousarray(out.images))  # [1, H, W, 3]
-        for k, latents in enumerate(steps):
-            tensors[f"{tag}.step{k}.latents"] = latents.contiguous()
-        tensors[f"{tag}.transformer.hidden_states"] = first_call["hidden_states"].contiguous()
-        tensors[f"{tag}.image"] = image.float().contiguous()
-        Image.fromarray((out.images[0] * 255).round().astype("uint8")).save(
-            os.path.join(args.out, f"{tag}.image_0.png"), optimize=True)
-        entry = {"tag": tag, "pipeline": class_name, "images": [f"source_{n}.png" for n in names], "seed": seed,
-                 "true_cfg_scale": true_cfg, "output_height": int(image.shape[1]), "output_width": int(image.shape[2]),
-                 "img_shapes": [list(s) for s in first_call["img_shapes"][0]],
-                 "hidden_states_shape": list(first_call["hidden_states"].shape)}
-        if height is not None:
-            entry["height"], entry["width"] = height, width
-        if negative is not None:
-            entry["negative_prompt"] = negative
-        case["pipeline"]["runs"].append(entry)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument("--components", required=True, help="an unpacked view of the golden set")
-    parser.add_argument("--out", default=os.path.join(here, "..", "edit_qwenimage"))
-    parser.add_argument("--venv", default="/tmp/shardit-golden-qwenimage-edit")
-    parser.add_argument("--wheels", default=os.path.expanduser("~/.cache/shardit/wheels"),
-                        help="a folder of wheels pip may take torch from (--find-links)")
-    args = parser.parse_args()
-    args.repo_golden = os.path.join(here, "..")
-    ensure_venv(args)
-
+def run_pipeline(run, components, images, tensors, out_dir):
+    """One PIPELINE_RUNS call with `components` (scheduler, vae, text_encoder, tokenizer, processor,
+    transformer): the latents after every step, the first transformer call's hidden_states (noise
+    tokens, then every image's packed reference latents), the image. Returns its case.json entry."""
     import numpy as np
     import torch
-    import diffusers
-    import transformers
-    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE,
-                                                                           calculate_dimensions)
-    from safetensors.torch import save_file
+    from PIL import Image
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    tag, class_name, names, height, width, negative, true_cfg, seed = run
+    classes = {"QwenImageEditPlusPipeline": QwenImageEditPlusPipeline, "QwenImageEditPipeline": QwenImageEditPipeline}
+    pipe = classes[class_name](**components)
+    pipe.set_progress_bar_config(disable=True)
+    first_call = {}
+
+    def hook(module, a, kwargs):
+        if "hidden_states" not in first_call:
+            first_call["hidden_states"] = kwargs["hidden_states"].detach().clone()
+            first_call["img_shapes"] = kwargs["img_shapes"]
+
+    handle = components["transformer"].register_forward_pre_hook(hook, with_kwargs=True)
+    steps = []
+
+    def on_step(p, i, t, kw):
+        steps.append(kw["latents"].detach().clone())
+        return {}
+
+    call_images = [images[n] for n in names]
+    out = pipe(image=call_images if class_name == "QwenImageEditPlusPipeline" else call_images[0], prompt=PROMPT,
+               negative_prompt=negative, true_cfg_scale=true_cfg, height=height, width=width,
+               num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+               callback_on_step_end=on_step)
+    handle.remove()
+    image = torch.from_numpy(np.ascontiguousarray(out.images))  # [1, H, W, 3]
+    for k, latents in enumerate(steps):
+        tensors[f"{tag}.step{k}.latents"] = latents.contiguous()
+    tensors[f"{tag}.transformer.hidden_states"] = first_call["hidden_states"].contiguous()
+    tensors[f"{tag}.image"] = image.float().contiguous()
+    Image.fromarray((out.images[0] * 255).round().astype("uint8")).save(
+        os.path.join(out_dir, f"{tag}.image_0.png"), optimize=True)
+    entry = {"tag": tag, "pipeline": class_name, "images": [f"source_{n}.png" for n in names], "seed": seed,
+             "true_cfg_scale": true_cfg, "output_height": int(image.shape[1]), "output_width": int(image.shape[2]),
+             "img_shapes": [list(s) for s in first_call["img_shapes"][0]],
+             "hidden_states_shape": list(first_call["hidden_states"].shape)}
+    if height is not None:
+        entry["height"], entry["width"] = height, width
+    if negative is not None:
+        entry["negative_prompt"] = negative
+    return entry
+
+
+def run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, processor):
+    """Every PIPELINE_RUNS call with the pipeline_qwenimage transformer."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    shrink_vae_area()
+    comp = os.path.join(args.components, "pipeline_qwenimage")
+    transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(comp, "transformer"),
+                                                              torch_dtype=torch.float32).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(comp, "scheduler"))
+    components = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      processor=processor, transformer=transformer)
+    case["pipeline"] = pipeline_section()
+    for run in PIPELINE_RUNS:
+        case["pipeline"]["runs"].append(run_pipeline(run, components, images, tensors, args.out))
+
+
+def load_conditioning(components, processor_config):
+    """The text encoder (eager attention), the VAE, the reduced tokenizer and the Qwen2VLProcessor
+    made from `processor_config` (a preprocessor_config.json), all float32 from the unpacked view."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
     from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2TokenizerFast, Qwen2VLImageProcessor,
                               Qwen2VLProcessor)
     from transformers.processing_utils import ProcessorMixin
+
+    comp = os.path.join(components, "pipeline_qwenimage")
+    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        os.path.join(comp, "text_encoder"), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(comp, "vae"), torch_dtype=torch.float32).eval()
+    with open(processor_config) as f:
+        image_processor = Qwen2VLImageProcessor(**json.load(f))
+    tokenizer = Qwen2TokenizerFast.from_pretrained(os.path.join(components, "pipeline_flux2_klein", "tokenizer"))
+    # Qwen2VLProcessor wants a video processor, which needs torchvision; no video is processed
+    # here, so its type check is skipped instead of installing torchvision.
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    return text_encoder, vae, tokenizer, processor
+
+
+def parse_args(description, case, venv):
+    """The command line of this script and of the ones that reuse it: `case` is the folder under
+    tests/golden written by default, `venv` the default virtual environment."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    golden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    parser.add_argument("--components", required=True, help="an unpacked view of the golden set")
+    parser.add_argument("--out", default=os.path.join(golden, case))
+    parser.add_argument("--venv", default=venv)
+    parser.add_argument("--wheels", default=os.path.expanduser("~/.cache/shardit/wheels"),
+                        help="a folder of wheels pip may take torch from (--find-links)")
+    args = parser.parse_args()
+    args.repo_golden = golden
+    return args
+
+
+def write_case(out, tensors, case):
+    """outputs.safetensors (to be packed by hand, README.md) and case.json."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.path.join(out, "outputs.safetensors"))
+    with open(os.path.join(out, "case.json"), "w") as f:
+        json.dump(case, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    print("wrote", out)
+
+
+def main():
+    args = parse_args(__doc__, "edit_qwenimage", "/tmp/shardit-golden-qwenimage-edit")
+    ensure_venv(args)
+
+    import torch
+    import diffusers
+    import transformers
+    from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE,
+                                                                           calculate_dimensions)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     write_folder(args)
 
-    comp = os.path.join(args.components, "pipeline_qwenimage")
-    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        os.path.join(comp, "text_encoder"), torch_dtype=torch.float32, attn_implementation="eager").eval()
-    vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(comp, "vae"), torch_dtype=torch.float32).eval()
     # The processor of the case's folder: its preprocessor_config.json and the reduced tokenizer
     # (read from the unpacked view: the folder links the packed files).
-    with open(os.path.join(args.out, "processor", "preprocessor_config.json")) as f:
-        image_processor = Qwen2VLImageProcessor(**json.load(f))
-    tokenizer = Qwen2TokenizerFast.from_pretrained(os.path.join(args.components, "pipeline_flux2_klein", "tokenizer"))
-    # Qwen2VLProcessor wants a video processor, which needs torchvision; no video is processed
-    # here, so its type check is skipped instead of installing torchvision.
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    text_encoder, vae, tokenizer, processor = load_conditioning(
+        args.components, os.path.join(args.out, "processor", "preprocessor_config.json"))
+    image_processor = processor.image_processor
     pipe = QwenImageEditPlusPipeline(scheduler=None, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                      processor=processor, transformer=None)
 
@@ -344,11 +391,7 @@ def main():
 
         run_pipelines(args, images, tensors, case, text_encoder, vae, tokenizer, processor)
 
-    save_file(tensors, os.path.join(args.out, "outputs.safetensors"))
-    with open(os.path.join(args.out, "case.json"), "w") as f:
-        json.dump(case, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    print("wrote", args.out)
+    write_case(args.out, tensors, case)
 
 
 if __name__ == "__main__":
