@@ -6,7 +6,7 @@
 // rank with --vae-parallel; a step cache decides the same on every mesh. `shardit generate --image`
 // runs on 2 and 4 ranks too. Qwen-Image editing (QwenImageEditPlusPipeline, QwenImageEditPipeline,
 // and Qwen-Image-Edit-2511's zero_cond_t transformer) with its text encoder and vision tower
-// sharded too, on 2 and 4 ranks.
+// sharded too, on 2 and 4 ranks, and with --vae-parallel.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -144,19 +144,28 @@ struct QwenEditMesh {
   /// The golden folder: edit_qwenimage, or edit_qwenimage_zero_cond_t (Qwen-Image-Edit-2511's
   /// transformer).
   std::string folder = "edit_qwenimage";
+  /// --vae-parallel: every rank holds the VAE, encodes a band of each image's rows and decodes a
+  /// band of the output's, and so holds the image.
+  bool vae_parallel = false;
 };
 
 void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
   auto& world = shardit::dist::World::init();
   for (const QwenEditMesh& mesh : meshes) {
     const std::string label = mesh.dims.to_string() + " text encoder tp " +
-                              (mesh.text_encoder_tp ? std::to_string(*mesh.text_encoder_tp) : std::string("auto"));
+                              (mesh.text_encoder_tp ? std::to_string(*mesh.text_encoder_tp) : std::string("auto")) +
+                              (mesh.vae_parallel ? " --vae-parallel" : "");
     SCOPED_TRACE(label);
     PipelineLoadOptions options;
     options.parallel = mesh.dims.build(world);
     options.text_encoder_tp = mesh.text_encoder_tp;
     options.pipeline_class = mesh.pipeline_class;
+    options.vae_parallel = mesh.vae_parallel;
     const auto pipeline = DiffusionPipeline::from_pretrained(shardit::testing::golden_path(mesh.folder), options);
+    if (mesh.vae_parallel) {
+      ASSERT_NE(pipeline->vae(), nullptr) << label;
+      EXPECT_EQ(pipeline->vae()->parallel_decode_degree(), world.size()) << label;
+    }
     for (const std::string& tag : mesh.runs) {
       const PipelineCase golden = shardit::testing::read_qwen_edit_case(tag, mesh.folder);
       ASSERT_EQ(golden.pipeline_class, mesh.pipeline_class) << tag;
@@ -166,17 +175,22 @@ void qwen_edit_mesh_worker(const std::vector<QwenEditMesh>& meshes) {
         run.steps.push_back(latents.clone());
       };
       run.result = pipeline->generate(request);
+      if (mesh.vae_parallel) {
+        EXPECT_TRUE(run.result.image.defined()) << tag << " on " << label << ": no image";
+      }
       expect_run_matches(golden, run, mesh.folder + " " + tag + " on " + label);
     }
   }
 }
 
-// Transformer TP 1 and 2 with the text encoder (and its vision tower) at TP 1 and 2;
-// Qwen-Image-Edit-2511's transformer (zero_cond_t) at TP 2.
+// Transformer TP 1 and 2 with the text encoder (and its vision tower) at TP 1 and 2; one TP 2
+// mesh with --vae-parallel (the three images encoded and the output decoded in bands on both
+// ranks); Qwen-Image-Edit-2511's transformer (zero_cond_t) at TP 2.
 TEST(QwenEditMeshGolden, TwoRanksTransformerAndTextEncoderTp) {
   const std::vector<QwenEditMesh> meshes = {
       {ParallelDims{1, 1, 1, 1}, 2, {"plus_three_cfg", "plus_one"}, std::nullopt},
       {ParallelDims{1, 1, 1, 2}, 1, {"plus_three_cfg", "plus_two"}, std::nullopt},
+      {ParallelDims{1, 1, 1, 2}, 1, {"plus_three_cfg", "plus_two"}, std::nullopt, "edit_qwenimage", true},
       {ParallelDims{1, 1, 1, 2}, 2, {"plus_two_cfg", "plus_three", "plus_one_cfg"}, std::nullopt},
       {ParallelDims{1, 1, 1, 2}, 2, {"edit_one_cfg", "edit_one"}, std::string("QwenImageEditPipeline")},
       {ParallelDims{1, 1, 1, 2}, 2, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
@@ -194,6 +208,7 @@ TEST(QwenEditMeshGolden, FourRanksTpUlyssesRingCfgParallel) {
       {ParallelDims{1, 1, 1, 4}, std::nullopt, {"plus_three_cfg", "plus_one"}, std::nullopt},
       {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two"}, std::nullopt},
       {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
+      {ParallelDims{1, 1, 2, 2}, std::nullopt, {"plus_three_cfg"}, std::nullopt, "edit_qwenimage", true},
       {ParallelDims{1, 1, 2, 2}, std::nullopt, {"plus_three", "plus_one_cfg"}, std::nullopt},
       {ParallelDims{2, 1, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two_cfg"}, std::nullopt},
   };
