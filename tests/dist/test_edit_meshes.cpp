@@ -199,13 +199,18 @@ TEST(QwenEditMeshGolden, TwoRanksTransformerAndTextEncoderTp) {
   EXPECT_EQ(run_ranks(2), 0);
 }
 
-// TP 4, Ulysses 2 x TP 2, ring 2 x TP 2 and CFG-parallel x TP 2: the reference tokens split with
-// the noise tokens; under CFG-parallel the two halves run the prompt and the negative prompt.
-// Qwen-Image-Edit-2511's transformer under Ulysses 2 x TP 2: the reference-token mask of
-// zero_cond_t split with the sequence.
+// TP 4 (every golden run), Ulysses 2 x TP 2, ring 2 x TP 2 and CFG-parallel x TP 2: the reference
+// tokens split with the noise tokens; under CFG-parallel the two halves run the prompt and the
+// negative prompt. Qwen-Image-Edit-2511's transformer at TP 4 and under Ulysses 2 x TP 2: the
+// reference-token mask of zero_cond_t split with the sequence.
 TEST(QwenEditMeshGolden, FourRanksTpUlyssesRingCfgParallel) {
   const std::vector<QwenEditMesh> meshes = {
-      {ParallelDims{1, 1, 1, 4}, std::nullopt, {"plus_three_cfg", "plus_one"}, std::nullopt},
+      {ParallelDims{1, 1, 1, 4},
+       std::nullopt,
+       {"plus_three_cfg", "plus_one", "plus_one_cfg", "plus_two", "plus_two_cfg", "plus_three"},
+       std::nullopt},
+      {ParallelDims{1, 1, 1, 4}, std::nullopt, {"edit_one_cfg", "edit_one"}, std::string("QwenImageEditPipeline")},
+      {ParallelDims{1, 1, 1, 4}, std::nullopt, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
       {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_three_cfg", "plus_two"}, std::nullopt},
       {ParallelDims{1, 2, 1, 2}, std::nullopt, {"plus_two_cfg_zero_cond_t"}, std::nullopt, "edit_qwenimage_zero_cond_t"},
       {ParallelDims{1, 1, 2, 2}, std::nullopt, {"plus_three_cfg"}, std::nullopt, "edit_qwenimage", true},

@@ -205,22 +205,27 @@ TEST(GgufTransformer, GoldenWideKQuantFilesMatchTheirDequantizedWeightsAtTp2) {
   EXPECT_EQ(run_ranks(2), 0);
 }
 
-// `inspect --plan --transformer FILE.gguf` counts the transformer as the file stores it: the Q4_K
-// Linears at 144 bytes per 256 weights, the rest at the compute dtype; the same file's fp32 form
-// is counted at 4 bytes a weight.
-TEST(GgufTransformer, GoldenInspectPlanCountsAGgufFileAsStored) {
+/// `inspect --plan --json --tp 2 --dtype DTYPE CONFIG_DIR --transformer FILE`: the transformer's
+/// bytes per rank.
+int64_t inspected_bytes_per_rank(const std::string& config_dir, const std::string& file, const std::string& dtype) {
+  std::string output;
+  const int status = shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan --json --tp 2 --dtype " +
+                                                       dtype + " " + config_dir + " --transformer " + file + " 2>&1",
+                                                   &output);
+  EXPECT_EQ(status, 0) << output;
+  const nlohmann::json json = nlohmann::json::parse(output, nullptr, false);
+  EXPECT_FALSE(json.is_discarded()) << output;
+  EXPECT_EQ(json.value("transformer_file", ""), file);
+  return json.is_discarded() ? int64_t{0} : json["components"][0]["per_rank_bytes"].get<int64_t>();
+}
+
+// `inspect --plan --transformer FILE` counts the transformer as the file stores it: Q4_K Linears at
+// 144 bytes per 256 weights, FP8 ones at one byte, the rest at the compute dtype; the same
+// weights' fp32 or bf16 form at 4 or 2 bytes a weight.
+TEST(GgufTransformer, GoldenInspectPlanCountsGgufAndFp8FilesAsStored) {
   const std::string config_dir = gguf_file("wide/flux1_bfl_wide", "");
   const auto per_rank_bytes = [&](const std::string& file) {
-    std::string output;
-    const int status = shardit::testing::run_command(shardit::testing::cli_path() +
-                                                         " inspect --plan --json --tp 2 --dtype f32 " + config_dir +
-                                                         " --transformer " + file + " 2>&1",
-                                                     &output);
-    EXPECT_EQ(status, 0) << output;
-    const nlohmann::json json = nlohmann::json::parse(output, nullptr, false);
-    EXPECT_FALSE(json.is_discarded()) << output;
-    EXPECT_EQ(json.value("transformer_file", ""), file);
-    return json.is_discarded() ? int64_t{0} : json["components"][0]["per_rank_bytes"].get<int64_t>();
+    return inspected_bytes_per_rank(config_dir, file, "f32");
   };
   const std::string q4_k = gguf_file("wide/flux1_bfl_wide.q4_k");
   const int64_t stored = per_rank_bytes(q4_k);
@@ -232,6 +237,16 @@ TEST(GgufTransformer, GoldenInspectPlanCountsAGgufFileAsStored) {
   EXPECT_EQ(fp32, shardit::models::memory_of(model->resolve(2, at::kFloat)).per_rank_bytes);
   std::cout << "per rank at TP 2: Q4_K file " << stored << " bytes, fp32 file " << fp32 << " bytes\n";
   EXPECT_LT(stored * 5, fp32);  // Q4_K is 4.5 bits a weight against fp32's 32
+
+  // ComfyUI's FP8 files of the golden FLUX.1 against its BFL file, in bf16: about half.
+  const char* dir = std::getenv("SHARDIT_SINGLE_FILE_DIR");
+  const std::string single_files = std::string(dir ? dir : SHARDIT_SINGLE_FILE_DIR) + "/";
+  const int64_t bf16 = inspected_bytes_per_rank(golden_path("flux_b1_square"), single_files + "flux1_bfl.safetensors", "bf16");
+  for (const char* fp8 : {"flux1_bfl_fp8_scaled.safetensors", "flux1_bfl_fp8_e4m3fn.safetensors"}) {
+    const int64_t bytes = inspected_bytes_per_rank(golden_path("flux_b1_square"), single_files + fp8, "bf16");
+    EXPECT_LT(bytes * 10, bf16 * 6) << fp8 << ": " << bytes << " bytes per rank, bf16 " << bf16;
+    EXPECT_GT(bytes * 10, bf16 * 4) << fp8;
+  }
 }
 
 // A TP=2 rank reads its rows of the colwise weights and its blocks of the rowwise ones: of the
