@@ -26,6 +26,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
+#include "support/single_file_case.h"
 #include "support/test_support.h"
 
 namespace test_gguf_transformer {
@@ -40,13 +41,8 @@ using shardit::testing::run_case;
 using shardit::testing::run_ranks;
 using ::testing::HasSubstr;
 
-struct Case {
-  const char* file;
-  const char* golden_case;
-};
-const Case kCases[] = {{"flux1_bfl", "flux_b1_square"},
-                       {"flux2_bfl", "flux2_b1_square"},
-                       {"qwenimage_comfyui", "qwenimage_b1_square"}};
+using Case = shardit::testing::SingleFileCase;
+const auto& kCases = shardit::testing::kSingleFileCases;
 
 /// The bound of each type on max |sample - golden| / max |golden| (fp32 compute): 1.5x the largest
 /// measured over the three golden models at TP 1 and 2 (in the comment). The error is the rounding
@@ -68,27 +64,14 @@ const TypeBound kTypes[] = {
     {"q4_0", 0.37},   // measured 0.242 (FLUX.1)
 };
 
-/// A file written by make_gguf_transformer_cases.py (in the build folder, or $SHARDIT_SINGLE_FILE_DIR/gguf).
+/// A file written by make_gguf_transformer_cases.py.
 std::string gguf_file(const std::string& name, const std::string& suffix = ".gguf") {
-  const char* dir = std::getenv("SHARDIT_SINGLE_FILE_DIR");
-  const std::string path = std::string(dir ? dir : SHARDIT_SINGLE_FILE_DIR) + "/gguf/" + name + suffix;
-  if (!std::filesystem::exists(path)) {
-    throw std::runtime_error(path + " is missing: run `ctest -R 'make_single_file_cases|make_gguf_transformer_cases'` "
-                             "first (tests/golden/tools/make_gguf_transformer_cases.py writes it)");
-  }
-  return path;
+  return shardit::testing::single_file_path("gguf/" + name + suffix);
 }
 
 std::shared_ptr<TensorParallelModule> load_from_file(const std::string& model_dir, const std::string& path, bool sharded,
                                                      std::optional<Checkpoint>* checkpoint = nullptr) {
-  const auto folder = shardit::io::open_component(model_dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  const Checkpoint weights = shardit::models::open_transformer_file(path, folder.class_name(), *model);
-  shardit::parallel::LoadOptions options;
-  if (sharded) options.tensor_parallel = shardit::testing::world_tensor_parallel();
-  model->load(weights, options);
-  if (checkpoint != nullptr) *checkpoint = weights;
-  return model;
+  return shardit::testing::load_transformer_file(model_dir, path, sharded, at::kFloat, checkpoint);
 }
 
 double relative_error(const at::Tensor& sample, const at::Tensor& expected) {
@@ -239,11 +222,11 @@ TEST(GgufTransformer, GoldenInspectPlanCountsGgufAndFp8FilesAsStored) {
   EXPECT_LT(stored * 5, fp32);  // Q4_K is 4.5 bits a weight against fp32's 32
 
   // ComfyUI's FP8 files of the golden FLUX.1 against its BFL file, in bf16: about half.
-  const char* dir = std::getenv("SHARDIT_SINGLE_FILE_DIR");
-  const std::string single_files = std::string(dir ? dir : SHARDIT_SINGLE_FILE_DIR) + "/";
-  const int64_t bf16 = inspected_bytes_per_rank(golden_path("flux_b1_square"), single_files + "flux1_bfl.safetensors", "bf16");
+  const auto single_file = shardit::testing::single_file_path;
+  const int64_t bf16 =
+      inspected_bytes_per_rank(golden_path("flux_b1_square"), single_file("flux1_bfl.safetensors"), "bf16");
   for (const char* fp8 : {"flux1_bfl_fp8_scaled.safetensors", "flux1_bfl_fp8_e4m3fn.safetensors"}) {
-    const int64_t bytes = inspected_bytes_per_rank(golden_path("flux_b1_square"), single_files + fp8, "bf16");
+    const int64_t bytes = inspected_bytes_per_rank(golden_path("flux_b1_square"), single_file(fp8), "bf16");
     EXPECT_LT(bytes * 10, bf16 * 6) << fp8 << ": " << bytes << " bytes per rank, bf16 " << bf16;
     EXPECT_GT(bytes * 10, bf16 * 4) << fp8;
   }

@@ -23,6 +23,7 @@
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
+#include "support/single_file_case.h"
 #include "support/test_support.h"
 
 namespace test_single_file {
@@ -40,39 +41,16 @@ using shardit::testing::run_ranks;
 using shardit::testing::tensors_close;
 using ::testing::HasSubstr;
 
-struct Case {
-  const char* file;
-  const char* golden_case;
-};
-const Case kCases[] = {{"flux1_bfl", "flux_b1_square"},
-                       {"flux2_bfl", "flux2_b1_square"},
-                       {"qwenimage_comfyui", "qwenimage_b1_square"}};
+using Case = shardit::testing::SingleFileCase;
+const auto& kCases = shardit::testing::kSingleFileCases;
 
-/// A file written by make_single_file_cases.py (in the build folder, or $SHARDIT_SINGLE_FILE_DIR).
-std::string single_file(const std::string& name) {
-  const char* dir = std::getenv("SHARDIT_SINGLE_FILE_DIR");
-  const std::string path = std::string(dir ? dir : SHARDIT_SINGLE_FILE_DIR) + "/" + name + ".safetensors";
-  if (!std::filesystem::exists(path)) {
-    throw std::runtime_error(path + " is missing: run `ctest -R make_single_file_cases` first (it writes the "
-                             "single files with tests/golden/tools/make_single_file_cases.py)");
-  }
-  return path;
-}
+/// A file written by make_single_file_cases.py.
+std::string single_file(const std::string& name) { return shardit::testing::single_file_path(name + ".safetensors"); }
 
-/// The transformer of `model_dir` with its weights from the single file `path`, loaded whole or
-/// sharded over the world; `checkpoint` receives the mapped file.
 std::shared_ptr<TensorParallelModule> load_from_file(const std::string& model_dir, const std::string& path,
                                                      bool sharded, at::ScalarType dtype = at::kFloat,
                                                      std::optional<Checkpoint>* checkpoint = nullptr) {
-  const auto folder = shardit::io::open_component(model_dir, "transformer");
-  auto model = shardit::models::create_transformer(folder);
-  const Checkpoint weights = shardit::models::open_transformer_file(path, folder.class_name(), *model);
-  shardit::parallel::LoadOptions options;
-  options.dtype = dtype;
-  if (sharded) options.tensor_parallel = shardit::testing::world_tensor_parallel();
-  model->load(weights, options);
-  if (checkpoint != nullptr) *checkpoint = weights;
-  return model;
+  return shardit::testing::load_transformer_file(model_dir, path, sharded, dtype, checkpoint);
 }
 
 /// Bytes this rank reads of the sharded tensors that the file stores under other names (fused
