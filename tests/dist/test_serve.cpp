@@ -40,6 +40,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/serving/base64.h"
 #include "shardit/models/builtin.h"
+#include "support/single_file_case.h"
 #include "support/test_support.h"
 
 namespace test_serve {
@@ -175,6 +176,25 @@ std::unique_ptr<Process> start_server(const std::string& dir, const std::vector<
                                    "--max-sequence-length", kMaxSequenceLength};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return std::make_unique<Process>(argv, std::map<std::string, std::string>{}, dir + "/server.log");
+}
+
+/// `shardit --nproc-per-node 2 generate <arguments>`'s PNG (written under `dir`), which `served`
+/// must equal bit for bit; returned for further checks.
+at::Tensor expect_generate_equals(const at::Tensor& served, const std::string& dir, const std::string& arguments) {
+  std::string output;
+  const std::string generated = dir + "/generated.png";
+  const int code = run_command(cli_path() + " --nproc-per-node 2 generate " + arguments + " --max-sequence-length " +
+                                   kMaxSequenceLength + " --out " + generated,
+                               &output);
+  EXPECT_EQ(code, 0) << output;
+  if (code != 0) return {};
+  const at::Tensor expected = shardit::io::read_png(generated);
+  EXPECT_EQ(served.sizes(), expected.sizes());
+  if (served.sizes() == expected.sizes()) {
+    EXPECT_TRUE(served.equal(expected)) << "the served image differs from generate's in "
+                                        << served.ne(expected).sum().item<int64_t>() << " values";
+  }
+  return expected;
 }
 
 std::unique_ptr<httplib::Client> client(int port) {
@@ -339,17 +359,11 @@ TEST(Serve, ImageEqualsGenerateAndSigtermExitsZero) {
   const at::Tensor served = png_pixels(body["data"][0]["b64_json"], dir, "served.png");
 
   // The same image from `shardit generate` at the same TP degree, seed, size, steps and prompt.
-  std::string output;
-  const std::string generated = dir + "/generated.png";
-  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + served_model() +
-                                   " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
-                                   "--height 48 --steps 2 --max-sequence-length " + kMaxSequenceLength + " --out " + generated,
-                               &output);
-  ASSERT_EQ(code, 0) << output;
-  const at::Tensor expected = shardit::io::read_png(generated);
-  ASSERT_EQ(served.sizes(), expected.sizes());
-  EXPECT_TRUE(served.equal(expected)) << "the served image differs from generate's in "
-                                      << served.ne(expected).sum().item<int64_t>() << " values";
+  const at::Tensor expected = expect_generate_equals(
+      served, dir,
+      "--model " + served_model() + " --prompt 'A cat holding a sign that says hello world' --seed 7 --width 64 "
+      "--height 48 --steps 2");
+  ASSERT_TRUE(expected.defined());
 
   // response_format "url": the same picture, written under --output-dir and served by the server.
   json as_url = kValid;
@@ -1533,19 +1547,10 @@ TEST(Serve, QwenImageEditPlusEditsEqualGenerateGolden) {
   EXPECT_EQ(served.size(0), 48);
   EXPECT_EQ(served.size(1), 64);
 
-  std::string output;
-  const std::string generated = dir + "/generated.png";
-  const int code = run_command(cli_path() + " --nproc-per-node 2 generate --model " + folder + " --image " + first +
-                                   " --image " + second +
-                                   " --prompt 'the cat from picture 1 in the room of picture 2' --seed 3 --width 64"
-                                   " --height 48 --steps 2 --true-cfg-scale 1 --max-sequence-length " +
-                                   kMaxSequenceLength + " --out " + generated,
-                               &output);
-  ASSERT_EQ(code, 0) << output;
-  const at::Tensor expected = shardit::io::read_png(generated);
-  ASSERT_EQ(served.sizes(), expected.sizes());
-  EXPECT_TRUE(served.equal(expected)) << "the served edit differs from generate --image's in "
-                                      << served.ne(expected).sum().item<int64_t>() << " values";
+  expect_generate_equals(served, dir,
+                         "--model " + folder + " --image " + first + " --image " + second +
+                             " --prompt 'the cat from picture 1 in the room of picture 2' --seed 3 --width 64"
+                             " --height 48 --steps 2 --true-cfg-scale 1");
 
   json four = edit;
   four["image"] = {four["image"][0], four["image"][1], four["image"][0], four["image"][1]};
@@ -1563,6 +1568,29 @@ TEST(Serve, QwenImageEditPlusEditsEqualGenerateGolden) {
 // image; /health lists every rank and both replicas. Then a rank of replica 1 is killed: the
 // server fails as it does for any lost rank (/health 503 naming the replica and the rank, exit
 // non-zero), and every other rank exits non-zero too.
+// `serve --transformer FILE.gguf` at TP 2: the golden FLUX.1 pipeline with its transformer from the
+// Q8_0 GGUF file (make_gguf_transformer_cases) serves generate --transformer's image bit for bit.
+TEST(Serve, GgufTransformerServesGenerateImageGolden) {
+  const std::string dir = make_temp_dir("serve_gguf");
+  const std::string folder = shardit::testing::golden_path("pipeline_flux1");
+  const std::string file = shardit::testing::single_file_path("gguf/pipeline_flux1_bfl.q8_0.gguf");
+  auto server = start_server(dir, {"--transformer", file}, "2", folder);
+  const int port = server->wait_listening();
+  ASSERT_GT(port, 0) << server->log();
+  auto answer = post(port, json{{"prompt", "a red circle"}, {"size", "64x48"}, {"num_inference_steps", 2},
+                                {"seed", 5}, {"response_format", "b64_json"}}.dump());
+  ASSERT_TRUE(answer) << "POST failed: " << httplib::to_string(answer.error());
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  const at::Tensor served = png_pixels(json::parse(answer->body)["data"][0]["b64_json"], dir, "served.png");
+
+  expect_generate_equals(served, dir,
+                         "--model " + folder + " --transformer " + file +
+                             " --prompt 'a red circle' --seed 5 --width 64 --height 48 --steps 2");
+  ::kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(server->exited()) << server->log();
+  EXPECT_EQ(server->exit_code(), 0) << server->log();
+}
+
 TEST(Serve, ReplicasServeConcurrentlyAndALostReplicaRankFailsTheServer) {
   const std::string dir = make_temp_dir("serve_replicas");
   auto ranks = start_ranks(dir, 4, {"--replicas", "2", "--tp", "2"});
