@@ -26,6 +26,9 @@ folder, and a JSON log of the losses (`--work`/training_log.json). Run from the 
 
 It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
 packages below and runs itself there. Each stage's steps are options (defaults: the shipped run).
+A later run can start from an earlier one's stages (`--vae-from`, `--transformer-from`), save the
+transformer's averaged weights along the way (`--checkpoint-every`) and weight the loss of the
+tokens the shapes touch (`--shape-weight`).
 """
 import argparse
 import glob
@@ -247,31 +250,53 @@ def pack(latents):
 
 
 def encode_dataset(args, vae, log):
-    """Scenes, their captions and the VAE's latent means (the transformer's data set)."""
+    """Scenes, their captions, the VAE's latent means (the transformer's data set) and which latent
+    pixels the shapes touch ([N, 1, H/8, W/8], 1 where any of the 8x8 pixels is not background)."""
     import torch
 
     rng = random.Random(SEED + 2)
-    latents, captions = [], []
+    latents, captions, shapes = [], [], []
     start = time.time()
     with torch.no_grad():
         for first in range(0, args.scenes, 32):
-            images, batch_captions = scene_batch(rng, min(32, args.scenes - first), IMAGE_SIZE)
+            images, batch_captions, objects = scene_batch(rng, min(32, args.scenes - first), IMAGE_SIZE,
+                                                          with_objects=True)
             latents.append(vae.encode(images).latent_dist.mean)
             captions.extend(batch_captions)
+            shapes.append(torch.nn.functional.max_pool2d(objects, 8))
     latents = torch.cat(latents)
     shift, scale = latents.mean().item(), 1.0 / latents.std().item()
     report(log, {"stage": "encode", "scenes": args.scenes, "shift_factor": shift, "scaling_factor": scale,
                  "seconds": round(time.time() - start, 1)})
-    return latents, captions, shift, scale
+    return latents, captions, torch.cat(shapes), shift, scale
 
 
-def train_transformer(args, latents, captions, text, log):
+def load_transformer(model, path):
+    """`model`'s weights from an earlier run: a state dict saved with torch.save (a work folder's
+    transformer_step*.pt) or the `transformer.*` tensors of a built-in weights file (.safetensors,
+    or .safetensors.xz as shipped)."""
+    import lzma
+    import torch
+    from safetensors.torch import load as load_safetensors
+
+    if path.endswith(".pt"):
+        state = torch.load(path)
+    else:
+        with (lzma.open(path) if path.endswith(".xz") else open(path, "rb")) as f:
+            tensors = load_safetensors(f.read())
+        state = {k[len("transformer."):]: v.float() for k, v in tensors.items() if k.startswith("transformer.")}
+    model.load_state_dict(state)
+
+
+def train_transformer(args, latents, captions, shapes, text, log):
     import torch
     import diffusers
 
     torch.manual_seed(SEED + 3)
     rng = random.Random(SEED + 3)
     model = diffusers.FluxTransformer2DModel(**{k: v for k, v in TRANSFORMER_CONFIG.items() if not k.startswith("_")})
+    if args.transformer_from:
+        load_transformer(model, args.transformer_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     b, c, h, w = latents.shape
     img_ids = torch.zeros(h // 2 * (w // 2), 3)
@@ -283,8 +308,9 @@ def train_transformer(args, latents, captions, text, log):
     mu = (h // 2) * (w // 2) * m + (0.5 - m * 256)
     ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
     start = time.time()
-    recent = []
-    for step in range(args.steps):
+    recent, recent_plain = [], []
+    last = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
+    for step in range(last):
         index = torch.tensor([rng.randrange(b) for _ in range(args.batch)])
         x0 = latents[index]
         embeds, pooled = text([captions[i] for i in index.tolist()])
@@ -295,7 +321,11 @@ def train_transformer(args, latents, captions, text, log):
         guidance = torch.rand(args.batch) * 4 + 1
         prediction = model(hidden_states=pack(xt), encoder_hidden_states=embeds, pooled_projections=pooled, timestep=t,
                            img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
-        loss = (prediction - pack(noise - x0)).pow(2).mean()
+        error = (prediction - pack(noise - x0)).pow(2)
+        # The tokens the shapes touch weighted `--shape-weight` times the background's (a shape is a
+        # few tokens of 64: unweighted, most of the loss is flat background).
+        weight = 1.0 + (args.shape_weight - 1.0) * pack(shapes[index].expand(-1, c, -1, -1))
+        loss = (weight * error).mean() / weight.mean()
         lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         update(optimizer, loss, lr, clip=1.0)
         with torch.no_grad():
@@ -303,9 +333,13 @@ def train_transformer(args, latents, captions, text, log):
             for k, v in model.state_dict().items():
                 ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
         recent = (recent + [loss.item()])[-50:]
-        if step % 50 == 0 or step == args.steps - 1:
-            report(log, {"stage": "transformer", "step": step, "loss_mean50": sum(recent) / len(recent), "lr": lr,
+        recent_plain = (recent_plain + [error.mean().item()])[-50:]
+        if step % 50 == 0 or step == last - 1:
+            report(log, {"stage": "transformer", "step": step, "loss_mean50": sum(recent) / len(recent),
+                         "unweighted_loss_mean50": sum(recent_plain) / len(recent_plain), "lr": lr,
                          "seconds": round(time.time() - start, 1)})
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            torch.save(ema, os.path.join(args.work, f"transformer_step{step + 1}.pt"))
     model.load_state_dict(ema)
     return model.eval()
 
@@ -358,6 +392,15 @@ def main():
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--shape-weight", type=float, default=1.0,
+                        help="the loss weight of the tokens the shapes touch, relative to the background's")
+    parser.add_argument("--transformer-from",
+                        help="start the transformer from an earlier run's (a transformer_step*.pt of its work folder, "
+                             "or a built-in weights file: .safetensors or .safetensors.xz)")
+    parser.add_argument("--stop-at", type=int, help="end the transformer's training after this many steps "
+                        "(the learning-rate schedule stays that of --steps)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save the transformer's averaged weights every this many steps (work/transformer_step*.pt)")
     args = parser.parse_args()
     ensure_environment(os.path.abspath(args.venv))
 
@@ -378,9 +421,9 @@ def main():
     else:
         vae = train_vae(args, log)
         torch.save(vae.state_dict(), os.path.join(args.work, "vae.pt"))
-    latents, captions, shift, scale = encode_dataset(args, vae, log)
+    latents, captions, shapes, shift, scale = encode_dataset(args, vae, log)
     latents = (latents - shift) * scale
-    model = train_transformer(args, latents, captions, text, log)
+    model = train_transformer(args, latents, captions, shapes, text, log)
     save(args, vae, model, shift, scale, log)
 
 
