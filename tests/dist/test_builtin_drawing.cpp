@@ -44,9 +44,9 @@ struct Drawing {
 
 const std::vector<Drawing>& drawings() {
   static const std::vector<Drawing> list = {
-      {"a large red circle at the top left on a blue background", "red", 0.22, 0.22, 0.025},
-      {"a large yellow square at the bottom right", "yellow", 0.78, 0.78, 0.05},
-      {"a small green square on the right", "green", 0.78, 0.5, 0.012},
+      {"a large red circle at the top left on a blue background", "red", 0.22, 0.22, 0.065},
+      {"a large yellow square at the bottom right", "yellow", 0.78, 0.78, 0.09},
+      {"a small green square on the right", "green", 0.78, 0.5, 0.017},
   };
   return list;
 }
@@ -106,7 +106,7 @@ std::vector<at::Tensor> generate(const std::string& dir, const std::string& name
 // Thresholds from the trained model's images (all four runs; docs/builtin_model.md) with a margin:
 // the named colour covers at least half the share it covered there (Drawing::min_fraction), and its
 // centroid lies within kMaxCentreDistance of the named region's centre (fractions of the side; the
-// regions' centres are 0.28 apart, the measured centroids within 0.06 of theirs), so a shape in a
+// regions' centres are 0.28 apart, the measured centroids within 0.03 of theirs), so a shape in a
 // neighbouring region fails.
 constexpr double kMaxCentreDistance = 0.12;
 
