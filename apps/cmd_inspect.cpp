@@ -134,9 +134,10 @@ void print_plan(const std::optional<io::ComponentFolder>& component, const Inspe
   const models::ComponentClass* entry = find_module_class(component->class_name());
   const bool from_file = !options.transformer_file.empty() && entry != nullptr &&
                          entry->kind == models::ComponentKind::Transformer;
+  const nn::WeightsDtype weights = nn::parse_weights_dtype(options.weights_dtype);
   const parallel::ResolvedPlan resolved =
-      from_file ? model->resolve_as_stored(weights_of(*component, options), options.tp, dtype, kind)
-                : model->resolve(options.tp, dtype, kind, nn::parse_weights_dtype(options.weights_dtype));
+      from_file ? model->resolve_as_stored(weights_of(*component, options), options.tp, dtype, kind, weights)
+                : model->resolve(options.tp, dtype, kind, weights);
   fmt::print("tensor-parallel plan of {} at TP={} (plan '{}'{}):\n{}", model->type_name(), options.tp,
              parallel::tp_plan_kind_name(kind), from_file ? ", weights as " + options.transformer_file + " stores them" : "",
              resolved.to_table());

@@ -48,7 +48,8 @@ struct PlannedComponent {
     const nn::WeightsDtype held = this->kind == models::ComponentKind::Transformer ? weights : nn::WeightsDtype::Checkpoint;
     const int degree = shardable() ? tp : 1;
     models::ComponentMemory memory = models::memory_of(
-        stored_weights ? model->resolve_as_stored(*stored_weights, degree, dtype, used) : model->resolve(degree, dtype, used, held));
+        stored_weights ? model->resolve_as_stored(*stored_weights, degree, dtype, used, held)
+                       : model->resolve(degree, dtype, used, held));
     memory.component = name;
     memory.class_name = class_name;
     if (!shardable()) memory.plan = "replicated";

@@ -23,6 +23,7 @@
 #include "shardit/io/safetensors.h"
 #include "shardit/models/memory_plan.h"
 #include "shardit/models/registry.h"
+#include "shardit/nn/quantized_weight.h"
 #include "shardit/parallel/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/pipeline_case.h"
@@ -190,10 +191,12 @@ TEST(GgufTransformer, GoldenWideKQuantFilesMatchTheirDequantizedWeightsAtTp2) {
 
 /// `inspect --plan --json --tp 2 --dtype DTYPE CONFIG_DIR --transformer FILE`: the transformer's
 /// bytes per rank.
-int64_t inspected_bytes_per_rank(const std::string& config_dir, const std::string& file, const std::string& dtype) {
+int64_t inspected_bytes_per_rank(const std::string& config_dir, const std::string& file, const std::string& dtype,
+                                 const std::string& options = "") {
   std::string output;
   const int status = shardit::testing::run_command(shardit::testing::cli_path() + " inspect --plan --json --tp 2 --dtype " +
-                                                       dtype + " " + config_dir + " --transformer " + file + " 2>&1",
+                                                       dtype + " " + options + " " + config_dir + " --transformer " +
+                                                       file + " 2>&1",
                                                    &output);
   EXPECT_EQ(status, 0) << output;
   const nlohmann::json json = nlohmann::json::parse(output, nullptr, false);
@@ -204,7 +207,7 @@ int64_t inspected_bytes_per_rank(const std::string& config_dir, const std::strin
 
 // `inspect --plan --transformer FILE` counts the transformer as the file stores it: Q4_K Linears at
 // 144 bytes per 256 weights, FP8 ones at one byte, the rest at the compute dtype; the same
-// weights' fp32 or bf16 form at 4 or 2 bytes a weight.
+// weights' fp32 or bf16 form at 4 or 2 bytes a weight, or quantized on load with --weights-dtype.
 TEST(GgufTransformer, GoldenInspectPlanCountsGgufAndFp8FilesAsStored) {
   const std::string config_dir = gguf_file("wide/flux1_bfl_wide", "");
   const auto per_rank_bytes = [&](const std::string& file) {
@@ -230,6 +233,18 @@ TEST(GgufTransformer, GoldenInspectPlanCountsGgufAndFp8FilesAsStored) {
     EXPECT_LT(bytes * 10, bf16 * 6) << fp8 << ": " << bytes << " bytes per rank, bf16 " << bf16;
     EXPECT_GT(bytes * 10, bf16 * 4) << fp8;
   }
+  // The BFL file quantized on load (--weights-dtype fp8) counts what the folder's plan counts with
+  // that option: its Linears in one byte but the ones kept in high precision (embedders,
+  // modulation, output head), which ComfyUI's FP8 files store in FP8 too.
+  const auto flux1 = shardit::io::open_component(golden_path("flux_b1_square"), "transformer");
+  const int64_t on_load = shardit::models::memory_of(shardit::models::create_transformer(flux1)->resolve(
+                                                         2, at::kBFloat16, shardit::parallel::TpPlanKind::Full,
+                                                         shardit::nn::WeightsDtype::Fp8))
+                              .per_rank_bytes;
+  EXPECT_EQ(inspected_bytes_per_rank(golden_path("flux_b1_square"), single_file("flux1_bfl.safetensors"), "bf16",
+                                     "--weights-dtype fp8"),
+            on_load);
+  EXPECT_LT(on_load, bf16);
 }
 
 // A TP=2 rank reads its rows of the colwise weights and its blocks of the rowwise ones: of the

@@ -164,9 +164,10 @@ ResolvedPlan TensorParallelModule::resolve(int tp_degree, at::ScalarType dtype, 
 }
 
 ResolvedPlan TensorParallelModule::resolve_as_stored(const io::Checkpoint& checkpoint, int tp_degree,
-                                                     at::ScalarType dtype, TpPlanKind kind) {
+                                                     at::ScalarType dtype, TpPlanKind kind, nn::WeightsDtype weights) {
   LoadOptions options;
   options.dtype = dtype;
+  options.weights = weights;
   ResolvedPlan resolved = parallel::resolve_as_stored(*this, checkpoint, plan(kind), tp_degree, options, traits());
   resolved.plan = kind;
   return resolved;

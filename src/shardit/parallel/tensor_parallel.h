@@ -223,9 +223,11 @@ class TensorParallelModule : public nn::Module {
   ResolvedPlan resolve(int tp_degree, at::ScalarType dtype = at::kFloat, TpPlanKind kind = TpPlanKind::Full,
                        nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint);
   /// The plan at `tp_degree` with the weights counted as `checkpoint` stores them and a load keeps
-  /// them (parallel::resolve_as_stored): `shardit inspect --plan --transformer FILE`.
+  /// them (parallel::resolve_as_stored), dense Linears quantized on load to `weights` as a load
+  /// with --weights-dtype would: `shardit inspect --plan --transformer FILE`.
   ResolvedPlan resolve_as_stored(const io::Checkpoint& checkpoint, int tp_degree, at::ScalarType dtype = at::kFloat,
-                                 TpPlanKind kind = TpPlanKind::Full);
+                                 TpPlanKind kind = TpPlanKind::Full,
+                                 nn::WeightsDtype weights = nn::WeightsDtype::Checkpoint);
   int tp_degree() const { return resolved_plan_ ? resolved_plan_->tp_degree : 1; }
   /// The plan this model was loaded or sharded with (per-rank shapes and bytes); null before.
   const ResolvedPlan* resolved_plan() const { return resolved_plan_ ? &*resolved_plan_ : nullptr; }
