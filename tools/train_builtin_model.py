@@ -6,11 +6,12 @@ tokenizers, FluxTransformer2DModel, AutoencoderKL, FlowMatchEulerDiscreteSchedul
 text encoders and tokenizers are the ones `shardit` writes (seeded random weights; they stay
 random and frozen: their embeddings still tell the captions apart), read from the built-in folder
 that `shardit inspect` makes, so the transformer learns from exactly the embeddings the engine
-computes. This script trains, on CPU with one thread and a fixed seed:
+computes. This script trains, on CPU (`--threads`, default one) with a fixed seed:
 
 1. the VAE (AutoencoderKL, 8 pixels per latent pixel, no attention in its middle block) as an
    autoencoder on 64x64 crops of 128x128 scenes (reconstruction of the posterior mean plus a
-   little noise, and a small KL term);
+   little noise, and a small KL term), then on whole scenes with the shapes weighted, then its
+   decoder alone with the shapes' outlines weighted (the encoder, so the latent space, fixed);
 2. the transformer with rectified flow as FLUX.1 was trained: x_t = (1 - t) x_0 + t noise, the
    target noise - x_0, t drawn logit-normal and shifted with the scheduler's resolution-dependent
    mu (here the 64 tokens of a 128x128 image), the guidance input drawn from [1, 5], on latents of
@@ -25,10 +26,12 @@ folder, and a JSON log of the losses (`--work`/training_log.json). Run from the 
         --work build/builtin-train --out src/shardit/models/builtin_weights.safetensors.xz
 
 It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
-packages below and runs itself there. Each stage's steps are options (defaults: the shipped run).
-A later run can start from an earlier one's stages (`--vae-from`, `--transformer-from`), save the
-transformer's averaged weights along the way (`--checkpoint-every`) and weight the loss of the
-tokens the shapes touch (`--shape-weight`).
+packages below and runs itself there. Each stage's steps are options (defaults: the shipped
+run's first command, docs/builtin_model.md). A later run can start from an earlier one's stages
+(`--vae-from`, with `--vae-decoder-steps` sharpening its decoder; `--transformer-from`), save the
+transformer's averaged weights along the way (`--checkpoint-every`), weight the loss of the tokens
+the shapes touch (`--shape-weight`), train another transformer size (`--transformer-config`) and
+train the empty prompt's prediction for classifier-free guidance (`--caption-dropout`).
 """
 import argparse
 import glob
@@ -243,6 +246,44 @@ def train_vae(args, log):
     return vae.eval()
 
 
+def sharpen_vae_decoder(args, vae, log):
+    """Phase 3: the decoder alone, the encoder frozen (so its latent space, and a transformer
+    trained on it, stay valid). After phases 1 and 2 the decoder draws every shape soft and round (a
+    square's corners, a triangle's apex) although the latents tell them apart; here it learns to
+    draw their edges: the pixels along a shape's outline weighted `--vae-decoder-edge-weight`
+    times the background's, the shape's inside `--vae-shape-weight` times, and latent noise of
+    `--vae-decoder-noise` (the transformer's errors are of that size) so that it stays robust."""
+    import torch
+
+    torch.manual_seed(SEED + 5)
+    rng = random.Random(SEED + 5)
+    vae.requires_grad_(False)
+    vae.decoder.requires_grad_(True)
+    optimizer = torch.optim.AdamW(vae.decoder.parameters(), lr=args.vae_decoder_lr, weight_decay=0.0)
+    start = time.time()
+    recent = []
+    for step in range(args.vae_decoder_steps):
+        images, _, objects = scene_batch(rng, args.vae_decoder_batch, IMAGE_SIZE, with_objects=True)
+        with torch.no_grad():
+            latents = vae.encode(images).latent_dist.mean
+        decoded = vae.decode(latents + args.vae_decoder_noise * torch.randn_like(latents)).sample
+        # A shape's outline: the pixels within 2 of both a shape pixel and a background pixel.
+        grown = torch.nn.functional.max_pool2d(objects, 5, stride=1, padding=2)
+        shrunk = -torch.nn.functional.max_pool2d(-objects, 5, stride=1, padding=2)
+        outline = grown - shrunk
+        weight = 1.0 + (args.vae_shape_weight - 1.0) * objects + (args.vae_decoder_edge_weight - 1.0) * outline
+        error = decoded - images
+        reconstruction = (weight * (error.abs() + error.pow(2))).mean() / weight.mean()
+        lr = args.vae_decoder_lr * min(1.0, (step + 1) / 25) * 0.5 * (1 + math.cos(math.pi * step / args.vae_decoder_steps))
+        update(optimizer, reconstruction, lr)
+        recent = (recent + [reconstruction.item()])[-25:]
+        if step % 25 == 0 or step == args.vae_decoder_steps - 1:
+            report(log, {"stage": "vae_decoder", "step": step, "weighted_reconstruction_mean25": sum(recent) / len(recent),
+                         "seconds": round(time.time() - start, 1)})
+    vae.requires_grad_(True)
+    return vae.eval()
+
+
 def pack(latents):
     """diffusers' FluxPipeline._pack_latents: [B, C, H, W] -> [B, H/2 * W/2, C * 4]."""
     b, c, h, w = latents.shape
@@ -288,13 +329,18 @@ def load_transformer(model, path):
     model.load_state_dict(state)
 
 
+def transformer_config(args):
+    """TRANSFORMER_CONFIG with `--transformer-config`'s keys (a JSON object) in place of its own."""
+    return {**TRANSFORMER_CONFIG, **json.loads(args.transformer_config or "{}")}
+
+
 def train_transformer(args, latents, captions, shapes, text, log):
     import torch
     import diffusers
 
     torch.manual_seed(SEED + 3)
     rng = random.Random(SEED + 3)
-    model = diffusers.FluxTransformer2DModel(**{k: v for k, v in TRANSFORMER_CONFIG.items() if not k.startswith("_")})
+    model = diffusers.FluxTransformer2DModel(**{k: v for k, v in transformer_config(args).items() if not k.startswith("_")})
     if args.transformer_from:
         load_transformer(model, args.transformer_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -313,7 +359,12 @@ def train_transformer(args, latents, captions, shapes, text, log):
     for step in range(last):
         index = torch.tensor([rng.randrange(b) for _ in range(args.batch)])
         x0 = latents[index]
-        embeds, pooled = text([captions[i] for i in index.tolist()])
+        batch_captions = [captions[i] for i in index.tolist()]
+        if args.caption_dropout > 0:
+            # That share of the samples learn the empty prompt's prediction (the unconditional one
+            # that classifier-free guidance needs).
+            batch_captions = ["" if rng.random() < args.caption_dropout else c for c in batch_captions]
+        embeds, pooled = text(batch_captions)
         noise = torch.randn_like(x0)
         t = torch.sigmoid(torch.randn(args.batch))
         t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
@@ -354,7 +405,7 @@ def save(args, vae, model, shift, scale, log):
         for name, value in module.state_dict().items():
             tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
     plain = os.path.join(args.work, "builtin_weights.safetensors")
-    save_file(tensors, plain, metadata={"transformer_config": json.dumps(TRANSFORMER_CONFIG),
+    save_file(tensors, plain, metadata={"transformer_config": json.dumps(transformer_config(args)),
                                         "vae_config": json.dumps(vae_config), "seed": str(SEED)})
     with open(args.out, "wb") as out:
         subprocess.check_call(["xz", "-9e", "--stdout", plain], stdout=out)
@@ -387,6 +438,12 @@ def main():
     parser.add_argument("--vae-shape-lr", type=float, default=2e-4)
     parser.add_argument("--vae-shape-weight", type=float, default=8.0)
     parser.add_argument("--vae-phase1-from", help="the VAE's first phase from an earlier run (vae_phase1.pt)")
+    parser.add_argument("--vae-decoder-steps", type=int, default=0,
+                        help="phase 3: steps of the decoder alone (encoder frozen) drawing the shapes' outlines")
+    parser.add_argument("--vae-decoder-batch", type=int, default=8)
+    parser.add_argument("--vae-decoder-lr", type=float, default=3e-4)
+    parser.add_argument("--vae-decoder-noise", type=float, default=0.05)
+    parser.add_argument("--vae-decoder-edge-weight", type=float, default=16.0)
     parser.add_argument("--vae-from", help="the VAE of an earlier run (its work folder's vae.pt) instead of training one")
     parser.add_argument("--scenes", type=int, default=1280)
     parser.add_argument("--steps", type=int, default=3000)
@@ -401,13 +458,18 @@ def main():
                         "(the learning-rate schedule stays that of --steps)")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save the transformer's averaged weights every this many steps (work/transformer_step*.pt)")
+    parser.add_argument("--transformer-config", help="a JSON object of config.json keys that replace the "
+                        "transformer's defaults (TRANSFORMER_CONFIG), e.g. '{\"num_layers\": 2}'")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (the shipped runs used one)")
+    parser.add_argument("--caption-dropout", type=float, default=0.0,
+                        help="the share of samples trained with the empty prompt (for classifier-free guidance)")
     args = parser.parse_args()
     ensure_environment(os.path.abspath(args.venv))
 
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     os.makedirs(args.work, exist_ok=True)
     folder = args.builtin or builtin_folder(os.path.abspath(args.shardit), os.path.abspath(args.work))
@@ -420,6 +482,9 @@ def main():
         vae.eval()
     else:
         vae = train_vae(args, log)
+    if args.vae_decoder_steps:
+        vae = sharpen_vae_decoder(args, vae, log)
+    if args.vae_decoder_steps or not args.vae_from:
         torch.save(vae.state_dict(), os.path.join(args.work, "vae.pt"))
     latents, captions, shapes, shift, scale = encode_dataset(args, vae, log)
     latents = (latents - shift) * scale
