@@ -192,7 +192,7 @@ def train_vae(args, log):
     import diffusers
 
     rng = random.Random(SEED + 1)
-    vae = diffusers.AutoencoderKL(**{k: v for k, v in VAE_CONFIG.items() if not k.startswith("_")})
+    vae = diffusers.AutoencoderKL(**{k: v for k, v in vae_config(args).items() if not k.startswith("_")})
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     crop = args.vae_crop
     start = time.time()
@@ -334,6 +334,11 @@ def transformer_config(args):
     return {**TRANSFORMER_CONFIG, **json.loads(args.transformer_config or "{}")}
 
 
+def vae_config(args):
+    """VAE_CONFIG with `--vae-config`'s keys (a JSON object) in place of its own."""
+    return {**VAE_CONFIG, **json.loads(args.vae_config or "{}")}
+
+
 def train_transformer(args, latents, captions, shapes, text, log):
     import torch
     import diffusers
@@ -399,14 +404,14 @@ def save(args, vae, model, shift, scale, log):
     import torch
     from safetensors.torch import save_file
 
-    vae_config = {**VAE_CONFIG, "scaling_factor": scale, "shift_factor": shift}
+    config = {**vae_config(args), "scaling_factor": scale, "shift_factor": shift}
     tensors = {}
     for prefix, module in (("vae.", vae), ("transformer.", model)):
         for name, value in module.state_dict().items():
             tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
     plain = os.path.join(args.work, "builtin_weights.safetensors")
     save_file(tensors, plain, metadata={"transformer_config": json.dumps(transformer_config(args)),
-                                        "vae_config": json.dumps(vae_config), "seed": str(SEED)})
+                                        "vae_config": json.dumps(config), "seed": str(SEED)})
     with open(args.out, "wb") as out:
         subprocess.check_call(["xz", "-9e", "--stdout", plain], stdout=out)
     # The unpacked file's SHA-256 beside it, as configure checks it (the golden files' format).
@@ -460,6 +465,9 @@ def main():
                         help="save the transformer's averaged weights every this many steps (work/transformer_step*.pt)")
     parser.add_argument("--transformer-config", help="a JSON object of config.json keys that replace the "
                         "transformer's defaults (TRANSFORMER_CONFIG), e.g. '{\"num_layers\": 2}'")
+    parser.add_argument("--vae-config", help="a JSON object of config.json keys that replace the VAE's "
+                        "defaults (VAE_CONFIG), e.g. '{\"latent_channels\": 16}' (then the transformer's "
+                        "in_channels is 4 times that)")
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (the shipped runs used one)")
     parser.add_argument("--caption-dropout", type=float, default=0.0,
                         help="the share of samples trained with the empty prompt (for classifier-free guidance)")
@@ -477,7 +485,7 @@ def main():
     log = []
     if args.vae_from:
         import diffusers
-        vae = diffusers.AutoencoderKL(**{k: v for k, v in VAE_CONFIG.items() if not k.startswith("_")})
+        vae = diffusers.AutoencoderKL(**{k: v for k, v in vae_config(args).items() if not k.startswith("_")})
         vae.load_state_dict(torch.load(args.vae_from))
         vae.eval()
     else:
