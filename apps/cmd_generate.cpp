@@ -58,7 +58,7 @@ std::string cache_summary(const pipelines::GenerateResult& result) {
 namespace fs = std::filesystem;
 
 /// The prompt of the built-in pipeline when none is given (its vocabulary: tools/builtin_scenes.py).
-constexpr const char* kBuiltinPrompt = "a large red circle at the top left on a blue background";
+constexpr const char* kBuiltinPrompt = "a large white square at the bottom on a green background";
 
 struct GenerateOptions {
   std::string model;

@@ -13,14 +13,15 @@ source scripts/libtorch.sh  # BUILD_DIR (SHARDIT_LIBTORCH=pip: build-pip)
 bash scripts/setup.sh --cli
 SHARDIT_BUILD_TARGETS=shardit_cli bash scripts/build.sh
 SHARDIT="$BUILD_DIR/apps/shardit"
-PROMPT="a large red circle at the top left on a blue background"
+PROMPT="a large white square at the bottom on a green background"
 ARGS=(generate --prompt "$PROMPT" --max-sequence-length 32 --height 128 --width 128 --steps 8 --seed 42)
 "$SHARDIT" "${ARGS[@]}" --out "$BUILD_DIR/builtin-tp1.png"
 "$SHARDIT" --nproc-per-node 2 "${ARGS[@]}" --out "$BUILD_DIR/builtin-tp2.png" --compare-to "$BUILD_DIR/builtin-tp1.png"
 echo "OK: TP=2 wrote $BUILD_DIR/builtin-tp2.png, equal to the TP=1 image $BUILD_DIR/builtin-tp1.png."
-echo "The picture is \"$PROMPT\", drawn by the built-in model, trained on simple scenes. It follows"
-echo "colours (red, green, blue, yellow, orange, purple, white, black), sizes (small, large), positions"
-echo "(at the top left ... in the center ... at the bottom right) and backgrounds (on a blue background);"
-echo "its shapes (circle, square, triangle, star) still come out as blobs (docs/builtin_model.md). E.g."
-echo "  $SHARDIT generate --prompt \"a small green square on the right\" --max-sequence-length 32 --height 128 --width 128 --steps 8 --out square.png"
+echo "The picture is \"$PROMPT\", drawn by the built-in model, trained on simple scenes: shapes"
+echo "(circle, square, triangle, star), colours (red, green, blue, yellow, orange, purple, white, black),"
+echo "sizes (small, large), positions (at the top left ... in the center ... at the bottom right) and"
+echo "backgrounds (on a blue background). Triangles and squares come out best; circles and stars are often"
+echo "blobs, and two colours in one prompt are sometimes swapped (docs/builtin_model.md). E.g."
+echo "  $SHARDIT generate --prompt \"a large red triangle at the top left\" --max-sequence-length 32 --height 128 --width 128 --steps 8 --seed 42 --out triangle.png"
 echo "For real models, see README.md."

@@ -10,9 +10,10 @@ cd "$(dirname "$0")/../.."
 cli=${SHARDIT_CLI:-build/apps/shardit}
 out=${1:-${TMPDIR:-/tmp}/shardit-builtin-quality}
 mkdir -p "$out"
-prompts=(--prompt "a large red circle at the top left on a blue background"
-         --prompt "a large yellow square at the bottom right"
-         --prompt "a small green square on the right")
+prompts=(--prompt "a large yellow circle at the bottom right"
+         --prompt "a large white square at the bottom on a green background"
+         --prompt "a large red triangle at the top left"
+         --prompt "a large yellow triangle at the bottom right")
 variants=("fp32|" "cache|--cache first_block_cache:threshold=0.3" "bf16|--dtype bf16" "int8|--weights-dtype int8"
           "fp8|--weights-dtype fp8")
 files=()

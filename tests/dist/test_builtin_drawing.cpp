@@ -1,14 +1,15 @@
 // The built-in pipeline draws what it is asked (tools/train_builtin_model.py trained it on the
 // scenes of tools/builtin_scenes.py): for a few prompts, `shardit generate` without --model at
 // TP=1, at TP=2, with --cache and with --weights-dtype int8 gives images in which the named colour
-// covers a part of the picture, centred in the named region. The shape is measured too (the largest
-// region's fill of its box and of its disc, and its share above its middle) and printed, not
-// checked: this model draws blobs whose measures do not tell a circle from a square
-// (docs/builtin_model.md). The thresholds come from the trained model's own images with a margin.
+// covers a part of the picture, centred in the named region, in the named shape: its largest region's
+// fill of its box and of its disc, and its share above its middle, fall where that shape's do and
+// the other shapes' do not (docs/builtin_model.md). The thresholds come from the trained model's
+// own images with a margin.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <iostream>
@@ -35,18 +36,22 @@ constexpr std::array<Colour, 9> kPalette = {{{"red", {220, 30, 30}},
                                              {"black", {15, 15, 15}},
                                              {"gray", {128, 128, 128}}}};
 
+enum class Shape { kCircle, kSquare, kTriangle };
+
 struct Drawing {
   std::string prompt;
   std::string colour;
+  Shape shape;
   double cx, cy;         // the named region's centre (tools/builtin_scenes.py's POSITIONS), as fractions
   double min_fraction;   // the least share of the picture in the named colour
 };
 
 const std::vector<Drawing>& drawings() {
   static const std::vector<Drawing> list = {
-      {"a large red circle at the top left on a blue background", "red", 0.22, 0.22, 0.065},
-      {"a large yellow square at the bottom right", "yellow", 0.78, 0.78, 0.09},
-      {"a small green square on the right", "green", 0.78, 0.5, 0.017},
+      {"a large yellow circle at the bottom right", "yellow", Shape::kCircle, 0.78, 0.78, 0.07},
+      {"a large white square at the bottom on a green background", "white", Shape::kSquare, 0.5, 0.78, 0.07},
+      {"a large red triangle at the top left", "red", Shape::kTriangle, 0.22, 0.22, 0.034},
+      {"a large yellow triangle at the bottom right", "yellow", Shape::kTriangle, 0.78, 0.78, 0.026},
   };
   return list;
 }
@@ -134,6 +139,29 @@ Measure measure(const at::Tensor& png, const std::string& colour) {
   return out;
 }
 
+// The measures of each shape as tools/builtin_scenes.py draws it (medians over the scenes of the
+// descriptor measure in docs/builtin_model.md): a circle fills its disc, a square its box, a
+// triangle (apex up) has most of itself below the middle of its box.
+struct ShapeMeasures {
+  Shape shape;
+  const char* name;
+  double box, disc, top;
+};
+constexpr std::array<ShapeMeasures, 3> kDrawnShapes = {{{Shape::kCircle, "circle", 0.93, 0.98, 0.50},
+                                                        {Shape::kSquare, "square", 1.00, 0.76, 0.50},
+                                                        {Shape::kTriangle, "triangle", 0.70, 0.52, 0.32}}};
+
+// The drawn shape whose measures are nearest to `m`'s (Euclidean over box, disc and top), and how
+// much nearer than the next: the picture shows the shape it is nearest to.
+std::pair<const ShapeMeasures*, double> nearest_shape(const Measure& m) {
+  std::vector<std::pair<double, const ShapeMeasures*>> distances;
+  for (const ShapeMeasures& drawn : kDrawnShapes) {
+    distances.emplace_back(std::hypot(m.box - drawn.box, m.disc - drawn.disc, m.top - drawn.top), &drawn);
+  }
+  std::sort(distances.begin(), distances.end());
+  return {distances[0].second, distances[1].first / std::max(distances[0].first, 1e-9)};
+}
+
 // One `shardit generate` of every prompt (a batch) on the built-in model, with `launch` before the
 // command (--nproc-per-node) and `options` after it: the PNGs. The built-in folder is written
 // under `dir` (TMPDIR), once, by the first run.
@@ -155,9 +183,11 @@ std::vector<at::Tensor> generate(const std::string& dir, const std::string& name
 // Thresholds from the trained model's images (all four runs; docs/builtin_model.md) with a margin:
 // the named colour covers at least half the share it covered there (Drawing::min_fraction), and its
 // centroid lies within kMaxCentreDistance of the named region's centre (fractions of the side; the
-// regions' centres are 0.28 apart, the measured centroids within 0.03 of theirs), so a shape in a
-// neighbouring region fails.
+// regions' centres are 0.28 apart, the measured centroids within 0.04 of theirs), so a shape in a
+// neighbouring region fails. Its largest region's measures are nearest the named shape's, at least
+// kMinShapeMargin times nearer than the next shape's (measured: 2.4 to 8 times).
 constexpr double kMaxCentreDistance = 0.12;
+constexpr double kMinShapeMargin = 1.5;
 
 TEST(BuiltinDrawing, DrawsTheNamedColourWhereAsked) {
   const std::string dir = shardit::testing::make_temp_dir("builtin-drawing");
@@ -175,6 +205,10 @@ TEST(BuiltinDrawing, DrawsTheNamedColourWhereAsked) {
                 << m.box << ", disc " << m.disc << ", top " << m.top << "\n";
       EXPECT_GE(m.fraction, d.min_fraction) << what;
       EXPECT_LE(std::hypot(m.cx - d.cx, m.cy - d.cy), kMaxCentreDistance) << what;
+      const auto [nearest, margin] = nearest_shape(m);
+      std::cout << "  nearest shape " << nearest->name << ", " << margin << " times nearer than the next\n";
+      EXPECT_TRUE(nearest->shape == d.shape) << what << ": drew a " << nearest->name;
+      EXPECT_GE(margin, kMinShapeMargin) << what << ": the shape is not clearly a " << nearest->name;
     }
   }
 }

@@ -370,11 +370,15 @@ TrainedWeights read_trained_weights() {
   out.vae_config = config("vae_config");
   // The text encoders are written here: the transformer must take their widths.
   TORCH_CHECK(out.transformer_config.value("joint_attention_dim", int64_t{0}) == kT5DModel &&
-                  out.transformer_config.value("pooled_projection_dim", int64_t{0}) == kClipHiddenSize &&
-                  out.transformer_config.value("in_channels", int64_t{0}) == 16,
-              out.label, ": the transformer's joint_attention_dim, pooled_projection_dim and in_channels must be ",
-              kT5DModel, ", ", kClipHiddenSize, " and 16 (the built-in T5's and CLIP's widths, the inputs case's ",
-              "channels); ", TrainedWeights::retrain_advice());
+                  out.transformer_config.value("pooled_projection_dim", int64_t{0}) == kClipHiddenSize,
+              out.label, ": the transformer's joint_attention_dim and pooled_projection_dim must be ", kT5DModel,
+              " and ", kClipHiddenSize, " (the built-in T5's and CLIP's widths); ", TrainedWeights::retrain_advice());
+  // The transformer takes the VAE's latents packed in 2x2 patches.
+  const int64_t latent_channels = out.vae_config.value("latent_channels", int64_t{0});
+  TORCH_CHECK(latent_channels > 0 && out.transformer_config.value("in_channels", int64_t{0}) == 4 * latent_channels,
+              out.label, ": the transformer's in_channels (", out.transformer_config.value("in_channels", int64_t{0}),
+              ") must be 4 times the VAE's latent_channels (", latent_channels, "): the pipeline packs 2x2 latent ",
+              "patches into one token; ", TrainedWeights::retrain_advice());
   return out;
 }
 
@@ -506,7 +510,7 @@ BuiltinModelPaths write_builtin_model_files(const std::string& root_path) {
       at::stack({at::zeros_like(positions), positions.div(grid_w, "floor"), positions.remainder(grid_w)}, 1)
           .to(at::kFloat);
   io::save_safetensors((staging / "inputs" / "inputs.safetensors").string(),
-                       {{"hidden_states", randn({batch, grid_h * grid_w, 16})},
+                       {{"hidden_states", randn({batch, grid_h * grid_w, model.config.in_channels})},
                         {"encoder_hidden_states", randn({batch, text_len, kT5DModel})},
                         {"pooled_projections", randn({batch, kClipHiddenSize})},
                         {"timestep", at::tensor({0.75f, 0.25f})},
