@@ -26,8 +26,8 @@ folder, and a JSON log of the losses (`--work`/training_log.json). Run from the 
         --work build/builtin-train --out src/shardit/models/builtin_weights.safetensors.xz
 
 It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
-packages below and runs itself there. Each stage's steps are options (defaults: the shipped
-run's first command, docs/builtin_model.md). A later run can start from an earlier one's stages
+packages below and runs itself there. Each stage's steps are options (defaults: the first run of the
+earlier, smaller model; the shipped weights' commands are in docs/builtin_model.md). A later run can start from an earlier one's stages
 (`--vae-from`, with `--vae-decoder-steps` sharpening its decoder; `--transformer-from`), save the
 transformer's averaged weights along the way (`--checkpoint-every`), weight the loss of the tokens
 the shapes touch (`--shape-weight`), train another transformer size (`--transformer-config`) and
@@ -468,7 +468,7 @@ def main():
     parser.add_argument("--vae-config", help="a JSON object of config.json keys that replace the VAE's "
                         "defaults (VAE_CONFIG), e.g. '{\"latent_channels\": 16}' (then the transformer's "
                         "in_channels is 4 times that)")
-    parser.add_argument("--threads", type=int, default=1, help="torch's threads (the shipped runs used one)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (the first runs used one, the shipped weights' runs two)")
     parser.add_argument("--caption-dropout", type=float, default=0.0,
                         help="the share of samples trained with the empty prompt (for classifier-free guidance)")
     args = parser.parse_args()

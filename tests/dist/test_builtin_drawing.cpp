@@ -180,16 +180,16 @@ std::vector<at::Tensor> generate(const std::string& dir, const std::string& name
   return images;
 }
 
-// Thresholds from the trained model's images (all four runs; docs/builtin_model.md) with a margin:
+// Thresholds from the trained model's images (all four runs below; docs/builtin_model.md) with a margin:
 // the named colour covers at least half the share it covered there (Drawing::min_fraction), and its
 // centroid lies within kMaxCentreDistance of the named region's centre (fractions of the side; the
-// regions' centres are 0.28 apart, the measured centroids within 0.04 of theirs), so a shape in a
+// regions' centres are 0.28 apart, the measured centroids within 0.06 of theirs), so a shape in a
 // neighbouring region fails. Its largest region's measures are nearest the named shape's, at least
 // kMinShapeMargin times nearer than the next shape's (measured: 2.4 to 8 times).
 constexpr double kMaxCentreDistance = 0.12;
 constexpr double kMinShapeMargin = 1.5;
 
-TEST(BuiltinDrawing, DrawsTheNamedColourWhereAsked) {
+TEST(BuiltinDrawing, DrawsTheNamedShapeAndColourWhereAsked) {
   const std::string dir = shardit::testing::make_temp_dir("builtin-drawing");
   const std::vector<std::array<std::string, 3>> runs = {{"tp1", "", ""},
                                                         {"tp2", "--nproc-per-node 2", ""},

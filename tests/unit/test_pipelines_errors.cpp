@@ -39,8 +39,8 @@ DiffusionPipeline& pipeline() {
   return *loaded;
 }
 
-// The width of a packed latent token: the transformer's in_channels (4 latent channels x 2x2 patch
-// in FLUX.1's layout), read from the built-in folder so the test follows its weights.
+// The width of a packed latent token: the transformer's in_channels (the VAE's latent channels x
+// the 2x2 patch), read from the built-in folder so the test follows its weights.
 int64_t packed_channels() {
   return shardit::io::read_json_file(builtin().pipeline + "/transformer/config.json").at("in_channels").get<int64_t>();
 }

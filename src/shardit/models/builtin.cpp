@@ -375,10 +375,11 @@ TrainedWeights read_trained_weights() {
               " and ", kClipHiddenSize, " (the built-in T5's and CLIP's widths); ", TrainedWeights::retrain_advice());
   // The transformer takes the VAE's latents packed in 2x2 patches.
   const int64_t latent_channels = out.vae_config.value("latent_channels", int64_t{0});
-  TORCH_CHECK(latent_channels > 0 && out.transformer_config.value("in_channels", int64_t{0}) == 4 * latent_channels,
-              out.label, ": the transformer's in_channels (", out.transformer_config.value("in_channels", int64_t{0}),
-              ") must be 4 times the VAE's latent_channels (", latent_channels, "): the pipeline packs 2x2 latent ",
-              "patches into one token; ", TrainedWeights::retrain_advice());
+  const int64_t in_channels = out.transformer_config.value("in_channels", int64_t{0});
+  TORCH_CHECK(latent_channels > 0 && in_channels == 4 * latent_channels, out.label,
+              ": the transformer's in_channels (", in_channels, ") must be 4 times the VAE's latent_channels (",
+              latent_channels, "): the pipeline packs 2x2 latent patches into one token; ",
+              TrainedWeights::retrain_advice());
   return out;
 }
 
