@@ -124,7 +124,6 @@ void ReplicaDispatch::dispatch(int replica) {
       }
       replicas_.set_busy(replica, true);
       if (!run_batch(replica, next.batch, ++sequence, watch)) return;
-      replicas_.set_busy(replica, false);
     }
     if (queue_.failed()) return;
     world.post(replica_key(replica, "stop"), "1");
@@ -140,7 +139,8 @@ void ReplicaDispatch::dispatch(int replica) {
 
 // Hands `batch` to replica `replica` as its generation `sequence` and answers its jobs from the
 // outcomes posted back, passing their progress and cancellation along; false when the server
-// failed meanwhile (which answered the jobs).
+// failed meanwhile (which answered the jobs). The replica is marked free (its generation counted)
+// before the answers go out, so a client that has its answer reads metrics that include it.
 bool ReplicaDispatch::run_batch(int replica, const std::vector<std::shared_ptr<Job>>& batch, int64_t sequence,
                                 Watch& watch) {
   dist::World& world = dist::World::get();
@@ -155,6 +155,7 @@ bool ReplicaDispatch::run_batch(int replica, const std::vector<std::shared_ptr<J
       const json result = json::parse(*posted);
       std::vector<JobOutcome> outcomes;
       for (const json& outcome : result.at("outcomes")) outcomes.push_back(JobOutcome::from_json(outcome));
+      replicas_.set_busy(replica, false);
       answers_.answer(batch, outcomes, result.at("seconds").get<double>(), replica);
       return true;
     }

@@ -96,7 +96,9 @@ void Routes::install(HttpServer& http) {
       send(res, error_reply(ApiError(status, fmt::format("HTTP error {}", status))));
     }
   }));
-  http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+  // Counted once the status is final and before the answer is written (httplib's logger runs
+  // after): a client that has its answer reads metrics that count it.
+  http.set_post_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     metrics_.count_request(endpoint_of(req.path), res.status);
   });
 }

@@ -180,11 +180,13 @@ struct Server::State {
       replicas.set_ranks(0, reports);
       // The requests' images and the generation's activations are freed, their pages given back to
       // the OS (core/heap.h), before the clients hear: the server's RSS after an answer is what
-      // it was before the request, give or take the answers' files.
+      // it was before the request, give or take the answers' files. The replica is marked free
+      // (its generation counted) before too, so the metrics a client reads after its answer
+      // include its generation.
       std::vector<ImageRequest>().swap(requests);
       release_freed_memory();
-      answers.answer(next.batch, outcomes, seconds_between(start, last_message), 0);
       replicas.set_busy(0, false);
+      answers.answer(next.batch, outcomes, seconds_between(start, last_message), 0);
     }
   }
 
