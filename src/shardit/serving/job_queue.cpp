@@ -213,9 +213,10 @@ void JobQueue::complete(const std::shared_ptr<Job>& job, JobStatus status, Reply
   std::lock_guard<std::mutex> lock(mutex_);
   job->forget_inputs();  // its generation has ended
   if (job->answered) return;  // the server failed meanwhile (fail() answered it)
-  finish(job, status, std::move(reply));
+  // No longer running in the metrics before its client can read them.
   running_.erase(std::remove(running_.begin(), running_.end(), job), running_.end());
   publish();
+  finish(job, status, std::move(reply));
 }
 
 void JobQueue::publish() {
