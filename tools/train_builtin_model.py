@@ -26,12 +26,14 @@ folder, and a JSON log of the losses (`--work`/training_log.json). Run from the 
         --work build/builtin-train --out src/shardit/models/builtin_weights.safetensors.xz
 
 It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
-packages below and runs itself there. Each stage's steps are options (defaults: the first run of the
-earlier, smaller model; the shipped weights' commands are in docs/builtin_model.md). A later run can start from an earlier one's stages
+packages below and runs itself there. Each stage's steps are options (defaults: the first run of
+the earlier, smaller model; the shipped weights' commands are in docs/builtin_model.md). A later
+run can start from an earlier one's stages
 (`--vae-from`, with `--vae-decoder-steps` sharpening its decoder; `--transformer-from`), save the
 transformer's averaged weights along the way (`--checkpoint-every`), weight the loss of the tokens
-the shapes touch (`--shape-weight`), train another transformer size (`--transformer-config`) and
-train the empty prompt's prediction for classifier-free guidance (`--caption-dropout`).
+the shapes touch (`--shape-weight`), add a loss on the decoded pixels of the predicted clean
+image (`--pixel-weight`), train another transformer size (`--transformer-config`) and train the
+empty prompt's prediction for classifier-free guidance (`--caption-dropout`).
 """
 import argparse
 import glob
@@ -290,13 +292,21 @@ def pack(latents):
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
 
+def unpack(tokens, h, w):
+    """pack's inverse: [B, H/2 * W/2, C * 4] -> [B, C, H, W]."""
+    b, _, d = tokens.shape
+    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
 def encode_dataset(args, vae, log):
-    """Scenes, their captions, the VAE's latent means (the transformer's data set) and which latent
-    pixels the shapes touch ([N, 1, H/8, W/8], 1 where any of the 8x8 pixels is not background)."""
+    """Scenes, their captions, the VAE's latent means (the transformer's data set), which latent
+    pixels the shapes touch ([N, 1, H/8, W/8], 1 where any of the 8x8 pixels is not background),
+    and with `--pixel-weight` the scenes themselves (fp16 [N, 3, H, W]) and their shapes' pixels
+    ([N, 1, H, W])."""
     import torch
 
     rng = random.Random(SEED + 2)
-    latents, captions, shapes = [], [], []
+    latents, captions, shapes, scenes, scene_shapes = [], [], [], [], []
     start = time.time()
     with torch.no_grad():
         for first in range(0, args.scenes, 32):
@@ -305,11 +315,15 @@ def encode_dataset(args, vae, log):
             latents.append(vae.encode(images).latent_dist.mean)
             captions.extend(batch_captions)
             shapes.append(torch.nn.functional.max_pool2d(objects, 8))
+            if args.pixel_weight:
+                scenes.append(images.half())
+                scene_shapes.append(objects.bool())
     latents = torch.cat(latents)
     shift, scale = latents.mean().item(), 1.0 / latents.std().item()
     report(log, {"stage": "encode", "scenes": args.scenes, "shift_factor": shift, "scaling_factor": scale,
                  "seconds": round(time.time() - start, 1)})
-    return latents, captions, torch.cat(shapes), shift, scale
+    pixels = (torch.cat(scenes), torch.cat(scene_shapes)) if args.pixel_weight else None
+    return latents, captions, torch.cat(shapes), pixels, shift, scale
 
 
 def load_transformer(model, path):
@@ -339,7 +353,7 @@ def vae_config(args):
     return {**VAE_CONFIG, **json.loads(args.vae_config or "{}")}
 
 
-def train_transformer(args, latents, captions, shapes, text, log):
+def train_transformer(args, latents, captions, shapes, text, log, pixels=None, vae=None, shift=0.0, scale=1.0):
     import torch
     import diffusers
 
@@ -359,7 +373,7 @@ def train_transformer(args, latents, captions, shapes, text, log):
     mu = (h // 2) * (w // 2) * m + (0.5 - m * 256)
     ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
     start = time.time()
-    recent, recent_plain = [], []
+    recent, recent_plain, recent_pixel = [], [], []
     last = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
     for step in range(last):
         index = torch.tensor([rng.randrange(b) for _ in range(args.batch)])
@@ -382,6 +396,18 @@ def train_transformer(args, latents, captions, shapes, text, log):
         # few tokens of 64: unweighted, most of the loss is flat background).
         weight = 1.0 + (args.shape_weight - 1.0) * pack(shapes[index].expand(-1, c, -1, -1))
         loss = (weight * error).mean() / weight.mean()
+        if args.pixel_weight:
+            # The predicted clean latents (x_t - t v) of the first --pixel-batch samples, decoded by
+            # the frozen VAE and compared with their scenes: the corners that tell a circle from a
+            # square are a few pixels, and a small change of the latents.
+            n = min(args.pixel_batch, args.batch)
+            x0_predicted = unpack(pack(xt[:n]) - t[:n].view(-1, 1, 1) * prediction[:n], h, w)
+            drawn = vae.decode(x0_predicted / scale + shift).sample
+            scene, inside = pixels[0][index[:n]].float(), pixels[1][index[:n]].float()
+            pixel_weight = 1.0 + (args.shape_weight - 1.0) * inside
+            pixel_loss = (pixel_weight * (drawn - scene).pow(2)).mean() / pixel_weight.mean()
+            loss = loss + args.pixel_weight * pixel_loss
+            recent_pixel = (recent_pixel + [pixel_loss.item()])[-50:]
         lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         update(optimizer, loss, lr, clip=1.0)
         with torch.no_grad():
@@ -392,7 +418,8 @@ def train_transformer(args, latents, captions, shapes, text, log):
         recent_plain = (recent_plain + [error.mean().item()])[-50:]
         if step % 50 == 0 or step == last - 1:
             report(log, {"stage": "transformer", "step": step, "loss_mean50": sum(recent) / len(recent),
-                         "unweighted_loss_mean50": sum(recent_plain) / len(recent_plain), "lr": lr,
+                         "unweighted_loss_mean50": sum(recent_plain) / len(recent_plain),
+                         **({"pixel_loss_mean50": sum(recent_pixel) / len(recent_pixel)} if recent_pixel else {}), "lr": lr,
                          "seconds": round(time.time() - start, 1)})
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             torch.save(ema, os.path.join(args.work, f"transformer_step{step + 1}.pt"))
@@ -456,6 +483,9 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--shape-weight", type=float, default=1.0,
                         help="the loss weight of the tokens the shapes touch, relative to the background's")
+    parser.add_argument("--pixel-weight", type=float, default=0.0,
+                        help="add the squared error of the decoded predicted clean image, this many times")
+    parser.add_argument("--pixel-batch", type=int, default=8, help="the samples of each batch that --pixel-weight decodes")
     parser.add_argument("--transformer-from",
                         help="start the transformer from an earlier run's (a transformer_step*.pt of its work folder, "
                              "or a built-in weights file: .safetensors or .safetensors.xz)")
@@ -494,9 +524,11 @@ def main():
         vae = sharpen_vae_decoder(args, vae, log)
     if args.vae_decoder_steps or not args.vae_from:
         torch.save(vae.state_dict(), os.path.join(args.work, "vae.pt"))
-    latents, captions, shapes, shift, scale = encode_dataset(args, vae, log)
+    latents, captions, shapes, pixels, shift, scale = encode_dataset(args, vae, log)
     latents = (latents - shift) * scale
-    model = train_transformer(args, latents, captions, shapes, text, log)
+    for parameter in vae.parameters():
+        parameter.requires_grad_(False)
+    model = train_transformer(args, latents, captions, shapes, text, log, pixels, vae, shift, scale)
     save(args, vae, model, shift, scale, log)
 
 

@@ -183,9 +183,9 @@ std::vector<at::Tensor> generate(const std::string& dir, const std::string& name
 // Thresholds from the trained model's images (all four runs below; docs/builtin_model.md) with a margin:
 // the named colour covers at least half the share it covered there (Drawing::min_fraction), and its
 // centroid lies within kMaxCentreDistance of the named region's centre (fractions of the side; the
-// regions' centres are 0.28 apart, the measured centroids within 0.06 of theirs), so a shape in a
+// regions' centres are 0.28 apart, the measured centroids within 0.05 of theirs), so a shape in a
 // neighbouring region fails. Its largest region's measures are nearest the named shape's, at least
-// kMinShapeMargin times nearer than the next shape's (measured: 2.4 to 8 times).
+// kMinShapeMargin times nearer than the next shape's (measured: 2.4 to 6.1 times).
 constexpr double kMaxCentreDistance = 0.12;
 constexpr double kMinShapeMargin = 1.5;
 
