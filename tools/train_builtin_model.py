@@ -28,8 +28,8 @@ folder, and a JSON log of the losses (`--work`/training_log.json). Run from the 
 It makes the virtual environment `--venv` (default build/builtin-train-venv) with the pinned
 packages below and runs itself there. Each stage's steps are options (defaults: the first run of
 the earlier, smaller model; the shipped weights' commands are in docs/builtin_model.md). A later
-run can start from an earlier one's stages
-(`--vae-from`, with `--vae-decoder-steps` sharpening its decoder; `--transformer-from`), save the
+run can start from an earlier one's stages (`--vae-from`, with `--vae-decoder-steps` sharpening
+its decoder; `--transformer-from`), save the
 transformer's averaged weights along the way (`--checkpoint-every`), weight the loss of the tokens
 the shapes touch (`--shape-weight`), add a loss on the decoded pixels of the predicted clean
 image (`--pixel-weight`), train another transformer size (`--transformer-config`) and train the

@@ -49,7 +49,7 @@ struct Drawing {
 const std::vector<Drawing>& drawings() {
   static const std::vector<Drawing> list = {
       {"a large yellow circle at the bottom right", "yellow", Shape::kCircle, 0.78, 0.78, 0.07},
-      {"a large white square at the bottom on a green background", "white", Shape::kSquare, 0.5, 0.78, 0.07},
+      {"a large white square at the bottom on a green background", "white", Shape::kSquare, 0.5, 0.78, 0.078},
       {"a large red triangle at the top left", "red", Shape::kTriangle, 0.22, 0.22, 0.034},
       {"a large yellow triangle at the bottom right", "yellow", Shape::kTriangle, 0.78, 0.78, 0.026},
   };
